@@ -1,0 +1,138 @@
+//! Block hashing, byte-compatible with NVIDIA Dynamo's `compute_block_hash_for_seq`.
+//!
+//! A block is `block_size` consecutive tokens; only full blocks are hashed. The local hash of
+//! a block is XXH3-64 of its tokens as u32 little-endian bytes, seeded with [`BASE_SEED`]
+//! (shifted by the LoRA name, if any). Sequence hashes chain the local hashes so that two
+//! prompts share blocks `0..=k` exactly when their sequence hashes agree at `k`.
+
+use crate::types::{LocalBlockHash, SequenceHash};
+use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The seed of every local and sequence hash without LoRA.
+pub const BASE_SEED: u64 = 1337;
+
+/// Invalid hashing parameters.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum HashError {
+    #[error("block size must be at least 1 token")]
+    ZeroBlockSize,
+}
+
+/// The seed for a LoRA adapter: the base seed shifted by the hash of its name.
+/// `None` and the empty name both mean "no adapter".
+pub fn lora_seed(lora: Option<&str>) -> u64 {
+    match lora {
+        Some(name) if !name.is_empty() => {
+            BASE_SEED.wrapping_add(xxh3_64_with_seed(name.as_bytes(), 0))
+        }
+        _ => BASE_SEED,
+    }
+}
+
+/// Local hashes of every full block of `tokens`; a trailing partial block is ignored.
+pub fn local_block_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    lora: Option<&str>,
+) -> Result<Vec<LocalBlockHash>, HashError> {
+    if block_size == 0 {
+        return Err(HashError::ZeroBlockSize);
+    }
+    let seed = lora_seed(lora);
+    let mut bytes = Vec::with_capacity(block_size * 4);
+    Ok(tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            bytes.clear();
+            for t in block {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            LocalBlockHash(xxh3_64_with_seed(&bytes, seed))
+        })
+        .collect())
+}
+
+/// One step of the sequence-hash chain.
+#[inline]
+pub fn chain_sequence_hash(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&parent.0.to_le_bytes());
+    buf[8..].copy_from_slice(&local.0.to_le_bytes());
+    SequenceHash(xxh3_64_with_seed(&buf, BASE_SEED))
+}
+
+/// Sequence hashes of a run of local hashes: `seq[0] = local[0]`,
+/// `seq[i] = xxh3(seq[i-1] LE ++ local[i] LE, 1337)`.
+pub fn sequence_hashes(local: &[LocalBlockHash]) -> Vec<SequenceHash> {
+    let mut out = Vec::with_capacity(local.len());
+    let mut prev: Option<SequenceHash> = None;
+    for &l in local {
+        let s = match prev {
+            None => SequenceHash(l.0),
+            Some(p) => chain_sequence_hash(p, l),
+        };
+        out.push(s);
+        prev = Some(s);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_answer_matches_dynamo() {
+        let tokens: Vec<u32> = (1..=10).collect();
+        let local = local_block_hashes(&tokens, 4, None).unwrap();
+        assert_eq!(
+            local,
+            vec![
+                LocalBlockHash(0xcb38e4d7fb2dca5c),
+                LocalBlockHash(0xe8d3ec39b907b74c)
+            ]
+        );
+        assert_eq!(
+            sequence_hashes(&local),
+            vec![
+                SequenceHash(0xcb38e4d7fb2dca5c),
+                SequenceHash(0x44a2b2379d6d3c3d)
+            ]
+        );
+    }
+
+    #[test]
+    fn empty_lora_is_no_lora_and_a_named_lora_changes_hashes() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let base = local_block_hashes(&tokens, 16, None).unwrap();
+        assert_eq!(base, local_block_hashes(&tokens, 16, Some("")).unwrap());
+        let a = local_block_hashes(&tokens, 16, Some("adapter-a")).unwrap();
+        let b = local_block_hashes(&tokens, 16, Some("adapter-b")).unwrap();
+        assert_ne!(base, a);
+        assert_ne!(a, b);
+        assert_eq!(lora_seed(Some("x")), BASE_SEED.wrapping_add(xxh3_64_with_seed(b"x", 0)));
+    }
+
+    #[test]
+    fn partial_blocks_and_zero_block_size() {
+        assert!(local_block_hashes(&[1, 2, 3], 4, None).unwrap().is_empty());
+        assert_eq!(
+            local_block_hashes(&[1, 2, 3], 0, None),
+            Err(HashError::ZeroBlockSize)
+        );
+        assert!(sequence_hashes(&[]).is_empty());
+    }
+
+    #[test]
+    fn shared_prefix_iff_equal_sequence_hash() {
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a.clone();
+        b[40] = 9999; // block 2 (tokens 32..48) differs
+        let sa = sequence_hashes(&local_block_hashes(&a, 16, None).unwrap());
+        let sb = sequence_hashes(&local_block_hashes(&b, 16, None).unwrap());
+        assert_eq!(sa[..2], sb[..2]);
+        assert_ne!(sa[2], sb[2]);
+        assert_ne!(sa[3], sb[3]);
+    }
+}

@@ -1,0 +1,15 @@
+//! Wire types, codec and block hashing shared by every kvrouter component.
+//!
+//! - [`types`]: worker keys, block hashes and KV events.
+//! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
+//! - [`hashing`]: Dynamo-compatible local block hashes and sequence hashes.
+
+pub mod codec;
+pub mod hashing;
+pub mod types;
+
+pub use codec::{decode, encode, CodecError, FORMAT_VERSION, MAX_MESSAGE_BYTES};
+pub use hashing::{
+    local_block_hashes, lora_seed, sequence_hashes, HashError, BASE_SEED,
+};
+pub use types::*;

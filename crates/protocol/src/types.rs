@@ -1,0 +1,109 @@
+//! Identifiers and KV events, as they travel on the bus.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// One engine instance (a worker process serving one model in one role).
+pub type WorkerId = u64;
+/// A data-parallel rank inside a worker; each rank has its own KV cache.
+pub type DpRank = u32;
+/// Per-(worker instance, rank) event counter: starts at 0 and grows by one.
+pub type EventId = u64;
+
+/// The unit the indexer and the scheduler score: one rank of one worker.
+#[derive(
+    Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub struct WorkerKey {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+}
+
+impl WorkerKey {
+    pub const fn new(worker_id: WorkerId, dp_rank: DpRank) -> Self {
+        Self { worker_id, dp_rank }
+    }
+}
+
+impl fmt::Display for WorkerKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.worker_id, self.dp_rank)
+    }
+}
+
+macro_rules! hash_newtype {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+        #[serde(transparent)]
+        #[repr(transparent)]
+        pub struct $name(pub u64);
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({:#018x})", stringify!($name), self.0)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{:#018x}", self.0)
+            }
+        }
+    };
+}
+
+hash_newtype!(
+    /// XXH3-64 of one block's tokens: what the router matches requests by.
+    LocalBlockHash
+);
+hash_newtype!(
+    /// Rolling hash naming a whole prefix of blocks (Dynamo's chain).
+    SequenceHash
+);
+hash_newtype!(
+    /// The id an engine gives a cached block. Opaque to the router: it only links a
+    /// stored block to its parent and names blocks in `Removed`.
+    EngineBlockHash
+);
+
+/// One block of a `Stored` event.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBlock {
+    pub engine_hash: EngineBlockHash,
+    pub local_hash: LocalBlockHash,
+}
+
+/// What happened to a worker rank's KV cache.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvEventData {
+    /// A chain of blocks was cached: `blocks[0]` extends `parent` (or starts a prompt when
+    /// `parent` is `None`), each later block extends the one before it.
+    Stored {
+        parent: Option<EngineBlockHash>,
+        blocks: Vec<StoredBlock>,
+    },
+    /// Blocks were evicted.
+    Removed { engine_hashes: Vec<EngineBlockHash> },
+    /// The rank dropped its whole cache.
+    Cleared,
+}
+
+/// A KV event from one worker rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvEvent {
+    pub key: WorkerKey,
+    pub event_id: EventId,
+    pub data: KvEventData,
+}
+
+impl KvEvent {
+    /// Number of blocks the event stores or removes (0 for `Cleared`).
+    pub fn block_count(&self) -> usize {
+        match &self.data {
+            KvEventData::Stored { blocks, .. } => blocks.len(),
+            KvEventData::Removed { engine_hashes } => engine_hashes.len(),
+            KvEventData::Cleared => 0,
+        }
+    }
+}

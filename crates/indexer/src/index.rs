@@ -1,0 +1,591 @@
+//! The index core: which worker ranks hold which prompt prefixes. Synchronous, no I/O.
+//!
+//! Layout, chosen for lookup speed and bytes per (block, rank) pair:
+//! - `blocks`: one entry per distinct cached prefix, keyed by its [`prefix`](crate::prefix)
+//!   id: the parent's id (for dumps) and the set of worker slots holding it. A lookup does one
+//!   probe per query block and the probes are independent, so the CPU overlaps their misses.
+//! - per rank, `aliases`: engine block hash → prefix id. Engine hashes stay opaque: they only
+//!   resolve a `Stored` parent and the blocks of a `Removed`.
+//!
+//! Semantics (mirrored by the reference model in the tests): a rank holds a set of prefixes;
+//! its overlap with a query is the largest `k` such that it holds every prefix of the query of
+//! length `1..=k`. An engine hash names the prefix it was last stored with; removing any name
+//! of a prefix drops the prefix.
+
+use crate::error::IndexError;
+use crate::holders::{HolderArena, Holders};
+use crate::overlap::OverlapScores;
+use crate::prefix::{self, PrefixChain, ROOT};
+use hashbrown::HashTable;
+use kvrouter_protocol::{
+    EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerId,
+    WorkerKey,
+};
+use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
+
+#[derive(Clone, Copy)]
+struct Block {
+    prefix: u64,
+    parent: u64,
+    holders: Holders,
+}
+
+/// (engine hash, prefix id)
+type Alias = (u64, u64);
+
+struct Rank {
+    key: WorkerKey,
+    aliases: HashTable<Alias>,
+    held: usize,
+    last_event_id: Option<EventId>,
+    needs_recovery: bool,
+}
+
+#[inline(always)]
+fn engine_hash_of(e: u64) -> u64 {
+    // Folded multiply: engine hashes may be small or sequential; spread them over all bits.
+    let m = (e as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
+/// Counters since the index was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexCounters {
+    pub events_applied: u64,
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    /// Blocks named in a `Removed` that the rank did not hold.
+    pub removed_unknown_blocks: u64,
+    /// Duplicate or older event ids, dropped.
+    pub stale_events: u64,
+    /// Event-id gaps seen (each raises a recovery request for its rank).
+    pub gaps: u64,
+    pub rejected_missing_parent: u64,
+    pub rejected_block_limit: u64,
+}
+
+/// A snapshot of the index's size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct cached prefixes.
+    pub live_blocks: usize,
+    /// (prefix, worker key) pairs.
+    pub live_pairs: usize,
+    pub worker_keys: usize,
+    pub counters: IndexCounters,
+}
+
+/// What applying one event did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub stored: usize,
+    pub removed: usize,
+    /// Blocks of a `Removed` the rank did not hold.
+    pub skipped: usize,
+    /// Number of event ids missing before this event (0 when in sequence).
+    pub gap: u64,
+}
+
+/// Events that rebuild one rank: load them with [`Index::load_rank`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankDump {
+    pub key: WorkerKey,
+    pub last_event_id: Option<EventId>,
+    pub events: Vec<KvEvent>,
+}
+
+/// Extra room over a worker's registered capacity before its `Stored` events are refused.
+pub fn block_limit_for_capacity(capacity_blocks: usize) -> usize {
+    capacity_blocks + capacity_blocks / 4 + 64
+}
+
+/// The KV block index of a set of worker ranks.
+#[derive(Default)]
+pub struct Index {
+    blocks: HashTable<Block>,
+    arena: HolderArena,
+    ranks: Vec<Option<Rank>>,
+    /// Key of each slot, dense, for turning holder bits into worker keys.
+    slot_keys: Vec<WorkerKey>,
+    slots: FxHashMap<WorkerKey, u32>,
+    limits: FxHashMap<WorkerId, usize>,
+    live_pairs: usize,
+    counters: IndexCounters,
+}
+
+impl Index {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Refuse `Stored` events that would make any rank of `worker_id` hold more than `limit`
+    /// blocks (`None` lifts the limit). See [`block_limit_for_capacity`].
+    pub fn set_block_limit(&mut self, worker_id: WorkerId, limit: Option<usize>) {
+        match limit {
+            Some(l) => self.limits.insert(worker_id, l),
+            None => self.limits.remove(&worker_id),
+        };
+    }
+
+    /// Applies one event, checking its id against the rank's last one.
+    pub fn apply(&mut self, event: &KvEvent) -> Result<Applied, IndexError> {
+        let slot = self.slot_for(event.key);
+        let rank = self.rank_mut(slot);
+        let mut gap = 0;
+        if let Some(last) = rank.last_event_id {
+            if event.event_id <= last {
+                self.counters.stale_events += 1;
+                return Err(IndexError::StaleEvent {
+                    key: event.key,
+                    event_id: event.event_id,
+                    last,
+                });
+            }
+            gap = event.event_id - last - 1;
+            if gap > 0 {
+                rank.needs_recovery = true;
+            }
+        }
+        rank.last_event_id = Some(event.event_id);
+        if gap > 0 {
+            self.counters.gaps += 1;
+        }
+        let mut applied = self.apply_data(slot, &event.data)?;
+        applied.gap = gap;
+        Ok(applied)
+    }
+
+    /// Applies an event's content without event-id checks (dumps, approximate mode).
+    /// Removals for an unknown rank are ignored rather than creating it.
+    pub fn apply_unsequenced(
+        &mut self,
+        key: WorkerKey,
+        data: &KvEventData,
+    ) -> Result<Applied, IndexError> {
+        let slot = match (self.slots.get(&key), data) {
+            (Some(&s), _) => s,
+            (None, KvEventData::Stored { .. }) => self.slot_for(key),
+            (None, _) => return Ok(Applied::default()),
+        };
+        self.apply_data(slot, data)
+    }
+
+    fn apply_data(&mut self, slot: u32, data: &KvEventData) -> Result<Applied, IndexError> {
+        let out = match data {
+            KvEventData::Stored { parent, blocks } => self.store(slot, *parent, blocks)?,
+            KvEventData::Removed { engine_hashes } => self.remove_blocks(slot, engine_hashes),
+            KvEventData::Cleared => {
+                let removed = self.clear_slot(slot);
+                Applied {
+                    removed,
+                    ..Applied::default()
+                }
+            }
+        };
+        self.counters.events_applied += 1;
+        self.counters.stored_blocks += out.stored as u64;
+        self.counters.removed_blocks += out.removed as u64;
+        self.counters.removed_unknown_blocks += out.skipped as u64;
+        Ok(out)
+    }
+
+    fn store(
+        &mut self,
+        slot: u32,
+        parent: Option<EngineBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<Applied, IndexError> {
+        let Self {
+            blocks: table,
+            arena,
+            ranks,
+            limits,
+            live_pairs,
+            counters,
+            ..
+        } = self;
+        let rank = ranks[slot as usize].as_mut().expect("slot in use");
+        let key = rank.key;
+        let mut prefix = match parent {
+            None => ROOT,
+            Some(pe) => {
+                let held = alias_get(&rank.aliases, pe.0)
+                    .filter(|&p| holders_of(table, p).is_some_and(|h| arena.contains(h, slot)));
+                match held {
+                    Some(p) => p,
+                    None => {
+                        counters.rejected_missing_parent += 1;
+                        return Err(IndexError::MissingParent { key, parent: pe });
+                    }
+                }
+            }
+        };
+        if let Some(&limit) = limits.get(&key.worker_id) {
+            if rank.held + blocks.len() > limit {
+                counters.rejected_block_limit += 1;
+                return Err(IndexError::BlockLimit {
+                    key,
+                    held: rank.held,
+                    adding: blocks.len(),
+                    limit,
+                });
+            }
+        }
+        let mut stored = 0;
+        for b in blocks {
+            let p = prefix::extend(prefix, b.local_hash.0);
+            let e = b.engine_hash.0;
+            let h = engine_hash_of(e);
+            match rank.aliases.find_mut(h, |a| a.0 == e) {
+                Some(alias) if alias.1 != p => {
+                    // The engine reused a hash for another block: the old block is gone.
+                    let old = std::mem::replace(&mut alias.1, p);
+                    if unhold(table, arena, old, slot) {
+                        rank.held -= 1;
+                        *live_pairs -= 1;
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    rank.aliases
+                        .insert_unique(h, (e, p), |a| engine_hash_of(a.0));
+                }
+            }
+            let entry = table
+                .entry(p, |b| b.prefix == p, |b| b.prefix)
+                .or_insert(Block {
+                    prefix: p,
+                    parent: prefix,
+                    holders: Holders::EMPTY,
+                });
+            if arena.insert(&mut entry.into_mut().holders, slot) {
+                rank.held += 1;
+                *live_pairs += 1;
+                stored += 1;
+            }
+            prefix = p;
+        }
+        Ok(Applied {
+            stored,
+            ..Applied::default()
+        })
+    }
+
+    fn remove_blocks(&mut self, slot: u32, engine_hashes: &[EngineBlockHash]) -> Applied {
+        let Self {
+            blocks: table,
+            arena,
+            ranks,
+            live_pairs,
+            ..
+        } = self;
+        let rank = ranks[slot as usize].as_mut().expect("slot in use");
+        let mut out = Applied::default();
+        for e in engine_hashes {
+            let e = e.0;
+            let found = rank
+                .aliases
+                .find_entry(engine_hash_of(e), |a| a.0 == e)
+                .ok()
+                .map(|entry| entry.remove().0 .1);
+            match found {
+                Some(p) if unhold(table, arena, p, slot) => {
+                    rank.held -= 1;
+                    *live_pairs -= 1;
+                    out.removed += 1;
+                }
+                _ => out.skipped += 1,
+            }
+        }
+        out
+    }
+
+    /// Drops every block of a slot; returns how many it held.
+    fn clear_slot(&mut self, slot: u32) -> usize {
+        let Self {
+            blocks: table,
+            arena,
+            ranks,
+            live_pairs,
+            ..
+        } = self;
+        let rank = ranks[slot as usize].as_mut().expect("slot in use");
+        let mut removed = 0;
+        for (_, p) in std::mem::take(&mut rank.aliases) {
+            if unhold(table, arena, p, slot) {
+                removed += 1;
+            }
+        }
+        *live_pairs -= removed;
+        rank.held -= removed;
+        debug_assert_eq!(rank.held, 0);
+        removed
+    }
+
+    /// Forgets one rank entirely (blocks, event-id state, recovery flag).
+    pub fn remove_worker_rank(&mut self, key: WorkerKey) -> bool {
+        let Some(slot) = self.slots.get(&key).copied() else {
+            return false;
+        };
+        self.clear_slot(slot);
+        self.ranks[slot as usize] = None;
+        self.slots.remove(&key);
+        true
+    }
+
+    /// Forgets every rank of a worker; returns how many ranks were removed.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
+        let keys: SmallVec<[WorkerKey; 8]> = self
+            .slots
+            .keys()
+            .filter(|k| k.worker_id == worker_id)
+            .copied()
+            .collect();
+        self.limits.remove(&worker_id);
+        keys.into_iter()
+            .filter(|k| self.remove_worker_rank(*k))
+            .count()
+    }
+
+    /// Overlap of every worker key with the query's leading blocks.
+    pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
+        let mut chain = PrefixChain::new(local);
+        let mut out = OverlapScores::default();
+        self.find_matches_in(&mut chain, &mut out.scores);
+        out
+    }
+
+    /// Appends this index's overlaps for `chain` to `out` (keys with overlap 0 omitted).
+    pub fn find_matches_in(&self, chain: &mut PrefixChain<'_>, out: &mut Vec<(WorkerKey, u32)>) {
+        let n = chain.len();
+        if n == 0 || self.blocks.is_empty() {
+            return;
+        }
+        let Some(first) = self.holders_at(chain.get(0)) else {
+            return;
+        };
+        let (mut mask, high) = self.arena.view(first);
+        let mut high: SmallVec<[u32; 8]> = SmallVec::from_slice(high);
+        let mut i = 1;
+        loop {
+            if mask == 0 && high.is_empty() {
+                return;
+            }
+            if i == n {
+                self.emit(mask, &high, n, out);
+                return;
+            }
+            let h = self.holders_at(chain.get(i)).unwrap_or(Holders::EMPTY);
+            let (hmask, hhigh) = self.arena.view(h);
+            let next = mask & hmask;
+            if next != mask {
+                self.emit(mask & !next, &[], i, out);
+                mask = next;
+            }
+            if !high.is_empty() {
+                let before = high.len();
+                let mut dropped: SmallVec<[u32; 8]> = SmallVec::new();
+                high.retain(|s| {
+                    let keep = hhigh.binary_search(s).is_ok();
+                    if !keep {
+                        dropped.push(*s);
+                    }
+                    keep
+                });
+                if high.len() != before {
+                    self.emit(0, &dropped, i, out);
+                }
+            }
+            i += 1;
+        }
+    }
+
+    #[inline]
+    fn emit(&self, mut mask: u64, high: &[u32], overlap: usize, out: &mut Vec<(WorkerKey, u32)>) {
+        while mask != 0 {
+            let s = mask.trailing_zeros();
+            out.push((self.slot_keys[s as usize], overlap as u32));
+            mask &= mask - 1;
+        }
+        for &s in high {
+            out.push((self.slot_keys[s as usize], overlap as u32));
+        }
+    }
+
+    #[inline(always)]
+    fn holders_at(&self, p: u64) -> Option<Holders> {
+        holders_of(&self.blocks, p)
+    }
+
+    /// Events that rebuild `key` exactly, parents before children. Blocks cut off from the
+    /// root (a removed ancestor) match nothing and are left out.
+    pub fn dump(&self, key: WorkerKey) -> Option<RankDump> {
+        let &slot = self.slots.get(&key)?;
+        let rank = self.ranks[slot as usize].as_ref()?;
+        // prefix -> engine hash, for the blocks this rank holds
+        let mut held: FxHashMap<u64, u64> = FxHashMap::default();
+        for &(e, p) in rank.aliases.iter() {
+            if self.holders_at(p).is_some_and(|h| self.arena.contains(h, slot)) {
+                held.insert(p, e);
+            }
+        }
+        let mut children: FxHashMap<u64, Vec<u64>> = FxHashMap::default();
+        for &p in held.keys() {
+            let parent = self.parent_of(p);
+            children.entry(parent).or_default().push(p);
+        }
+        for c in children.values_mut() {
+            c.sort_unstable(); // deterministic output
+        }
+        let event_id = rank.last_event_id.unwrap_or(0);
+        let mut events = Vec::new();
+        // Depth-first from the root; each event follows one chain as far as it goes.
+        let mut stack: Vec<u64> = children.get(&ROOT).cloned().unwrap_or_default();
+        while let Some(start) = stack.pop() {
+            let parent = self.parent_of(start);
+            let mut blocks = Vec::new();
+            let mut p = start;
+            loop {
+                blocks.push(StoredBlock {
+                    engine_hash: EngineBlockHash(held[&p]),
+                    local_hash: LocalBlockHash(prefix::local_of(p, self.parent_of(p))),
+                });
+                match children.get(&p).map(Vec::as_slice) {
+                    Some([first, rest @ ..]) => {
+                        stack.extend_from_slice(rest);
+                        p = *first;
+                    }
+                    _ => break,
+                }
+            }
+            events.push(KvEvent {
+                key,
+                event_id,
+                data: KvEventData::Stored {
+                    parent: (parent != ROOT).then(|| EngineBlockHash(held[&parent])),
+                    blocks,
+                },
+            });
+        }
+        Some(RankDump {
+            key,
+            last_event_id: rank.last_event_id,
+            events,
+        })
+    }
+
+    fn parent_of(&self, p: u64) -> u64 {
+        self.blocks
+            .find(p, |b| b.prefix == p)
+            .map_or(ROOT, |b| b.parent)
+    }
+
+    /// Replaces a rank's state with a dump (recovery). Every event is tried; the first
+    /// refusal, if any, is returned after the rest are applied.
+    pub fn load_rank(&mut self, dump: &RankDump) -> Result<(), IndexError> {
+        self.remove_worker_rank(dump.key);
+        let slot = self.slot_for(dump.key);
+        self.rank_mut(slot).last_event_id = dump.last_event_id;
+        let mut first_err = None;
+        for ev in &dump.events {
+            if let Err(e) = self.apply_data(slot, &ev.data) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Ranks that saw an event-id gap since the last call; their flags are reset.
+    pub fn take_needs_recovery(&mut self) -> Vec<WorkerKey> {
+        self.ranks
+            .iter_mut()
+            .flatten()
+            .filter_map(|r| std::mem::take(&mut r.needs_recovery).then_some(r.key))
+            .collect()
+    }
+
+    pub fn last_event_id(&self, key: WorkerKey) -> Option<EventId> {
+        let slot = *self.slots.get(&key)?;
+        self.ranks[slot as usize].as_ref()?.last_event_id
+    }
+
+    /// Blocks held by one rank.
+    pub fn held_blocks(&self, key: WorkerKey) -> usize {
+        self.slots
+            .get(&key)
+            .and_then(|&s| self.ranks[s as usize].as_ref())
+            .map_or(0, |r| r.held)
+    }
+
+    pub fn worker_keys(&self) -> impl Iterator<Item = WorkerKey> + '_ {
+        self.slots.keys().copied()
+    }
+
+    pub fn live_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            live_blocks: self.blocks.len(),
+            live_pairs: self.live_pairs,
+            worker_keys: self.slots.len(),
+            counters: self.counters,
+        }
+    }
+
+    fn slot_for(&mut self, key: WorkerKey) -> u32 {
+        if let Some(&s) = self.slots.get(&key) {
+            return s;
+        }
+        // The lowest free slot keeps small fleets in the inline holder mask.
+        let slot = match self.ranks.iter().position(Option::is_none) {
+            Some(s) => s,
+            None => {
+                self.ranks.push(None);
+                self.slot_keys.push(key);
+                self.ranks.len() - 1
+            }
+        };
+        self.ranks[slot] = Some(Rank {
+            key,
+            aliases: HashTable::new(),
+            held: 0,
+            last_event_id: None,
+            needs_recovery: false,
+        });
+        self.slot_keys[slot] = key;
+        self.slots.insert(key, slot as u32);
+        slot as u32
+    }
+
+    fn rank_mut(&mut self, slot: u32) -> &mut Rank {
+        self.ranks[slot as usize].as_mut().expect("slot in use")
+    }
+}
+
+#[inline(always)]
+fn holders_of(table: &HashTable<Block>, p: u64) -> Option<Holders> {
+    table.find(p, |b| b.prefix == p).map(|b| b.holders)
+}
+
+fn alias_get(aliases: &HashTable<Alias>, e: u64) -> Option<u64> {
+    aliases.find(engine_hash_of(e), |a| a.0 == e).map(|a| a.1)
+}
+
+/// Removes `slot` from prefix `p`'s holders, dropping the block when nobody holds it.
+/// Returns whether the slot held it.
+fn unhold(table: &mut HashTable<Block>, arena: &mut HolderArena, p: u64, slot: u32) -> bool {
+    let Ok(mut entry) = table.find_entry(p, |b| b.prefix == p) else {
+        return false;
+    };
+    let block = entry.get_mut();
+    if !arena.remove(&mut block.holders, slot) {
+        return false;
+    }
+    if arena.is_empty(block.holders) {
+        entry.remove();
+    }
+    true
+}

@@ -19,6 +19,11 @@ impl Holders {
     pub const EMPTY: Holders = Holders(0);
 
     #[inline(always)]
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    #[inline(always)]
     pub fn inline_mask(self) -> Option<u64> {
         (self.0 & SPILL_TAG == 0).then_some(self.0)
     }

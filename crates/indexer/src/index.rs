@@ -1,11 +1,13 @@
 //! The index core: which worker ranks hold which prompt prefixes. Synchronous, no I/O.
 //!
 //! Layout, chosen for lookup speed and bytes per (block, rank) pair:
-//! - `blocks`: one entry per distinct cached prefix, keyed by its [`prefix`](crate::prefix)
-//!   id: the parent's id (for dumps) and the set of worker slots holding it. A lookup does one
-//!   probe per query block and the probes are independent, so the CPU overlaps their misses.
-//! - per rank, `aliases`: engine block hash → prefix id. Engine hashes stay opaque: they only
-//!   resolve a `Stored` parent and the blocks of a `Removed`.
+//! - `blocks`: one 24-byte entry per distinct cached prefix, keyed by its
+//!   [`prefix`](crate::prefix) id: its parent's id (for dumps) and the set of worker slots
+//!   holding it. A lookup does one probe per query block; the probes are independent and
+//!   prefetched ahead, so their cache misses overlap.
+//! - per rank, `aliases`: engine block hash → prefix id, 16 bytes per (block, rank) pair. A
+//!   rank's table is small enough to stay in cache while its events are applied. Engine
+//!   hashes stay opaque: they only resolve a `Stored` parent and the blocks of a `Removed`.
 //!
 //! Semantics (mirrored by the reference model in the tests): a rank holds a set of prefixes;
 //! its overlap with a query is the largest `k` such that it holds every prefix of the query of
@@ -17,6 +19,7 @@ use crate::holders::{HolderArena, Holders};
 use crate::overlap::OverlapScores;
 use crate::prefix::{self, PrefixChain, ROOT};
 use hashbrown::HashTable;
+use std::alloc::System;
 use kvrouter_protocol::{
     EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerKey,
@@ -31,12 +34,34 @@ struct Block {
     holders: Holders,
 }
 
-/// (engine hash, prefix id)
-type Alias = (u64, u64);
+/// An engine hash of one rank and the prefix it names.
+#[derive(Clone, Copy)]
+struct Alias {
+    engine: u64,
+    prefix: u64,
+}
+
+/// Tables allocate from the system allocator: big ones are their own mappings, returned to
+/// the OS the moment a resize frees them rather than lingering in the global allocator's
+/// caches (a resize frees as much as it allocated before).
+type Table<T> = HashTable<T, System>;
+
+fn new_table<T>() -> Table<T> {
+    HashTable::new_in(System)
+}
+
+/// Under churn hashbrown tables keep their peak size (and grow further on tombstones): shrink
+/// one that has fallen below a third full.
+fn maybe_shrink<T>(t: &mut Table<T>, hasher: impl Fn(&T) -> u64) {
+    let cap = t.capacity();
+    if cap > 64 && t.len() * 3 < cap {
+        t.shrink_to(t.len() * 3 / 2, hasher);
+    }
+}
 
 struct Rank {
     key: WorkerKey,
-    aliases: HashTable<Alias>,
+    aliases: Table<Alias>,
     held: usize,
     last_event_id: Option<EventId>,
     needs_recovery: bool,
@@ -101,9 +126,8 @@ pub fn block_limit_for_capacity(capacity_blocks: usize) -> usize {
 }
 
 /// The KV block index of a set of worker ranks.
-#[derive(Default)]
 pub struct Index {
-    blocks: HashTable<Block>,
+    blocks: Table<Block>,
     arena: HolderArena,
     ranks: Vec<Option<Rank>>,
     /// Key of each slot, dense, for turning holder bits into worker keys.
@@ -112,6 +136,21 @@ pub struct Index {
     limits: FxHashMap<WorkerId, usize>,
     live_pairs: usize,
     counters: IndexCounters,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Self {
+            blocks: new_table(),
+            arena: HolderArena::default(),
+            ranks: Vec::new(),
+            slot_keys: Vec::new(),
+            slots: FxHashMap::default(),
+            limits: FxHashMap::default(),
+            live_pairs: 0,
+            counters: IndexCounters::default(),
+        }
+    }
 }
 
 impl Index {
@@ -210,8 +249,7 @@ impl Index {
         let mut prefix = match parent {
             None => ROOT,
             Some(pe) => {
-                let held = alias_get(&rank.aliases, pe.0)
-                    .filter(|&p| holders_of(table, p).is_some_and(|h| arena.contains(h, slot)));
+                let held = alias_of(&rank.aliases, pe.0).filter(|&p| holds(table, arena, p, slot));
                 match held {
                     Some(p) => p,
                     None => {
@@ -232,15 +270,22 @@ impl Index {
                 });
             }
         }
+        let ids: SmallVec<[u64; 64]> = blocks
+            .iter()
+            .scan(prefix, |p, b| {
+                *p = prefix::extend(*p, b.local_hash.0);
+                Some(*p)
+            })
+            .collect();
         let mut stored = 0;
-        for b in blocks {
-            let p = prefix::extend(prefix, b.local_hash.0);
+        for (i, b) in blocks.iter().enumerate() {
+            let p = ids[i];
             let e = b.engine_hash.0;
             let h = engine_hash_of(e);
-            match rank.aliases.find_mut(h, |a| a.0 == e) {
-                Some(alias) if alias.1 != p => {
+            match rank.aliases.find_mut(h, |a| a.engine == e) {
+                Some(alias) if alias.prefix != p => {
                     // The engine reused a hash for another block: the old block is gone.
-                    let old = std::mem::replace(&mut alias.1, p);
+                    let old = std::mem::replace(&mut alias.prefix, p);
                     if unhold(table, arena, old, slot) {
                         rank.held -= 1;
                         *live_pairs -= 1;
@@ -249,7 +294,9 @@ impl Index {
                 Some(_) => {}
                 None => {
                     rank.aliases
-                        .insert_unique(h, (e, p), |a| engine_hash_of(a.0));
+                        .insert_unique(h, Alias { engine: e, prefix: p }, |a| {
+                            engine_hash_of(a.engine)
+                        });
                 }
             }
             let entry = table
@@ -259,7 +306,8 @@ impl Index {
                     parent: prefix,
                     holders: Holders::EMPTY,
                 });
-            if arena.insert(&mut entry.into_mut().holders, slot) {
+            let added = arena.insert(&mut entry.into_mut().holders, slot);
+            if added {
                 rank.held += 1;
                 *live_pairs += 1;
                 stored += 1;
@@ -283,21 +331,25 @@ impl Index {
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut out = Applied::default();
         for e in engine_hashes {
-            let e = e.0;
             let found = rank
                 .aliases
-                .find_entry(engine_hash_of(e), |a| a.0 == e)
+                .find_entry(engine_hash_of(e.0), |a| a.engine == e.0)
                 .ok()
-                .map(|entry| entry.remove().0 .1);
-            match found {
-                Some(p) if unhold(table, arena, p, slot) => {
-                    rank.held -= 1;
-                    *live_pairs -= 1;
-                    out.removed += 1;
-                }
-                _ => out.skipped += 1,
+                .map(|entry| entry.remove().0.prefix);
+            let Some(p) = found else {
+                out.skipped += 1;
+                continue;
+            };
+            if unhold(table, arena, p, slot) {
+                rank.held -= 1;
+                *live_pairs -= 1;
+                out.removed += 1;
+            } else {
+                out.skipped += 1;
             }
         }
+        maybe_shrink(&mut rank.aliases, |a| engine_hash_of(a.engine));
+        maybe_shrink(table, |b| b.prefix);
         out
     }
 
@@ -312,14 +364,15 @@ impl Index {
         } = self;
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut removed = 0;
-        for (_, p) in std::mem::take(&mut rank.aliases) {
-            if unhold(table, arena, p, slot) {
+        for a in std::mem::replace(&mut rank.aliases, new_table()).iter() {
+            if unhold(table, arena, a.prefix, slot) {
                 removed += 1;
             }
         }
         *live_pairs -= removed;
         rank.held -= removed;
         debug_assert_eq!(rank.held, 0);
+        maybe_shrink(table, |b| b.prefix);
         removed
     }
 
@@ -415,7 +468,7 @@ impl Index {
 
     #[inline(always)]
     fn holders_at(&self, p: u64) -> Option<Holders> {
-        holders_of(&self.blocks, p)
+        self.blocks.find(p, |b| b.prefix == p).map(|b| b.holders)
     }
 
     /// Events that rebuild `key` exactly, parents before children. Blocks cut off from the
@@ -423,16 +476,17 @@ impl Index {
     pub fn dump(&self, key: WorkerKey) -> Option<RankDump> {
         let &slot = self.slots.get(&key)?;
         let rank = self.ranks[slot as usize].as_ref()?;
-        // prefix -> engine hash, for the blocks this rank holds
-        let mut held: FxHashMap<u64, u64> = FxHashMap::default();
-        for &(e, p) in rank.aliases.iter() {
-            if self.holders_at(p).is_some_and(|h| self.arena.contains(h, slot)) {
-                held.insert(p, e);
+        // prefix -> (engine hash, parent), for the blocks this rank holds
+        let mut held: FxHashMap<u64, (u64, u64)> = FxHashMap::default();
+        for a in rank.aliases.iter() {
+            if let Some(b) = self.blocks.find(a.prefix, |b| b.prefix == a.prefix) {
+                if self.arena.contains(b.holders, slot) {
+                    held.insert(a.prefix, (a.engine, b.parent));
+                }
             }
         }
         let mut children: FxHashMap<u64, Vec<u64>> = FxHashMap::default();
-        for &p in held.keys() {
-            let parent = self.parent_of(p);
+        for (&p, &(_, parent)) in &held {
             children.entry(parent).or_default().push(p);
         }
         for c in children.values_mut() {
@@ -443,13 +497,14 @@ impl Index {
         // Depth-first from the root; each event follows one chain as far as it goes.
         let mut stack: Vec<u64> = children.get(&ROOT).cloned().unwrap_or_default();
         while let Some(start) = stack.pop() {
-            let parent = self.parent_of(start);
+            let parent = held[&start].1;
             let mut blocks = Vec::new();
             let mut p = start;
             loop {
+                let (engine, parent) = held[&p];
                 blocks.push(StoredBlock {
-                    engine_hash: EngineBlockHash(held[&p]),
-                    local_hash: LocalBlockHash(prefix::local_of(p, self.parent_of(p))),
+                    engine_hash: EngineBlockHash(engine),
+                    local_hash: LocalBlockHash(prefix::local_of(p, parent)),
                 });
                 match children.get(&p).map(Vec::as_slice) {
                     Some([first, rest @ ..]) => {
@@ -463,7 +518,7 @@ impl Index {
                 key,
                 event_id,
                 data: KvEventData::Stored {
-                    parent: (parent != ROOT).then(|| EngineBlockHash(held[&parent])),
+                    parent: (parent != ROOT).then(|| EngineBlockHash(held[&parent].0)),
                     blocks,
                 },
             });
@@ -473,12 +528,6 @@ impl Index {
             last_event_id: rank.last_event_id,
             events,
         })
-    }
-
-    fn parent_of(&self, p: u64) -> u64 {
-        self.blocks
-            .find(p, |b| b.prefix == p)
-            .map_or(ROOT, |b| b.parent)
     }
 
     /// Replaces a rank's state with a dump (recovery). Every event is tried; the first
@@ -522,6 +571,19 @@ impl Index {
         self.slots.keys().copied()
     }
 
+    /// Bytes the index's tables have allocated (entries and control bytes), excluding
+    /// spilled holder sets.
+    pub fn table_bytes(&self) -> usize {
+        fn bytes<T>(t: &Table<T>) -> usize {
+            t.allocation_size()
+        }
+        bytes(&self.blocks) + self.ranks.iter().flatten().map(|r| bytes(&r.aliases)).sum::<usize>()
+    }
+
+    pub fn debug_sizes(&self) -> String {
+        format!("blocks {}/{}", self.blocks.len(), self.blocks.capacity())
+    }
+
     pub fn live_blocks(&self) -> usize {
         self.blocks.len()
     }
@@ -550,7 +612,7 @@ impl Index {
         };
         self.ranks[slot] = Some(Rank {
             key,
-            aliases: HashTable::new(),
+            aliases: new_table(),
             held: 0,
             last_event_id: None,
             needs_recovery: false,
@@ -565,26 +627,29 @@ impl Index {
     }
 }
 
-#[inline(always)]
-fn holders_of(table: &HashTable<Block>, p: u64) -> Option<Holders> {
-    table.find(p, |b| b.prefix == p).map(|b| b.holders)
+#[inline]
+fn alias_of(aliases: &Table<Alias>, e: u64) -> Option<u64> {
+    aliases
+        .find(engine_hash_of(e), |a| a.engine == e)
+        .map(|a| a.prefix)
 }
 
-fn alias_get(aliases: &HashTable<Alias>, e: u64) -> Option<u64> {
-    aliases.find(engine_hash_of(e), |a| a.0 == e).map(|a| a.1)
+fn holds(table: &Table<Block>, arena: &HolderArena, p: u64, slot: u32) -> bool {
+    table
+        .find(p, |b| b.prefix == p)
+        .is_some_and(|b| arena.contains(b.holders, slot))
 }
 
 /// Removes `slot` from prefix `p`'s holders, dropping the block when nobody holds it.
 /// Returns whether the slot held it.
-fn unhold(table: &mut HashTable<Block>, arena: &mut HolderArena, p: u64, slot: u32) -> bool {
+fn unhold(table: &mut Table<Block>, arena: &mut HolderArena, p: u64, slot: u32) -> bool {
     let Ok(mut entry) = table.find_entry(p, |b| b.prefix == p) else {
         return false;
     };
-    let block = entry.get_mut();
-    if !arena.remove(&mut block.holders, slot) {
+    if !arena.remove(&mut entry.get_mut().holders, slot) {
         return false;
     }
-    if arena.is_empty(block.holders) {
+    if entry.get().holders.is_empty() {
         entry.remove();
     }
     true

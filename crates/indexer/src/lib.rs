@@ -16,4 +16,4 @@ pub use approx::{ApproxConfig, ApproxTracker};
 pub use error::IndexError;
 pub use index::{block_limit_for_capacity, Applied, Index, IndexCounters, IndexStats, RankDump};
 pub use overlap::OverlapScores;
-pub use sharded::{IndexReader, ShardedIndex, ShardedIndexConfig};
+pub use sharded::{IndexReader, ShardError, ShardMsg, ShardedIndex, ShardedIndexConfig};

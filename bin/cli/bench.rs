@@ -1,0 +1,212 @@
+//! `kvrouter bench ...`
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use kvrouter_bench::indexer_bench::{
+    build_stream, measure_rss, median_figures, timed_run, IndexMode, RssFigures,
+};
+use kvrouter_bench::indexer_stream::StreamConfig;
+use std::path::PathBuf;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Build the indexer event stream from a Mooncake trace, apply it, look up every request.
+    Indexer(IndexerArgs),
+    /// (internal) Populate an index from an exported stream in a fresh process; print RSS.
+    #[command(hide = true)]
+    IndexerRss(IndexerRssArgs),
+}
+
+#[derive(Args)]
+pub struct IndexerArgs {
+    /// Mooncake-format trace (JSONL).
+    #[arg(long, env = "KVROUTER_TRACE")]
+    trace: PathBuf,
+    /// W: request r goes to worker r mod W.
+    #[arg(long, env = "KVROUTER_WORKERS")]
+    workers: u64,
+    /// C: per-worker LRU capacity in sub-blocks.
+    #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS")]
+    capacity_blocks: usize,
+    /// K: sub-blocks per trace block.
+    #[arg(long, env = "KVROUTER_SUB_BLOCKS")]
+    sub_blocks: u64,
+    /// Index shards (sharded mode).
+    #[arg(long, env = "KVROUTER_SHARDS", default_value_t = 2)]
+    shards: usize,
+    /// sharded (shard actors, what a replica runs) or core (the bare index).
+    #[arg(long, env = "KVROUTER_MODE", default_value = "sharded")]
+    mode: IndexMode,
+    /// Timed runs; each figure is the median.
+    #[arg(long, env = "KVROUTER_RUNS", default_value_t = 3)]
+    runs: usize,
+    /// X: engine hash = sequence hash XOR X (decimal or 0x hex).
+    #[arg(long, env = "KVROUTER_ENGINE_HASH_SALT", value_parser = super::parse_u64)]
+    engine_hash_salt: Option<u64>,
+    /// Write the stream as u64 little-endian records to this file.
+    #[arg(long, env = "KVROUTER_EXPORT_STREAM")]
+    export_stream: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long, env = "KVROUTER_JSON")]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct IndexerRssArgs {
+    #[arg(long)]
+    stream: PathBuf,
+    #[arg(long, default_value = "sharded")]
+    mode: IndexMode,
+    #[arg(long, default_value_t = 2)]
+    shards: usize,
+}
+
+pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Indexer(args) => indexer(args).await,
+        BenchCommand::IndexerRss(args) => {
+            let figures = measure_rss(&args.stream, args.mode, args.shards).await?;
+            println!("{}", serde_json::to_string(&figures)?);
+            Ok(())
+        }
+    }
+}
+
+async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
+    if args.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    if args.shards == 0 {
+        bail!("--shards must be at least 1");
+    }
+    let config = StreamConfig {
+        workers: args.workers,
+        capacity_blocks: args.capacity_blocks,
+        sub_blocks: args.sub_blocks,
+        engine_hash_salt: args.engine_hash_salt,
+    };
+    // The memory run reads the stream from a file in a fresh process, so the stream is
+    // always written: to --export-stream, or to a temporary file.
+    let temp;
+    let stream_path = match &args.export_stream {
+        Some(p) => p.clone(),
+        None => {
+            temp = tempfile::Builder::new()
+                .prefix("kvrouter-stream-")
+                .suffix(".bin")
+                .tempfile()
+                .context("cannot create a temporary stream file")?;
+            temp.path().to_owned()
+        }
+    };
+    let t0 = std::time::Instant::now();
+    let stream = build_stream(&args.trace, config, Some(&stream_path))?;
+    tracing::info!(
+        requests = stream.requests,
+        events = stream.events.len(),
+        stored_blocks = stream.stored_blocks,
+        removed_blocks = stream.removed_blocks,
+        secs = t0.elapsed().as_secs_f64(),
+        "stream built"
+    );
+    let rss = rss_in_child(&stream_path, args.mode, args.shards)?;
+    let mut runs = Vec::with_capacity(args.runs);
+    for i in 0..args.runs {
+        let r = timed_run(&stream, args.mode, args.shards).await?;
+        tracing::info!(run = i + 1, block_ops_per_s = r.block_ops_per_s, lookup_p50_us = r.lookup_p50_us, lookup_p99_us = r.lookup_p99_us, "run done");
+        runs.push(r);
+    }
+    let m = median_figures(&runs).context("no runs")?;
+    let bytes_per_pair = rss.bytes_per_pair();
+    let report = serde_json::json!({
+        "trace": args.trace,
+        "mode": args.mode,
+        "workers": args.workers,
+        "capacity_blocks": args.capacity_blocks,
+        "sub_blocks": args.sub_blocks,
+        "shards": if args.mode == IndexMode::Sharded { args.shards } else { 1 },
+        "runs": args.runs,
+        "engine_hash_salt": args.engine_hash_salt,
+        "requests": stream.requests,
+        "lookups": stream.queries.len(),
+        "events": stream.events.len(),
+        "stored_blocks": stream.stored_blocks,
+        "removed_blocks": stream.removed_blocks,
+        "block_ops": stream.stored_blocks + stream.removed_blocks,
+        "live_pairs": m.live_pairs,
+        "live_blocks": m.live_blocks,
+        "refused_events": m.refused_events,
+        "apply_secs": m.apply_secs,
+        "block_ops_per_s": m.block_ops_per_s,
+        "lookup_p50_us": m.lookup_p50_us,
+        "lookup_p99_us": m.lookup_p99_us,
+        "lookups_per_s": m.lookups_per_s,
+        "mean_best_overlap": m.mean_best_overlap,
+        "rss_before_bytes": rss.rss_before_bytes,
+        "rss_after_bytes": rss.rss_after_bytes,
+        "bytes_per_pair": bytes_per_pair,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("kvrouter bench indexer: {}", args.trace.display());
+        println!(
+            "  stream   {} requests, {} events, {} block ops (W={}, C={}, K={})",
+            stream.requests,
+            stream.events.len(),
+            stream.stored_blocks + stream.removed_blocks,
+            args.workers,
+            args.capacity_blocks,
+            args.sub_blocks
+        );
+        println!(
+            "  index    {} mode{}, live pairs {}, live blocks {}",
+            if args.mode == IndexMode::Sharded { "sharded" } else { "core" },
+            if args.mode == IndexMode::Sharded { format!(" ({} shards)", args.shards) } else { String::new() },
+            m.live_pairs,
+            m.live_blocks
+        );
+        println!("  apply    {:.2} M block ops/s", m.block_ops_per_s / 1e6);
+        println!(
+            "  lookup   p50 {:.2} µs, p99 {:.2} µs, {:.0} k lookups/s, mean best overlap {:.1}",
+            m.lookup_p50_us,
+            m.lookup_p99_us,
+            m.lookups_per_s / 1e3,
+            m.mean_best_overlap
+        );
+        println!(
+            "  memory   {:.1} bytes per live pair (RSS +{:.1} MiB)",
+            bytes_per_pair,
+            rss.rss_after_bytes.saturating_sub(rss.rss_before_bytes) as f64 / (1 << 20) as f64
+        );
+        println!("  (median of {} runs)", args.runs);
+    }
+    Ok(())
+}
+
+fn rss_in_child(
+    stream: &std::path::Path,
+    mode: IndexMode,
+    shards: usize,
+) -> anyhow::Result<RssFigures> {
+    let exe = std::env::current_exe().context("cannot find the kvrouter executable")?;
+    let mode = match mode {
+        IndexMode::Sharded => "sharded",
+        IndexMode::Core => "core",
+    };
+    let out = std::process::Command::new(exe)
+        .args(["bench", "indexer-rss", "--mode", mode, "--shards"])
+        .arg(shards.to_string())
+        .arg("--stream")
+        .arg(stream)
+        .env("KVROUTER_LOG", "warn")
+        .output()
+        .context("cannot start the memory-measurement run")?;
+    if !out.status.success() {
+        bail!(
+            "memory-measurement run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("memory-measurement run printed no figures")
+}

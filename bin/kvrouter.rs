@@ -9,7 +9,11 @@ mod cli;
 static GLOBAL: MiMalloc = MiMalloc;
 
 #[derive(Parser)]
-#[command(name = "kvrouter", version, about = "KV-cache-aware router for LLM inference fleets")]
+#[command(
+    name = "kvrouter",
+    version,
+    about = "KV-cache-aware router for LLM inference fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -113,7 +113,13 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
     let mut runs = Vec::with_capacity(args.runs);
     for i in 0..args.runs {
         let r = timed_run(&stream, args.mode, args.shards).await?;
-        tracing::info!(run = i + 1, block_ops_per_s = r.block_ops_per_s, lookup_p50_us = r.lookup_p50_us, lookup_p99_us = r.lookup_p99_us, "run done");
+        tracing::info!(
+            run = i + 1,
+            block_ops_per_s = r.block_ops_per_s,
+            lookup_p50_us = r.lookup_p50_us,
+            lookup_p99_us = r.lookup_p99_us,
+            "run done"
+        );
         runs.push(r);
     }
     let m = median_figures(&runs).context("no runs")?;
@@ -161,8 +167,16 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
         );
         println!(
             "  index    {} mode{}, live pairs {}, live blocks {}",
-            if args.mode == IndexMode::Sharded { "sharded" } else { "core" },
-            if args.mode == IndexMode::Sharded { format!(" ({} shards)", args.shards) } else { String::new() },
+            if args.mode == IndexMode::Sharded {
+                "sharded"
+            } else {
+                "core"
+            },
+            if args.mode == IndexMode::Sharded {
+                format!(" ({} shards)", args.shards)
+            } else {
+                String::new()
+            },
             m.live_pairs,
             m.live_blocks
         );

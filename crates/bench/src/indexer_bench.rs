@@ -72,10 +72,12 @@ pub fn build_stream(
     let mut out = match export {
         Some(path) => Some((
             path,
-            BufWriter::new(std::fs::File::create(path).map_err(|source| BenchError::Export {
-                path: path.to_owned(),
-                source,
-            })?),
+            BufWriter::new(
+                std::fs::File::create(path).map_err(|source| BenchError::Export {
+                    path: path.to_owned(),
+                    source,
+                })?,
+            ),
         )),
         None => None,
     };
@@ -230,8 +232,8 @@ fn measure_lookups(
 
 /// Resident set size of this process, in bytes.
 pub fn rss_bytes() -> Result<u64, BenchError> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| BenchError::Rss(e.to_string()))?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").map_err(|e| BenchError::Rss(e.to_string()))?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -274,7 +276,6 @@ pub async fn measure_rss(
             }
             let after = rss_bytes()?;
             let s = index.stats();
-            eprintln!("table bytes {} ({:.1}/pair) {}", index.table_bytes(), index.table_bytes() as f64 / s.live_pairs as f64, index.debug_sizes());
             Ok(RssFigures {
                 rss_before_bytes: before,
                 rss_after_bytes: after,

@@ -34,7 +34,9 @@ pub struct StreamConfig {
 pub enum StreamError {
     #[error(transparent)]
     Trace(#[from] TraceError),
-    #[error("request {request}: sub-block id of trace block {hash_id} overflows u64 (K = {sub_blocks})")]
+    #[error(
+        "request {request}: sub-block id of trace block {hash_id} overflows u64 (K = {sub_blocks})"
+    )]
     Overflow {
         request: u64,
         hash_id: u64,
@@ -223,7 +225,11 @@ mod tests {
         let mut out = vec![];
         b.push_request(&[1, 2, 3], &mut out).unwrap();
         assert_eq!(out.len(), 1);
-        let KvEventData::Stored { parent: None, blocks } = &out[0].data else {
+        let KvEventData::Stored {
+            parent: None,
+            blocks,
+        } = &out[0].data
+        else {
             panic!("{:?}", out[0])
         };
         assert_eq!(blocks.len(), 3);
@@ -251,14 +257,21 @@ mod tests {
                 engine_hashes: vec![EngineBlockHash(s123[2].0), EngineBlockHash(s129[2].0)]
             }
         );
-        assert!(matches!(out[1].data, KvEventData::Stored { parent: None, .. }));
+        assert!(matches!(
+            out[1].data,
+            KvEventData::Stored { parent: None, .. }
+        ));
         // empty requests count but emit nothing; too-large requests are named
         out.clear();
         b.push_request(&[], &mut out).unwrap();
         assert!(out.is_empty());
         assert!(matches!(
             b.push_request(&[1, 2, 3, 4, 5], &mut out),
-            Err(StreamError::RequestTooLarge { request: 4, blocks: 5, capacity: 4 })
+            Err(StreamError::RequestTooLarge {
+                request: 4,
+                blocks: 5,
+                capacity: 4
+            })
         ));
     }
 

@@ -69,10 +69,12 @@ impl<R: Read> StreamFileReader<R> {
 
     fn word(&mut self, start: u64) -> Result<u64, StreamFileError> {
         let mut buf = [0u8; 8];
-        self.input.read_exact(&mut buf).map_err(|e| match e.kind() {
-            io::ErrorKind::UnexpectedEof => StreamFileError::Truncated { word: start },
-            _ => StreamFileError::Io(e),
-        })?;
+        self.input
+            .read_exact(&mut buf)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::UnexpectedEof => StreamFileError::Truncated { word: start },
+                _ => StreamFileError::Io(e),
+            })?;
         self.word += 1;
         Ok(u64::from_le_bytes(buf))
     }
@@ -83,9 +85,10 @@ impl<R: Read> StreamFileReader<R> {
         let mut first = [0u8; 8];
         match self.input.read(&mut first[..1])? {
             0 => return Ok(None),
-            _ => self.input.read_exact(&mut first[1..]).map_err(|_| {
-                StreamFileError::Truncated { word: start }
-            })?,
+            _ => self
+                .input
+                .read_exact(&mut first[1..])
+                .map_err(|_| StreamFileError::Truncated { word: start })?,
         }
         self.word += 1;
         let tag = u64::from_le_bytes(first);

@@ -120,7 +120,10 @@ mod tests {
 
         let bad = write("{\"hash_ids\": [1]}\n{\"hash_ids\": [1]}\n{\"hash_ids\": [-3]}\n");
         let err = load_trace(bad.path()).unwrap_err();
-        assert!(matches!(err, TraceError::Malformed { line: 3, .. }), "{err}");
+        assert!(
+            matches!(err, TraceError::Malformed { line: 3, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains(":3:"));
     }
 }

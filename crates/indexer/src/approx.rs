@@ -212,8 +212,10 @@ mod tests {
         let (a, sa) = hashes(&(0..16).collect::<Vec<_>>());
         let (b, sb) = hashes(&(100..112).collect::<Vec<_>>());
         let now = Instant::now();
-        t.record(&mut index, WorkerKey::new(1, 0), &a, &sa, now).unwrap();
-        t.record(&mut index, WorkerKey::new(2, 0), &b, &sb, now).unwrap();
+        t.record(&mut index, WorkerKey::new(1, 0), &a, &sa, now)
+            .unwrap();
+        t.record(&mut index, WorkerKey::new(2, 0), &b, &sb, now)
+            .unwrap();
         // 7 pairs over a capacity of 5: the two least recent of A (its tail) go
         assert_eq!(t.len(), 5);
         assert_eq!(index.find_matches(&a).get(WorkerKey::new(1, 0)), 2);
@@ -226,9 +228,21 @@ mod tests {
         let mut t = ApproxTracker::new(ApproxConfig::default());
         let (l, s) = hashes(&(0..16).collect::<Vec<_>>());
         let err = t
-            .record(&mut index, WorkerKey::new(1, 0), &l, &s[..3], Instant::now())
+            .record(
+                &mut index,
+                WorkerKey::new(1, 0),
+                &l,
+                &s[..3],
+                Instant::now(),
+            )
             .unwrap_err();
-        assert_eq!(err, IndexError::LengthMismatch { local: 4, sequence: 3 });
+        assert_eq!(
+            err,
+            IndexError::LengthMismatch {
+                local: 4,
+                sequence: 3
+            }
+        );
         assert_eq!(index.stats().live_pairs, 0);
     }
 }

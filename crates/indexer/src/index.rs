@@ -19,13 +19,13 @@ use crate::holders::{HolderArena, Holders};
 use crate::overlap::OverlapScores;
 use crate::prefix::{self, PrefixChain, ROOT};
 use hashbrown::HashTable;
-use std::alloc::System;
 use kvrouter_protocol::{
     EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerKey,
 };
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
+use std::alloc::System;
 
 #[derive(Clone, Copy)]
 struct Block {
@@ -293,10 +293,14 @@ impl Index {
                 }
                 Some(_) => {}
                 None => {
-                    rank.aliases
-                        .insert_unique(h, Alias { engine: e, prefix: p }, |a| {
-                            engine_hash_of(a.engine)
-                        });
+                    rank.aliases.insert_unique(
+                        h,
+                        Alias {
+                            engine: e,
+                            prefix: p,
+                        },
+                        |a| engine_hash_of(a.engine),
+                    );
                 }
             }
             let entry = table
@@ -577,11 +581,13 @@ impl Index {
         fn bytes<T>(t: &Table<T>) -> usize {
             t.allocation_size()
         }
-        bytes(&self.blocks) + self.ranks.iter().flatten().map(|r| bytes(&r.aliases)).sum::<usize>()
-    }
-
-    pub fn debug_sizes(&self) -> String {
-        format!("blocks {}/{}", self.blocks.len(), self.blocks.capacity())
+        bytes(&self.blocks)
+            + self
+                .ranks
+                .iter()
+                .flatten()
+                .map(|r| bytes(&r.aliases))
+                .sum::<usize>()
     }
 
     pub fn live_blocks(&self) -> usize {

@@ -180,7 +180,9 @@ impl Actor for ShardActor {
                 }
                 state.after_write(&mut core);
             }
-            ShardMsg::SetBlockLimit(id, limit) => core_lock.write().index.set_block_limit(id, limit),
+            ShardMsg::SetBlockLimit(id, limit) => {
+                core_lock.write().index.set_block_limit(id, limit)
+            }
             ShardMsg::Dump(key, reply) => {
                 let dump = core_lock.read().index.dump(key);
                 let _ = reply.send(dump);
@@ -232,7 +234,9 @@ impl IndexReader {
         let mut chain = PrefixChain::new(local);
         let mut out = OverlapScores::default();
         for core in self.cores.iter() {
-            core.read().index.find_matches_in(&mut chain, &mut out.scores);
+            core.read()
+                .index
+                .find_matches_in(&mut chain, &mut out.scores);
         }
         out
     }
@@ -284,12 +288,13 @@ impl ShardedIndex {
                 live_blocks: live_blocks.clone(),
                 recovery: config.recovery.clone(),
             };
-            let (actor, join) = Actor::spawn(None, ShardActor, args)
-                .await
-                .map_err(|e| ShardError::Spawn {
-                    shard: i,
-                    reason: e.to_string(),
-                })?;
+            let (actor, join) =
+                Actor::spawn(None, ShardActor, args)
+                    .await
+                    .map_err(|e| ShardError::Spawn {
+                        shard: i,
+                        reason: e.to_string(),
+                    })?;
             shards.push(Shard {
                 actor,
                 join,
@@ -431,7 +436,11 @@ impl ShardedIndex {
     }
 
     /// Refuses `Stored` events beyond `limit` blocks per rank of `worker_id`.
-    pub fn set_block_limit(&self, worker_id: WorkerId, limit: Option<usize>) -> Result<(), ShardError> {
+    pub fn set_block_limit(
+        &self,
+        worker_id: WorkerId,
+        limit: Option<usize>,
+    ) -> Result<(), ShardError> {
         let shard = self.shard_of(worker_id);
         self.send(shard, ShardMsg::SetBlockLimit(worker_id, limit))
     }

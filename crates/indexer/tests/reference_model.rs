@@ -120,7 +120,8 @@ fn arb_data() -> impl Strategy<Value = KvEventData> {
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
-    let mode = prop_oneof![12 => Just(IdMode::Next), 1 => Just(IdMode::Duplicate), 1 => Just(IdMode::Gap)];
+    let mode =
+        prop_oneof![12 => Just(IdMode::Next), 1 => Just(IdMode::Duplicate), 1 => Just(IdMode::Gap)];
     prop_oneof![
         20 => (arb_key(), mode, arb_data()).prop_map(|(k, m, d)| Op::Event(k, m, d)),
         1 => (0u64..3).prop_map(Op::RemoveWorker),
@@ -154,7 +155,10 @@ fn remap_data(d: &KvEventData) -> KvEventData {
                 .collect(),
         },
         KvEventData::Removed { engine_hashes } => KvEventData::Removed {
-            engine_hashes: engine_hashes.iter().map(|e| EngineBlockHash(remap(e.0))).collect(),
+            engine_hashes: engine_hashes
+                .iter()
+                .map(|e| EngineBlockHash(remap(e.0)))
+                .collect(),
         },
         KvEventData::Cleared => KvEventData::Cleared,
     }
@@ -287,7 +291,12 @@ fn refused_events_leave_the_index_unchanged() {
     // over the limit: refused whole
     assert!(matches!(
         index.apply(&ev(2, Some(2), &[(3, 3), (4, 4)])),
-        Err(IndexError::BlockLimit { held: 2, adding: 2, limit: 3, .. })
+        Err(IndexError::BlockLimit {
+            held: 2,
+            adding: 2,
+            limit: 3,
+            ..
+        })
     ));
     assert_eq!(index.stats().live_pairs, before.live_pairs);
     assert_eq!(index.find_matches(&locals(&[1, 2, 3, 4])).get(k), 2);

@@ -71,7 +71,12 @@ async fn workers_spread_over_shards_keep_them_and_removal_reaches_them() {
     let mut events = vec![];
     for w in 0..8u64 {
         for r in 0..2u32 {
-            events.push(chain_event(WorkerKey::new(w, r), 0, &[1, 2, 3][..1 + (w as usize % 3)], 100 * w));
+            events.push(chain_event(
+                WorkerKey::new(w, r),
+                0,
+                &[1, 2, 3][..1 + (w as usize % 3)],
+                100 * w,
+            ));
         }
     }
     index.apply_and_wait(events).await.unwrap();
@@ -86,7 +91,12 @@ async fn workers_spread_over_shards_keep_them_and_removal_reaches_them() {
     assert_eq!(scores.get(WorkerKey::new(5, 1)), 3);
     // a new worker goes to the shard with the fewest live blocks
     let shard_sizes: Vec<usize> = (0..4)
-        .map(|s| (0..8u64).filter(|&w| index.assigned_shard(w) == Some(s)).map(|w| 1 + w as usize % 3).sum())
+        .map(|s| {
+            (0..8u64)
+                .filter(|&w| index.assigned_shard(w) == Some(s))
+                .map(|w| 1 + w as usize % 3)
+                .sum()
+        })
         .collect();
     let lightest = (0..4).min_by_key(|&s| (shard_sizes[s], s)).unwrap();
     assert_eq!(index.shard_of(100), lightest);
@@ -103,7 +113,10 @@ async fn workers_spread_over_shards_keep_them_and_removal_reaches_them() {
     let dump = index.dump(WorkerKey::new(5, 0)).await.unwrap().unwrap();
     let mut plain = Index::new();
     plain.load_rank(&dump).unwrap();
-    assert_eq!(plain.find_matches(&q(&[1, 2, 3])).get(WorkerKey::new(5, 0)), 3);
+    assert_eq!(
+        plain.find_matches(&q(&[1, 2, 3])).get(WorkerKey::new(5, 0)),
+        3
+    );
     index.stop().await;
 }
 
@@ -152,7 +165,14 @@ async fn gaps_are_reported_for_recovery() {
     .unwrap();
     let key = WorkerKey::new(1, 0);
     index
-        .apply_and_wait(vec![chain_event(key, 0, &[1], 0), KvEvent { key, event_id: 5, data: KvEventData::Cleared }])
+        .apply_and_wait(vec![
+            chain_event(key, 0, &[1], 0),
+            KvEvent {
+                key,
+                event_id: 5,
+                data: KvEventData::Cleared,
+            },
+        ])
         .await
         .unwrap();
     assert_eq!(rx.recv().await, Some(key));

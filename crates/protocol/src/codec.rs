@@ -3,7 +3,7 @@
 //! Decoding takes untrusted bytes: every failure is a typed [`CodecError`], allocation is
 //! bounded by [`MAX_MESSAGE_BYTES`], and nothing panics.
 
-use bincode::config::{self, Configuration, Fixint, LittleEndian, Limit};
+use bincode::config::{self, Configuration, Fixint, Limit, LittleEndian};
 use serde::{de::DeserializeOwned, Serialize};
 use thiserror::Error;
 
@@ -104,12 +104,14 @@ mod tests {
             local_hash: LocalBlockHash(l),
         });
         let data = prop_oneof![
-            (proptest::option::of(any::<u64>()), prop::collection::vec(block, 0..20)).prop_map(
-                |(p, blocks)| KvEventData::Stored {
+            (
+                proptest::option::of(any::<u64>()),
+                prop::collection::vec(block, 0..20)
+            )
+                .prop_map(|(p, blocks)| KvEventData::Stored {
                     parent: p.map(EngineBlockHash),
                     blocks
-                }
-            ),
+                }),
             prop::collection::vec(any::<u64>(), 0..20).prop_map(|h| KvEventData::Removed {
                 engine_hashes: h.into_iter().map(EngineBlockHash).collect()
             }),

@@ -111,7 +111,10 @@ mod tests {
         let b = local_block_hashes(&tokens, 16, Some("adapter-b")).unwrap();
         assert_ne!(base, a);
         assert_ne!(a, b);
-        assert_eq!(lora_seed(Some("x")), BASE_SEED.wrapping_add(xxh3_64_with_seed(b"x", 0)));
+        assert_eq!(
+            lora_seed(Some("x")),
+            BASE_SEED.wrapping_add(xxh3_64_with_seed(b"x", 0))
+        );
     }
 
     #[test]

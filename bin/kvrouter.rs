@@ -28,7 +28,19 @@ enum Command {
     Bench(cli::bench::BenchCommand),
 }
 
+/// The index's hash tables come from the system allocator (everything else from mimalloc).
+/// A fixed mmap threshold makes every large table its own mapping, returned to the OS as soon
+/// as a resize frees it; glibc's default threshold drifts up and keeps such memory instead.
+fn tune_system_allocator() {
+    // SAFETY: mallopt only adjusts glibc's allocator parameters.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10);
+    }
+}
+
 fn main() -> std::process::ExitCode {
+    tune_system_allocator();
     cli::init_tracing();
     let cli = Cli::parse();
     let result = match cli.command {

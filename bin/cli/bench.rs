@@ -31,8 +31,9 @@ pub struct IndexerArgs {
     /// K: sub-blocks per trace block.
     #[arg(long, env = "KVROUTER_SUB_BLOCKS")]
     sub_blocks: u64,
-    /// Index shards (sharded mode).
-    #[arg(long, env = "KVROUTER_SHARDS", default_value_t = 2)]
+    /// Index shard actors (sharded mode). More shards apply events in parallel, but a lookup
+    /// walks every shard whose workers hold the prefix.
+    #[arg(long, env = "KVROUTER_SHARDS", default_value_t = 1)]
     shards: usize,
     /// sharded (shard actors, what a replica runs) or core (the bare index).
     #[arg(long, env = "KVROUTER_MODE", default_value = "sharded")]
@@ -57,7 +58,7 @@ pub struct IndexerRssArgs {
     stream: PathBuf,
     #[arg(long, default_value = "sharded")]
     mode: IndexMode,
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 1)]
     shards: usize,
 }
 

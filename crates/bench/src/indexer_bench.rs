@@ -273,6 +273,7 @@ pub async fn measure_rss(
             let before = rss_bytes()?;
             while let Some(ev) = reader.next_event()? {
                 let _ = index.apply(&ev);
+                reader.recycle(ev);
             }
             let after = rss_bytes()?;
             let s = index.stats();
@@ -290,10 +291,13 @@ pub async fn measure_rss(
             })
             .await?;
             let before = rss_bytes()?;
-            let mut batch = Vec::with_capacity(BATCH_EVENTS);
+            // Small batches, each waited for: the decoded events in flight (which the
+            // allocator may keep after they are freed) stay small next to the index.
+            const RSS_BATCH: usize = 8;
+            let mut batch = Vec::with_capacity(RSS_BATCH);
             while let Some(ev) = reader.next_event()? {
                 batch.push(ev);
-                if batch.len() == BATCH_EVENTS {
+                if batch.len() == RSS_BATCH {
                     index.apply_batch(std::mem::take(&mut batch))?;
                     // Bound what is in flight so the mailbox never holds the stream.
                     index.flush().await?;

@@ -60,11 +60,34 @@ pub fn write_event<W: Write>(out: &mut W, ev: &KvEvent) -> Result<(), StreamFile
 pub struct StreamFileReader<R> {
     input: R,
     word: u64,
+    spare_blocks: Vec<StoredBlock>,
+    spare_hashes: Vec<EngineBlockHash>,
 }
 
 impl<R: Read> StreamFileReader<R> {
     pub fn new(input: R) -> Self {
-        Self { input, word: 0 }
+        Self {
+            input,
+            word: 0,
+            spare_blocks: Vec::new(),
+            spare_hashes: Vec::new(),
+        }
+    }
+
+    /// Hands an event's buffers back for the next decode, so that a long stream is read with
+    /// no allocation per event.
+    pub fn recycle(&mut self, ev: KvEvent) {
+        match ev.data {
+            KvEventData::Stored { mut blocks, .. } => {
+                blocks.clear();
+                self.spare_blocks = blocks;
+            }
+            KvEventData::Removed { mut engine_hashes } => {
+                engine_hashes.clear();
+                self.spare_hashes = engine_hashes;
+            }
+            KvEventData::Cleared => {}
+        }
     }
 
     fn word(&mut self, start: u64) -> Result<u64, StreamFileError> {
@@ -105,13 +128,15 @@ impl<R: Read> StreamFileReader<R> {
         let k = self.word(start)?;
         // k is untrusted: grow as records arrive instead of reserving k up front.
         let data = if tag == 2 {
-            let mut engine_hashes = Vec::with_capacity(k.min(4096) as usize);
+            let mut engine_hashes = std::mem::take(&mut self.spare_hashes);
+            engine_hashes.reserve(k.min(4096) as usize);
             for _ in 0..k {
                 engine_hashes.push(EngineBlockHash(self.word(start)?));
             }
             KvEventData::Removed { engine_hashes }
         } else {
-            let mut blocks = Vec::with_capacity(k.min(4096) as usize);
+            let mut blocks = std::mem::take(&mut self.spare_blocks);
+            blocks.reserve(k.min(4096) as usize);
             for _ in 0..k {
                 let engine_hash = EngineBlockHash(self.word(start)?);
                 let local_hash = LocalBlockHash(self.word(start)?);

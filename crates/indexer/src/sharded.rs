@@ -28,6 +28,9 @@ const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Debug)]
 pub struct ShardedIndexConfig {
+    /// Shard actors. Each applies its workers' events in parallel with the others, but a
+    /// lookup walks every shard whose workers hold the query's prefix, so more shards trade
+    /// lookup time for event throughput (see docs/benchmarks.md).
     pub shards: usize,
     /// `Some` for approximate mode (routing decisions feed the index).
     pub approx: Option<ApproxConfig>,
@@ -38,7 +41,7 @@ pub struct ShardedIndexConfig {
 impl Default for ShardedIndexConfig {
     fn default() -> Self {
         Self {
-            shards: 2,
+            shards: 1,
             approx: None,
             recovery: None,
         }

@@ -249,6 +249,8 @@ pub struct RssFigures {
     pub rss_after_bytes: u64,
     pub live_pairs: usize,
     pub live_blocks: usize,
+    /// What the index's tables allocated, without allocator slack.
+    pub table_bytes: usize,
 }
 
 impl RssFigures {
@@ -282,6 +284,7 @@ pub async fn measure_rss(
                 rss_after_bytes: after,
                 live_pairs: s.live_pairs,
                 live_blocks: s.live_blocks,
+                table_bytes: s.table_bytes,
             })
         }
         IndexMode::Sharded => {
@@ -312,6 +315,7 @@ pub async fn measure_rss(
                 rss_after_bytes: after,
                 live_pairs: s.live_pairs,
                 live_blocks: s.live_blocks,
+                table_bytes: s.table_bytes,
             })
         }
     }

@@ -70,10 +70,6 @@ impl HolderArena {
         }
     }
 
-    pub fn is_empty(&self, h: Holders) -> bool {
-        h.0 == 0
-    }
-
     /// Adds `slot`; returns whether it was absent.
     pub fn insert(&mut self, h: &mut Holders, slot: u32) -> bool {
         if slot < INLINE_SLOTS {
@@ -194,7 +190,7 @@ mod tests {
                 for s in 0..200 {
                     prop_assert_eq!(arena.contains(h, s), model.contains(&s));
                 }
-                prop_assert_eq!(arena.is_empty(h), model.is_empty());
+                prop_assert_eq!(h.is_empty(), model.is_empty());
                 prop_assert!(arena.spilled() <= 1);
             }
         }

@@ -98,6 +98,8 @@ pub struct IndexStats {
     /// (prefix, worker key) pairs.
     pub live_pairs: usize,
     pub worker_keys: usize,
+    /// Bytes allocated by the index's tables (allocator slack not included).
+    pub table_bytes: usize,
     pub counters: IndexCounters,
 }
 
@@ -599,6 +601,7 @@ impl Index {
             live_blocks: self.blocks.len(),
             live_pairs: self.live_pairs,
             worker_keys: self.slots.len(),
+            table_bytes: self.table_bytes(),
             counters: self.counters,
         }
     }

@@ -252,6 +252,7 @@ impl IndexReader {
             total.live_blocks += s.live_blocks;
             total.live_pairs += s.live_pairs;
             total.worker_keys += s.worker_keys;
+            total.table_bytes += s.table_bytes;
             let (t, c) = (&mut total.counters, s.counters);
             t.events_applied += c.events_applied;
             t.stored_blocks += c.stored_blocks;

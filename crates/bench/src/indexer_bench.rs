@@ -254,6 +254,16 @@ pub struct RssFigures {
 }
 
 impl RssFigures {
+    fn new(rss_before_bytes: u64, rss_after_bytes: u64, stats: IndexStats) -> Self {
+        Self {
+            rss_before_bytes,
+            rss_after_bytes,
+            live_pairs: stats.live_pairs,
+            live_blocks: stats.live_blocks,
+            table_bytes: stats.table_bytes,
+        }
+    }
+
     pub fn bytes_per_pair(&self) -> f64 {
         self.rss_after_bytes.saturating_sub(self.rss_before_bytes) as f64
             / self.live_pairs.max(1) as f64
@@ -277,15 +287,7 @@ pub async fn measure_rss(
                 let _ = index.apply(&ev);
                 reader.recycle(ev);
             }
-            let after = rss_bytes()?;
-            let s = index.stats();
-            Ok(RssFigures {
-                rss_before_bytes: before,
-                rss_after_bytes: after,
-                live_pairs: s.live_pairs,
-                live_blocks: s.live_blocks,
-                table_bytes: s.table_bytes,
-            })
+            Ok(RssFigures::new(before, rss_bytes()?, index.stats()))
         }
         IndexMode::Sharded => {
             let index = ShardedIndex::start(ShardedIndexConfig {
@@ -307,16 +309,9 @@ pub async fn measure_rss(
                 }
             }
             index.apply_and_wait(batch).await?;
-            let after = rss_bytes()?;
-            let s = index.stats();
+            let figures = RssFigures::new(before, rss_bytes()?, index.stats());
             index.stop().await;
-            Ok(RssFigures {
-                rss_before_bytes: before,
-                rss_after_bytes: after,
-                live_pairs: s.live_pairs,
-                live_blocks: s.live_blocks,
-                table_bytes: s.table_bytes,
-            })
+            Ok(figures)
         }
     }
 }

@@ -288,10 +288,7 @@ impl Index {
                 Some(alias) if alias.prefix != p => {
                     // The engine reused a hash for another block: the old block is gone.
                     let old = std::mem::replace(&mut alias.prefix, p);
-                    if unhold(table, arena, old, slot) {
-                        rank.held -= 1;
-                        *live_pairs -= 1;
-                    }
+                    release(table, arena, &mut rank.held, live_pairs, old, slot);
                 }
                 Some(_) => {}
                 None => {
@@ -346,9 +343,7 @@ impl Index {
                 out.skipped += 1;
                 continue;
             };
-            if unhold(table, arena, p, slot) {
-                rank.held -= 1;
-                *live_pairs -= 1;
+            if release(table, arena, &mut rank.held, live_pairs, p, slot) {
                 out.removed += 1;
             } else {
                 out.skipped += 1;
@@ -371,12 +366,10 @@ impl Index {
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut removed = 0;
         for a in std::mem::replace(&mut rank.aliases, new_table()).iter() {
-            if unhold(table, arena, a.prefix, slot) {
+            if release(table, arena, &mut rank.held, live_pairs, a.prefix, slot) {
                 removed += 1;
             }
         }
-        *live_pairs -= removed;
-        rank.held -= removed;
         debug_assert_eq!(rank.held, 0);
         maybe_shrink(table, |b| b.prefix);
         removed
@@ -647,6 +640,23 @@ fn holds(table: &Table<Block>, arena: &HolderArena, p: u64, slot: u32) -> bool {
     table
         .find(p, |b| b.prefix == p)
         .is_some_and(|b| arena.contains(b.holders, slot))
+}
+
+/// [`unhold`], keeping the rank's and the index's pair counts.
+fn release(
+    table: &mut Table<Block>,
+    arena: &mut HolderArena,
+    held: &mut usize,
+    live_pairs: &mut usize,
+    p: u64,
+    slot: u32,
+) -> bool {
+    let released = unhold(table, arena, p, slot);
+    if released {
+        *held -= 1;
+        *live_pairs -= 1;
+    }
+    released
 }
 
 /// Removes `slot` from prefix `p`'s holders, dropping the block when nobody holds it.

@@ -24,23 +24,13 @@ fn json_report_holds_every_figure_and_exact_counts() {
         r#"{"timestamp": 4, "input_length": 512, "output_length": 1, "hash_ids": [9]}"#,
     ]);
     for mode in ["sharded", "core"] {
-        let out = run(&[
-            "bench",
-            "indexer",
-            "--trace",
-            t.path().to_str().unwrap(),
-            "--workers",
+        let out = bench_indexer(
+            &t,
             "2",
-            "--capacity-blocks",
             "4",
-            "--sub-blocks",
             "2",
-            "--runs",
-            "1",
-            "--mode",
-            mode,
-            "--json",
-        ]);
+            &["--runs", "1", "--mode", mode, "--json"],
+        );
         assert!(
             out.status.success(),
             "{}",
@@ -76,25 +66,21 @@ fn export_stream_matches_the_specified_records() {
     let t = trace(&[r#"{"hash_ids": [5]}"#, r#"{"hash_ids": [5, 6]}"#]);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("stream.bin");
-    let out = run(&[
-        "bench",
-        "indexer",
-        "--trace",
-        t.path().to_str().unwrap(),
-        "--workers",
+    let out = bench_indexer(
+        &t,
         "1",
-        "--capacity-blocks",
         "8",
-        "--sub-blocks",
         "1",
-        "--runs",
-        "1",
-        "--json",
-        "--engine-hash-salt",
-        "0xff",
-        "--export-stream",
-        path.to_str().unwrap(),
-    ]);
+        &[
+            "--runs",
+            "1",
+            "--json",
+            "--engine-hash-salt",
+            "0xff",
+            "--export-stream",
+            path.to_str().unwrap(),
+        ],
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -131,38 +117,40 @@ fn export_stream_matches_the_specified_records() {
     );
 }
 
-#[test]
-fn bad_traces_and_settings_are_named() {
-    let t = trace(&[r#"{"hash_ids": [1]}"#, "", r#"{"hash_ids": [2]}"#]);
-    let out = run(&[
+/// `kvrouter bench indexer` on `trace` with W, C and K, plus any extra flags.
+fn bench_indexer(
+    trace: &tempfile::NamedTempFile,
+    workers: &str,
+    capacity: &str,
+    sub_blocks: &str,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut args = vec![
         "bench",
         "indexer",
         "--trace",
-        t.path().to_str().unwrap(),
+        trace.path().to_str().unwrap(),
         "--workers",
-        "1",
+        workers,
         "--capacity-blocks",
-        "8",
+        capacity,
         "--sub-blocks",
-        "1",
-    ]);
+        sub_blocks,
+    ];
+    args.extend_from_slice(extra);
+    run(&args)
+}
+
+#[test]
+fn bad_traces_and_settings_are_named() {
+    let t = trace(&[r#"{"hash_ids": [1]}"#, "", r#"{"hash_ids": [2]}"#]);
+    let out = bench_indexer(&t, "1", "8", "1", &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(":2: blank line"), "{err}");
 
     let t = trace(&[r#"{"hash_ids": [1, 2, 3]}"#]);
-    let out = run(&[
-        "bench",
-        "indexer",
-        "--trace",
-        t.path().to_str().unwrap(),
-        "--workers",
-        "1",
-        "--capacity-blocks",
-        "4",
-        "--sub-blocks",
-        "2",
-    ]);
+    let out = bench_indexer(&t, "1", "4", "2", &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("request 0 has 6 sub-blocks"), "{err}");

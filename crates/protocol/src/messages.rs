@@ -1,0 +1,443 @@
+//! The messages workers, replicas and clients exchange on the bus.
+//!
+//! Every payload is encoded with [`crate::codec`]. Replies to requests are [`Reply<T>`]: the
+//! value or an [`ErrorReply`] with a machine-readable [`ErrorKind`]. docs/protocol.md lists
+//! which subject carries which message.
+
+use crate::types::{DpRank, EventId, KvEvent, WorkerId, WorkerKey};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use uuid::Uuid;
+
+/// What a worker does in a disaggregated fleet.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WorkerRole {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Aggregated => "aggregated",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for WorkerRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for WorkerRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "aggregated" => Ok(Self::Aggregated),
+            "prefill" => Ok(Self::Prefill),
+            "decode" => Ok(Self::Decode),
+            other => Err(format!(
+                "unknown role {other:?}: expected aggregated, prefill or decode"
+            )),
+        }
+    }
+}
+
+/// A worker announcing itself: on start, on every "who is there", and again when asked.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    pub worker_id: WorkerId,
+    /// New on every start of the worker process.
+    pub instance_id: Uuid,
+    pub model: String,
+    pub role: WorkerRole,
+    pub block_size: u32,
+    pub dp_size: u32,
+    pub dp_start_rank: DpRank,
+    /// Ranks currently serving (a subset of `dp_start_rank .. dp_start_rank + dp_size`).
+    pub live_ranks: Vec<DpRank>,
+    pub tp_size: u32,
+    /// KV cache capacity of each rank, in blocks.
+    pub capacity_blocks: u64,
+    /// How often heartbeats come; a replica's lease should span several.
+    pub heartbeat_interval_ms: u32,
+}
+
+impl Registration {
+    /// Every rank the worker was started with.
+    pub fn ranks(&self) -> std::ops::Range<DpRank> {
+        self.dp_start_rank..self.dp_start_rank.saturating_add(self.dp_size)
+    }
+}
+
+/// Periodic proof of life; `live_ranks` dropping a rank takes that rank out of routing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub worker_id: WorkerId,
+    pub instance_id: Uuid,
+    pub live_ranks: Vec<DpRank>,
+}
+
+/// A worker leaving on purpose (shutdown).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deregistration {
+    pub worker_id: WorkerId,
+    pub instance_id: Uuid,
+}
+
+/// A replica asking every worker of a model to register again, at once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WhoIsThere {
+    pub replica_id: String,
+}
+
+/// KV events of one worker instance, in event-id order per rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvEventBatch {
+    pub worker_id: WorkerId,
+    pub instance_id: Uuid,
+    pub events: Vec<KvEvent>,
+}
+
+/// Load of one rank as its engine sees it.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLoad {
+    pub dp_rank: DpRank,
+    /// Blocks referenced by running requests.
+    pub active_blocks: u64,
+    pub waiting_requests: u64,
+}
+
+/// Load of every rank of one worker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadReport {
+    pub worker_id: WorkerId,
+    pub instance_id: Uuid,
+    pub ranks: Vec<RankLoad>,
+}
+
+/// Asks a worker for one rank's current cache (answered as a stream of [`StateChunk`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateQuery {
+    pub dp_rank: DpRank,
+}
+
+/// One piece of a rank's state. Events rebuild the cache (parents first); every chunk carries
+/// the rank's last event id at the time of the snapshot, so a replica knows which live
+/// events the snapshot already contains.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateChunk {
+    pub key: WorkerKey,
+    pub instance_id: Uuid,
+    pub last_event_id: Option<EventId>,
+    pub events: Vec<KvEvent>,
+}
+
+/// Pins a request to a worker, or to one rank of it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pin {
+    pub worker_id: WorkerId,
+    pub dp_rank: Option<DpRank>,
+}
+
+/// Which worker rank should serve these tokens?
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    pub model: String,
+    pub request_id: String,
+    pub tokens: Vec<u32>,
+    pub lora: Option<String>,
+    /// Only these workers may be chosen (`None`: any).
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    pub pin: Option<Pin>,
+    /// Track the request as active load (then `mark_prefill` and `free` must follow).
+    pub update_states: bool,
+}
+
+/// The choice, and the replica that made it (send `mark_prefill` and `free` there).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteDecision {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub overlap_blocks: u32,
+    pub replica_id: String,
+}
+
+impl RouteDecision {
+    pub fn key(&self) -> WorkerKey {
+        WorkerKey::new(self.worker_id, self.dp_rank)
+    }
+}
+
+/// How many leading blocks of these tokens each worker rank holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverlapRequest {
+    pub model: String,
+    pub tokens: Vec<u32>,
+    pub lora: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverlapScoresReply {
+    pub block_size: u32,
+    /// Worker ranks holding at least one leading block.
+    pub scores: Vec<(WorkerKey, u32)>,
+}
+
+/// What each worker rank's load would be if these tokens went there.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PotentialLoad {
+    pub key: WorkerKey,
+    pub overlap_blocks: u32,
+    pub prefill_blocks: f64,
+    pub decode_blocks: u64,
+}
+
+/// `mark_prefill` or `free` for a request routed with `update_states`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestUpdate {
+    pub model: String,
+    pub request_id: String,
+}
+
+/// Runs a request on one rank of a worker (answered as a stream of [`GenerateEvent`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub request_id: String,
+    pub tokens: Vec<u32>,
+    pub max_tokens: u32,
+    pub dp_rank: DpRank,
+}
+
+/// Progress of a generate request. Times are simulated engine time, in microseconds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GenerateEvent {
+    /// The prompt is in the cache and the first token is out.
+    PrefillDone {
+        ttft_us: u64,
+        cached_blocks: u32,
+        prompt_blocks: u32,
+    },
+    /// Inter-token latencies of the next tokens, in order.
+    Tokens { itl_us: Vec<u32> },
+    Done { output_tokens: u32, e2e_us: u64 },
+    Error(ErrorReply),
+}
+
+/// Why a request failed, for machines.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// The payload could not be decoded (or had an unsupported format version).
+    Malformed,
+    UnknownModel,
+    EmptyPrompt,
+    PromptTooLong,
+    UnknownWorker,
+    InvalidRank,
+    NoAllowedWorkers,
+    NoWorkers,
+    /// Every candidate is busy and the queue is full.
+    Overloaded,
+    UnknownRequest,
+    DuplicateRequest,
+    QueueTimeout,
+    /// The replica is shutting down or not ready.
+    Unavailable,
+    InvalidRequest,
+    Internal,
+}
+
+impl ErrorKind {
+    /// Snake-case name, used as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Malformed => "malformed",
+            Self::UnknownModel => "unknown_model",
+            Self::EmptyPrompt => "empty_prompt",
+            Self::PromptTooLong => "prompt_too_long",
+            Self::UnknownWorker => "unknown_worker",
+            Self::InvalidRank => "invalid_rank",
+            Self::NoAllowedWorkers => "no_allowed_workers",
+            Self::NoWorkers => "no_workers",
+            Self::Overloaded => "overloaded",
+            Self::UnknownRequest => "unknown_request",
+            Self::DuplicateRequest => "duplicate_request",
+            Self::QueueTimeout => "queue_timeout",
+            Self::Unavailable => "unavailable",
+            Self::InvalidRequest => "invalid_request",
+            Self::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error answer: a kind for machines, a message for people.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl ErrorReply {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ErrorReply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for ErrorReply {}
+
+/// The answer to every request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Reply<T> {
+    Ok(T),
+    Err(ErrorReply),
+}
+
+impl<T> Reply<T> {
+    pub fn into_result(self) -> Result<T, ErrorReply> {
+        match self {
+            Self::Ok(v) => Ok(v),
+            Self::Err(e) => Err(e),
+        }
+    }
+}
+
+impl<T> From<Result<T, ErrorReply>> for Reply<T> {
+    fn from(r: Result<T, ErrorReply>) -> Self {
+        match r {
+            Ok(v) => Self::Ok(v),
+            Err(e) => Self::Err(e),
+        }
+    }
+}
+
+/// Splits events into batches of at most `max_blocks` blocks each, in order, so that every
+/// encoded batch stays under the bus's payload limit. An event bigger than the budget travels
+/// alone (producers keep single events smaller, see [`max_blocks_per_batch`]).
+pub fn chunk_events(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>> {
+    let max_blocks = max_blocks.max(1);
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut cur_blocks = 0usize;
+    for ev in events {
+        let n = ev.block_count().max(1);
+        if cur_blocks + n > max_blocks && !cur.is_empty() {
+            out.push(std::mem::take(&mut cur));
+            cur_blocks = 0;
+        }
+        cur_blocks += n;
+        cur.push(ev);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Bytes one block costs in an encoded event (engine hash + local hash).
+pub const ENCODED_BYTES_PER_BLOCK: usize = 16;
+
+/// The most blocks per event batch that fit `max_payload` with room for headers.
+pub fn max_blocks_per_batch(max_payload: usize) -> usize {
+    (max_payload / 2 / ENCODED_BYTES_PER_BLOCK).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{decode, encode};
+    use crate::types::{EngineBlockHash, KvEventData, LocalBlockHash, StoredBlock};
+
+    #[test]
+    fn replies_round_trip() {
+        let ok: Reply<RouteDecision> = Reply::Ok(RouteDecision {
+            worker_id: 7,
+            dp_rank: 1,
+            overlap_blocks: 3,
+            replica_id: "r1".into(),
+        });
+        let back: Reply<RouteDecision> = decode(&encode(&ok).unwrap()).unwrap();
+        assert_eq!(back, ok);
+        let err: Reply<RouteDecision> =
+            Reply::Err(ErrorReply::new(ErrorKind::UnknownModel, "no such model"));
+        let back: Reply<RouteDecision> = decode(&encode(&err).unwrap()).unwrap();
+        assert_eq!(back.into_result().unwrap_err().kind, ErrorKind::UnknownModel);
+    }
+
+    #[test]
+    fn chunks_respect_the_block_budget_and_keep_order() {
+        let ev = |id: u64, n: usize| KvEvent {
+            key: WorkerKey::new(1, 0),
+            event_id: id,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks: (0..n)
+                    .map(|i| StoredBlock {
+                        engine_hash: EngineBlockHash(i as u64),
+                        local_hash: LocalBlockHash(i as u64),
+                    })
+                    .collect(),
+            },
+        };
+        let events: Vec<_> = (0..10).map(|i| ev(i, 3)).collect();
+        let chunks = chunk_events(events.clone(), 7);
+        assert!(chunks.iter().all(|c| c.iter().map(|e| e.block_count()).sum::<usize>() <= 7));
+        let flat: Vec<_> = chunks.into_iter().flatten().collect();
+        assert_eq!(flat, events);
+        // One event bigger than the budget still goes out, alone.
+        let chunks = chunk_events(vec![ev(0, 20), ev(1, 1)], 7);
+        assert_eq!(chunks.len(), 2);
+    }
+
+    #[test]
+    fn a_full_batch_fits_the_default_nats_payload() {
+        let max_payload = 1 << 20;
+        let n = max_blocks_per_batch(max_payload);
+        let batch = KvEventBatch {
+            worker_id: 1,
+            instance_id: Uuid::nil(),
+            events: vec![KvEvent {
+                key: WorkerKey::new(1, 0),
+                event_id: 0,
+                data: KvEventData::Stored {
+                    parent: Some(EngineBlockHash(1)),
+                    blocks: vec![
+                        StoredBlock {
+                            engine_hash: EngineBlockHash(1),
+                            local_hash: LocalBlockHash(2)
+                        };
+                        n
+                    ],
+                },
+            }],
+        };
+        assert!(encode(&batch).unwrap().len() < max_payload);
+    }
+
+    #[test]
+    fn roles_parse() {
+        for r in [WorkerRole::Aggregated, WorkerRole::Prefill, WorkerRole::Decode] {
+            assert_eq!(r.as_str().parse::<WorkerRole>().unwrap(), r);
+        }
+        assert!("both".parse::<WorkerRole>().is_err());
+    }
+}

@@ -30,12 +30,23 @@ pub struct NatsServer {
 
 impl NatsServer {
     pub fn start() -> Self {
+        Self::start_with_args(&[])
+    }
+
+    /// Like [`NatsServer::start`], with extra nats-server arguments (e.g. `["--auth", "s3cret"]`).
+    pub fn start_with_args(args: &[&str]) -> Self {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
+        Self::start_on_port(port, args)
+    }
+
+    /// A nats-server on the given loopback port (e.g. to restart one where a stopped one ran).
+    pub fn start_on_port(port: u16, args: &[&str]) -> Self {
         let child = Command::new("nats-server")
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -1,0 +1,287 @@
+//! How to reach NATS: a plain struct the CLI fills in, and its validation.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::BusError;
+
+/// Connection options for [`Bus::connect`](crate::Bus::connect).
+///
+/// Authentication is at most one of: `user` + `password`, `token`, or `credentials_file`
+/// (credentials in the URL, `nats://user:pass@host:4222`, also work). TLS is used when the server
+/// asks for it or when `tls_required` is set; `tls_ca_file` adds a root certificate and
+/// `tls_client_cert` + `tls_client_key` present a client certificate (mutual TLS).
+#[derive(Clone, PartialEq, Eq)]
+pub struct NatsOptions {
+    /// One server URL or a comma-separated list (`nats://a:4222,nats://b:4222`).
+    pub url: String,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    /// A NATS `.creds` file (user JWT + nkey seed).
+    pub credentials_file: Option<PathBuf>,
+    /// A PEM file with the CA certificate(s) that signed the server's certificate.
+    pub tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate, for servers that verify clients (requires `tls_client_key`).
+    pub tls_client_cert: Option<PathBuf>,
+    /// The PEM private key of `tls_client_cert`.
+    pub tls_client_key: Option<PathBuf>,
+    /// Refuse to talk to a server without TLS.
+    pub tls_required: bool,
+    /// The connection name shown by the server's monitoring (`/connz`).
+    pub name: Option<String>,
+    /// How long one connection attempt to one server may take.
+    pub connect_timeout: Duration,
+}
+
+/// The URL used when none is given: a nats-server on this host's default port.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            url: DEFAULT_NATS_URL.to_string(),
+            user: None,
+            password: None,
+            token: None,
+            credentials_file: None,
+            tls_ca_file: None,
+            tls_client_cert: None,
+            tls_client_key: None,
+            tls_required: false,
+            name: None,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Secrets (password, token, a password in the URL) are shown as `***`.
+impl std::fmt::Debug for NatsOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hide = |s: &Option<String>| s.as_ref().map(|_| "***");
+        f.debug_struct("NatsOptions")
+            .field("url", &self.redacted_url())
+            .field("user", &self.user)
+            .field("password", &hide(&self.password))
+            .field("token", &hide(&self.token))
+            .field("credentials_file", &self.credentials_file)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_client_cert", &self.tls_client_cert)
+            .field("tls_client_key", &self.tls_client_key)
+            .field("tls_required", &self.tls_required)
+            .field("name", &self.name)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+impl NatsOptions {
+    /// Options for `url` with everything else at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// The server URLs, trimmed, empty entries dropped.
+    pub fn urls(&self) -> Vec<&str> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect()
+    }
+
+    /// The URL list with any password in it replaced by `***`, for logs and errors.
+    pub fn redacted_url(&self) -> String {
+        self.urls()
+            .into_iter()
+            .map(redact_url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Checks that the options make sense together and that the files they name exist.
+    /// Errors are [`BusError::Connect`] naming the URL and the problem.
+    pub fn validate(&self) -> Result<(), BusError> {
+        let fail = |why: String| {
+            Err(BusError::Connect(format!(
+                "cannot connect to '{}': {why}",
+                self.redacted_url()
+            )))
+        };
+        if self.urls().is_empty() {
+            return fail("no NATS server URL given (e.g. nats://127.0.0.1:4222)".to_string());
+        }
+        match (&self.user, &self.password) {
+            (Some(_), None) => {
+                return fail("a NATS user is set but no password; set both or neither".into())
+            }
+            (None, Some(_)) => {
+                return fail("a NATS password is set but no user; set both or neither".into())
+            }
+            _ => {}
+        }
+        let methods: Vec<&str> = [
+            self.user.as_ref().map(|_| "user/password"),
+            self.token.as_ref().map(|_| "token"),
+            self.credentials_file.as_ref().map(|_| "credentials file"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if methods.len() > 1 {
+            return fail(format!(
+                "conflicting NATS authentication options: {}; use only one",
+                methods.join(" and ")
+            ));
+        }
+        if self.token.as_deref() == Some("") {
+            return fail("the NATS token is empty".into());
+        }
+        match (&self.tls_client_cert, &self.tls_client_key) {
+            (Some(c), None) => {
+                return fail(format!(
+                    "TLS client certificate {} is set but no client key; set both or neither",
+                    c.display()
+                ))
+            }
+            (None, Some(k)) => {
+                return fail(format!(
+                    "TLS client key {} is set but no client certificate; set both or neither",
+                    k.display()
+                ))
+            }
+            _ => {}
+        }
+        let files: [(&str, Option<&PathBuf>); 4] = [
+            ("credentials file", self.credentials_file.as_ref()),
+            ("TLS CA file", self.tls_ca_file.as_ref()),
+            ("TLS client certificate", self.tls_client_cert.as_ref()),
+            ("TLS client key", self.tls_client_key.as_ref()),
+        ];
+        for (what, path) in files {
+            if let Some(path) = path {
+                if let Err(why) = check_file(path) {
+                    return fail(format!("the {what} {}: {why}", path.display()));
+                }
+            }
+        }
+        if self.connect_timeout.is_zero() {
+            return fail("connect_timeout is zero; use a few seconds".into());
+        }
+        Ok(())
+    }
+}
+
+fn check_file(path: &Path) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err("is not a regular file".into()),
+        Err(e) => Err(format!("cannot be read ({e})")),
+    }
+}
+
+/// Replaces the password (or token) of `nats://user:password@host` with `***`.
+pub(crate) fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => (&url[..i + 3], &url[i + 3..]),
+        None => ("", url),
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_string();
+    };
+    let userinfo = &rest[..at];
+    let host = &rest[at..];
+    match userinfo.find(':') {
+        Some(colon) => format!("{scheme}{}:***{host}", &userinfo[..colon]),
+        // a lone userinfo is a token: hide it all
+        None => format!("{scheme}***{host}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(o: &NatsOptions) -> String {
+        match o.validate() {
+            Err(BusError::Connect(m)) => m,
+            other => panic!("expected a Connect error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let o = NatsOptions::default();
+        assert_eq!(o.connect_timeout, Duration::from_secs(5));
+        assert!(o.validate().is_ok());
+    }
+
+    #[test]
+    fn url_lists() {
+        let o = NatsOptions::new(" nats://a:4222, nats://b:4222 ,,");
+        assert_eq!(o.urls(), vec!["nats://a:4222", "nats://b:4222"]);
+        assert!(err(&NatsOptions::new(" , ")).contains("no NATS server URL"));
+    }
+
+    #[test]
+    fn user_needs_password_and_back() {
+        let mut o = NatsOptions::new("nats://h:1");
+        o.user = Some("u".into());
+        let m = err(&o);
+        assert!(m.contains("nats://h:1") && m.contains("no password"), "{m}");
+        o.user = None;
+        o.password = Some("p".into());
+        assert!(err(&o).contains("no user"));
+        o.user = Some("u".into());
+        assert!(o.validate().is_ok());
+        o.token = Some("t".into());
+        assert!(err(&o).contains("conflicting"));
+    }
+
+    #[test]
+    fn cert_needs_key() {
+        let mut o = NatsOptions::new("tls://h:1");
+        o.tls_client_cert = Some("/nonexistent/cert.pem".into());
+        assert!(err(&o).contains("no client key"));
+        o.tls_client_cert = None;
+        o.tls_client_key = Some("/nonexistent/key.pem".into());
+        assert!(err(&o).contains("no client certificate"));
+        o.tls_client_cert = Some("/nonexistent/cert.pem".into());
+        let m = err(&o);
+        assert!(
+            m.contains("/nonexistent/cert.pem") && m.contains("cannot be read"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn missing_credentials_file() {
+        let mut o = NatsOptions::new("nats://h:1");
+        o.credentials_file = Some("/nonexistent/x.creds".into());
+        assert!(err(&o).contains("/nonexistent/x.creds"));
+    }
+
+    #[test]
+    fn redaction() {
+        assert_eq!(redact_url("nats://h:4222"), "nats://h:4222");
+        assert_eq!(redact_url("nats://u:secret@h:4222"), "nats://u:***@h:4222");
+        assert_eq!(redact_url("nats://tok@h:4222"), "nats://***@h:4222");
+        assert_eq!(redact_url("u:p@h"), "u:***@h");
+        let o = NatsOptions::new("nats://u:p@a:1,nats://b:2");
+        assert_eq!(o.redacted_url(), "nats://u:***@a:1,nats://b:2");
+        let mut o = NatsOptions::new("nats://u:hunter2@h:1");
+        o.user = Some("x".into());
+        assert!(!err(&o).contains("hunter2"));
+        o.password = Some("pw-secret".into());
+        o.token = Some("tok-secret".into());
+        let debug = format!("{o:?}");
+        assert!(
+            !debug.contains("hunter2") && !debug.contains("secret"),
+            "{debug}"
+        );
+    }
+}

@@ -1,0 +1,123 @@
+//! Scheduler configuration and its validation.
+
+use crate::error::ScheduleError;
+use std::time::Duration;
+
+/// Tunables of one model's scheduler. See the crate docs for the cost formula.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block (per model). Must be > 0.
+    pub block_size: u32,
+    /// How many prefill blocks one overlapping (cached) block saves. ≥ 0.
+    pub overlap_credit: f64,
+    /// Weight of prefill blocks against decode blocks in the cost. ≥ 0.
+    pub prefill_load_scale: f64,
+    /// 0: lowest cost wins (random tie-break). > 0: softmax sampling over normalised costs.
+    pub temperature: f64,
+    /// A key is busy when its active blocks ≥ `frac × capacity_blocks` (in (0, 1]).
+    /// Keys with an unknown capacity (0) never trip this threshold.
+    pub busy_active_blocks_frac: Option<f64>,
+    /// A key is busy when its in-flight prefill tokens ≥ this (> 0).
+    pub busy_prefill_tokens: Option<u64>,
+    /// Bound of the queue of requests that found every candidate busy (0: no queue).
+    pub max_queued_requests: usize,
+    /// Active sequences older than this are freed by `sweep`; queued requests older than
+    /// this fail with `QueueTimeout`.
+    pub request_timeout: Duration,
+    /// Seed of the scheduler's own random generator (tie-breaks and sampling).
+    pub seed: u64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 64,
+            overlap_credit: 1.0,
+            prefill_load_scale: 1.0,
+            temperature: 0.0,
+            busy_active_blocks_frac: None,
+            busy_prefill_tokens: None,
+            max_queued_requests: 1024,
+            request_timeout: Duration::from_secs(300),
+            seed: 0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), ScheduleError> {
+        let bad = |msg: String| Err(ScheduleError::InvalidConfig(msg));
+        if self.block_size == 0 {
+            return bad("block_size must be > 0".into());
+        }
+        for (name, v) in [
+            ("overlap_credit", self.overlap_credit),
+            ("prefill_load_scale", self.prefill_load_scale),
+            ("temperature", self.temperature),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return bad(format!("{name} must be a finite number ≥ 0, got {v}"));
+            }
+        }
+        if let Some(frac) = self.busy_active_blocks_frac {
+            if !(frac > 0.0 && frac <= 1.0) {
+                return bad(format!(
+                    "busy_active_blocks_frac must be in (0, 1], got {frac}"
+                ));
+            }
+        }
+        if self.busy_prefill_tokens == Some(0) {
+            return bad("busy_prefill_tokens must be > 0 (0 would make every worker busy)".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        SchedulerConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let cases: [fn(&mut SchedulerConfig); 11] = [
+            |c| c.block_size = 0,
+            |c| c.overlap_credit = -1.0,
+            |c| c.overlap_credit = f64::NAN,
+            |c| c.prefill_load_scale = f64::NAN,
+            |c| c.prefill_load_scale = -0.5,
+            |c| c.temperature = -0.1,
+            |c| c.temperature = f64::INFINITY,
+            |c| c.busy_active_blocks_frac = Some(0.0),
+            |c| c.busy_active_blocks_frac = Some(1.5),
+            |c| c.busy_active_blocks_frac = Some(f64::NAN),
+            |c| c.busy_prefill_tokens = Some(0),
+        ];
+        for (i, f) in cases.iter().enumerate() {
+            let mut c = SchedulerConfig::default();
+            f(&mut c);
+            assert!(
+                matches!(c.validate(), Err(ScheduleError::InvalidConfig(_))),
+                "case {i} accepted: {c:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn accepts_edges() {
+        let c = SchedulerConfig {
+            busy_active_blocks_frac: Some(1.0),
+            busy_prefill_tokens: Some(1),
+            overlap_credit: 0.0,
+            prefill_load_scale: 0.0,
+            temperature: 0.0,
+            ..Default::default()
+        };
+        c.validate().unwrap();
+    }
+}

@@ -1,0 +1,234 @@
+//! The cost of sending a request to a worker key, and the choice among candidates.
+//!
+//! For a candidate key, with `request_blocks = ceil(prompt_tokens / block_size)`:
+//!
+//! ```text
+//! prefill_blocks = max(request_blocks - overlap_credit * overlap, 0)
+//!                + in-flight prefill tokens on the key / block_size
+//! decode_blocks  = active blocks on the key
+//!                + the request's blocks (sequence hashes) not already active there
+//! cost           = prefill_load_scale * prefill_blocks + decode_blocks
+//! ```
+//!
+//! Temperature 0: the lowest cost wins, ties broken uniformly at random. Temperature
+//! `T > 0`: a key is drawn with probability ∝ `exp(-(cost / max_cost) / T)`.
+
+use fastrand::Rng;
+
+/// The config values the formula uses.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct CostParams {
+    pub block_size: u32,
+    pub overlap_credit: f64,
+    pub prefill_load_scale: f64,
+}
+
+/// One key's cost, split into its parts.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct KeyCost {
+    pub prefill_blocks: f64,
+    pub decode_blocks: u64,
+    pub cost: f64,
+}
+
+/// `ceil(prompt_tokens / block_size)`.
+pub fn request_blocks(prompt_tokens: usize, block_size: u32) -> u64 {
+    (prompt_tokens as u64).div_ceil(u64::from(block_size.max(1)))
+}
+
+/// Prefill tokens a request leaves on a key: its prompt minus the cached blocks.
+pub fn uncached_prefill_tokens(prompt_tokens: usize, overlap_blocks: u32, block_size: u32) -> u64 {
+    (prompt_tokens as u64).saturating_sub(u64::from(overlap_blocks) * u64::from(block_size))
+}
+
+/// The cost formula (see the module docs).
+///
+/// `new_blocks` is the number of the request's distinct blocks not already active on the
+/// key; `active_blocks` and `inflight_prefill_tokens` are the key's current load.
+pub fn key_cost(
+    p: &CostParams,
+    request_blocks: u64,
+    overlap: u32,
+    inflight_prefill_tokens: u64,
+    active_blocks: u64,
+    new_blocks: u64,
+) -> KeyCost {
+    let uncached = (request_blocks as f64 - p.overlap_credit * f64::from(overlap)).max(0.0);
+    let prefill_blocks = uncached + inflight_prefill_tokens as f64 / f64::from(p.block_size);
+    let decode_blocks = active_blocks + new_blocks;
+    KeyCost {
+        prefill_blocks,
+        decode_blocks,
+        cost: p.prefill_load_scale * prefill_blocks + decode_blocks as f64,
+    }
+}
+
+/// Picks an index in `0..n` given each index's cost: the cheapest (uniform among ties)
+/// when `temperature` is 0, else softmax sampling. `weights` is reusable scratch.
+pub fn choose(
+    rng: &mut Rng,
+    temperature: f64,
+    n: usize,
+    cost: impl Fn(usize) -> f64,
+    weights: &mut Vec<f64>,
+) -> Option<usize> {
+    if n == 0 {
+        None
+    } else if temperature > 0.0 {
+        Some(choose_softmax(rng, temperature, n, cost, weights))
+    } else {
+        Some(choose_min(rng, n, cost))
+    }
+}
+
+/// Lowest cost, ties broken uniformly at random (reservoir sampling, no allocation).
+fn choose_min(rng: &mut Rng, n: usize, cost: impl Fn(usize) -> f64) -> usize {
+    let mut best = 0;
+    let mut best_cost = cost(0);
+    let mut tied = 1usize;
+    for i in 1..n {
+        let c = cost(i);
+        if c < best_cost {
+            best = i;
+            best_cost = c;
+            tied = 1;
+        } else if c == best_cost {
+            tied += 1;
+            if rng.usize(..tied) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// Probability ∝ `exp(-(cost / max_cost) / T)`. Computed relative to the cheapest
+/// candidate (same proportions, no underflow to an all-zero total); when every cost is 0
+/// the draw is uniform.
+fn choose_softmax(
+    rng: &mut Rng,
+    temperature: f64,
+    n: usize,
+    cost: impl Fn(usize) -> f64,
+    weights: &mut Vec<f64>,
+) -> usize {
+    let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+    for i in 0..n {
+        let c = cost(i);
+        min = min.min(c);
+        max = max.max(c);
+    }
+    if !max.is_finite() || max <= 0.0 {
+        return rng.usize(..n);
+    }
+    weights.clear();
+    let mut total = 0.0;
+    for i in 0..n {
+        let w = (-((cost(i) - min) / max) / temperature).exp();
+        total += w;
+        weights.push(w);
+    }
+    let mut r = rng.f64() * total;
+    let mut last_positive = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            if r < w {
+                return i;
+            }
+            r -= w;
+            last_positive = i;
+        }
+    }
+    // Rounding left `r` past the end: the last candidate with any weight.
+    last_positive
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: CostParams = CostParams {
+        block_size: 16,
+        overlap_credit: 1.0,
+        prefill_load_scale: 1.0,
+    };
+
+    #[test]
+    fn formula() {
+        assert_eq!(request_blocks(0, 16), 0);
+        assert_eq!(request_blocks(1, 16), 1);
+        assert_eq!(request_blocks(32, 16), 2);
+        assert_eq!(request_blocks(33, 16), 3);
+        assert_eq!(uncached_prefill_tokens(40, 2, 16), 8);
+        assert_eq!(uncached_prefill_tokens(40, 3, 16), 0);
+
+        // 3 request blocks, 1 cached, 8 in-flight prefill tokens (0.5 block),
+        // 10 active blocks, 2 new ones.
+        let c = key_cost(&P, 3, 1, 8, 10, 2);
+        assert_eq!(c.prefill_blocks, 2.5);
+        assert_eq!(c.decode_blocks, 12);
+        assert_eq!(c.cost, 14.5);
+
+        // Overlap credit cannot make prefill negative; scale weights prefill only.
+        let p = CostParams {
+            overlap_credit: 2.0,
+            prefill_load_scale: 3.0,
+            ..P
+        };
+        let c = key_cost(&p, 3, 2, 16, 0, 0);
+        assert_eq!(c.prefill_blocks, 1.0);
+        assert_eq!(c.cost, 3.0);
+    }
+
+    #[test]
+    fn min_wins_and_ties_are_uniform() {
+        let mut rng = Rng::with_seed(7);
+        let mut w = Vec::new();
+        let costs = [3.0, 1.0, 2.0];
+        for _ in 0..100 {
+            assert_eq!(choose(&mut rng, 0.0, 3, |i| costs[i], &mut w), Some(1));
+        }
+        assert_eq!(choose(&mut rng, 0.0, 0, |_| 0.0, &mut w), None);
+
+        let costs = [1.0, 5.0, 1.0, 1.0, 9.0, 1.0];
+        let mut counts = [0u32; 6];
+        for _ in 0..4000 {
+            counts[choose(&mut rng, 0.0, 6, |i| costs[i], &mut w).unwrap()] += 1;
+        }
+        assert_eq!(counts[1] + counts[4], 0);
+        for i in [0, 2, 3, 5] {
+            assert!((800..1200).contains(&counts[i]), "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn softmax_prefers_cheap_but_not_exclusively() {
+        let mut rng = Rng::with_seed(11);
+        let mut w = Vec::new();
+        let costs = [10.0, 20.0, 40.0];
+        let mut counts = [0u32; 3];
+        for _ in 0..10_000 {
+            counts[choose(&mut rng, 0.5, 3, |i| costs[i], &mut w).unwrap()] += 1;
+        }
+        assert!(counts[0] > counts[1] && counts[1] > counts[2], "{counts:?}");
+        assert!(counts[2] > 0, "{counts:?}");
+        // Expected ratio p0/p1 = exp(0.25 / 0.5) ≈ 1.65.
+        let ratio = f64::from(counts[0]) / f64::from(counts[1]);
+        assert!((1.4..1.9).contains(&ratio), "{ratio}");
+
+        // All zero: uniform.
+        let mut counts = [0u32; 4];
+        for _ in 0..4000 {
+            counts[choose(&mut rng, 1.0, 4, |_| 0.0, &mut w).unwrap()] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (800..1200).contains(&c)),
+            "{counts:?}"
+        );
+
+        // Tiny temperature: effectively argmin, no NaN.
+        for _ in 0..100 {
+            assert_eq!(choose(&mut rng, 1e-300, 3, |i| costs[i], &mut w), Some(0));
+        }
+    }
+}

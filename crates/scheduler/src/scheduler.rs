@@ -1,0 +1,839 @@
+//! The scheduler: filters, busy thresholds, cost-based choice, active sequences, queue.
+
+use crate::active::{ActiveSequences, KeyLoad, ReportedLoad, RequestId, Slot};
+use crate::config::SchedulerConfig;
+use crate::cost::{self, CostParams, KeyCost};
+use crate::error::ScheduleError;
+use crate::queue::{Overloaded, Queued, RequestQueue};
+use fastrand::Rng;
+use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use std::time::Instant;
+
+/// A request to place.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RouteQuery<'a> {
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Sequence hashes of the prompt's full blocks.
+    pub sequence_hashes: &'a [SequenceHash],
+    /// Only these workers may serve it (None: any).
+    pub allowed_workers: Option<&'a [WorkerId]>,
+    /// Only this worker key may serve it.
+    pub pinned: Option<WorkerKey>,
+    /// Only this worker (any of its ranks) may serve it.
+    pub pinned_worker: Option<WorkerId>,
+}
+
+impl<'a> RouteQuery<'a> {
+    /// An unfiltered query.
+    pub fn new(prompt_tokens: usize, sequence_hashes: &'a [SequenceHash]) -> Self {
+        Self {
+            prompt_tokens,
+            sequence_hashes,
+            ..Self::default()
+        }
+    }
+
+    /// True if any filter (allowed, pinned key, pinned worker) is set.
+    pub fn is_filtered(&self) -> bool {
+        self.allowed_workers.is_some() || self.pinned.is_some() || self.pinned_worker.is_some()
+    }
+}
+
+/// The chosen worker key and why.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Selection {
+    pub key: WorkerKey,
+    /// Leading blocks of the request cached on the key.
+    pub overlap_blocks: u32,
+    pub cost: f64,
+    pub prefill_blocks: f64,
+    pub decode_blocks: u64,
+}
+
+/// What a key's load would be if the request went there.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct PotentialLoad {
+    pub key: WorkerKey,
+    pub overlap_blocks: u32,
+    pub potential_prefill_blocks: f64,
+    pub potential_decode_blocks: u64,
+}
+
+/// One model's scheduling core. `P` is an opaque token carried by queued requests (the
+/// owning actor's reply port); use the default `()` when the queue is not needed.
+///
+/// Overlaps are passed as a sparse list `&[(WorkerKey, u32)]` (what the indexer returns:
+/// only keys with overlap > 0); a key missing from it has overlap 0, a key listed twice
+/// counts with its largest overlap, keys the scheduler does not know are ignored.
+#[derive(Debug)]
+pub struct Scheduler<P = ()> {
+    config: SchedulerConfig,
+    params: CostParams,
+    rng: Rng,
+    active: ActiveSequences,
+    queue: RequestQueue<P>,
+    // Scratch reused by every call (sized by slot; all zero between calls).
+    overlap_by_slot: Vec<u32>,
+    hits_by_slot: Vec<u32>,
+    touched: Vec<Slot>,
+    hashes: Vec<SequenceHash>,
+    candidates: Vec<Slot>,
+    scored: Vec<(Slot, u32, KeyCost)>,
+    weights: Vec<f64>,
+}
+
+impl<P> Scheduler<P> {
+    /// A scheduler with no worker keys. Fails on an invalid config.
+    pub fn new(config: SchedulerConfig) -> Result<Self, ScheduleError> {
+        config.validate()?;
+        Ok(Self {
+            params: CostParams {
+                block_size: config.block_size,
+                overlap_credit: config.overlap_credit,
+                prefill_load_scale: config.prefill_load_scale,
+            },
+            rng: Rng::with_seed(config.seed),
+            queue: RequestQueue::new(config.max_queued_requests),
+            config,
+            active: ActiveSequences::default(),
+            overlap_by_slot: Vec::new(),
+            hits_by_slot: Vec::new(),
+            touched: Vec::new(),
+            hashes: Vec::new(),
+            candidates: Vec::new(),
+            scored: Vec::new(),
+            weights: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    // ---- worker keys -------------------------------------------------------------
+
+    /// Adds a worker key, or updates its capacity if known. True if the key is new.
+    pub fn add_worker_key(&mut self, key: WorkerKey, capacity_blocks: u64) -> bool {
+        self.active.add_key(key, capacity_blocks)
+    }
+
+    /// Removes a worker key; returns the active sequences dropped with it (sorted).
+    pub fn remove_worker_key(&mut self, key: WorkerKey) -> Vec<RequestId> {
+        let dropped = self.active.remove_key(key).unwrap_or_default();
+        if !dropped.is_empty() {
+            tracing::debug!(%key, dropped = dropped.len(), "worker key removed with active sequences");
+        }
+        dropped
+    }
+
+    /// Removes every key of a worker; returns the dropped active sequences (sorted).
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> Vec<RequestId> {
+        self.active.remove_worker(worker_id)
+    }
+
+    /// Known worker keys (in slot order; stable while the set of keys is unchanged).
+    pub fn worker_keys(&self) -> impl Iterator<Item = WorkerKey> + '_ {
+        self.active.states().map(|s| s.key)
+    }
+
+    pub fn has_key(&self, key: WorkerKey) -> bool {
+        self.active.slot_of(key).is_some()
+    }
+
+    pub fn has_worker(&self, worker_id: WorkerId) -> bool {
+        self.active.has_worker(worker_id)
+    }
+
+    /// Records a worker rank's own load report. False if the key is unknown.
+    pub fn set_reported_load(&mut self, key: WorkerKey, load: ReportedLoad) -> bool {
+        match self.active.slot_of(key) {
+            Some(slot) => {
+                self.active.state_mut(slot).load.reported = Some(load);
+                true
+            }
+            None => false,
+        }
+    }
+
+    // ---- loads ---------------------------------------------------------------------
+
+    /// Every key's load (for metrics).
+    pub fn loads(&self) -> impl Iterator<Item = (WorkerKey, KeyLoad)> + '_ {
+        self.active.states().map(|s| (s.key, s.load))
+    }
+
+    pub fn load(&self, key: WorkerKey) -> Option<KeyLoad> {
+        self.active.slot_of(key).map(|s| self.active.state(s).load)
+    }
+
+    /// Whether a key is over a busy threshold (None if unknown).
+    pub fn is_busy(&self, key: WorkerKey) -> Option<bool> {
+        self.active
+            .slot_of(key)
+            .map(|s| is_busy(&self.config, &self.active.state(s).load))
+    }
+
+    /// Number of active sequences.
+    pub fn active_requests(&self) -> usize {
+        self.active.request_count()
+    }
+
+    pub fn contains_request(&self, request_id: &str) -> bool {
+        self.active.contains(request_id)
+    }
+
+    /// For every key (filters ignored, slot order): its load if the request went there.
+    pub fn potential_loads(
+        &mut self,
+        req: &RouteQuery<'_>,
+        overlaps: &[(WorkerKey, u32)],
+    ) -> Vec<PotentialLoad> {
+        let distinct = self.prepare_scratch(req, overlaps);
+        let request_blocks = cost::request_blocks(req.prompt_tokens, self.config.block_size);
+        let out = self
+            .active
+            .slots()
+            .map(|slot| {
+                let (overlap, c) = self.cost_of(slot, request_blocks, distinct);
+                PotentialLoad {
+                    key: self.active.state(slot).key,
+                    overlap_blocks: overlap,
+                    potential_prefill_blocks: c.prefill_blocks,
+                    potential_decode_blocks: c.decode_blocks,
+                }
+            })
+            .collect();
+        self.reset_scratch(overlaps);
+        out
+    }
+
+    // ---- choice --------------------------------------------------------------------
+
+    /// Picks a worker key for the request without recording it.
+    pub fn select(
+        &mut self,
+        req: &RouteQuery<'_>,
+        overlaps: &[(WorkerKey, u32)],
+    ) -> Result<Selection, ScheduleError> {
+        self.select_slot(req, overlaps).map(|(s, _)| s)
+    }
+
+    /// `select`, then (if `update_states`) records the request as an active sequence on
+    /// the chosen key, with `prompt_tokens - overlap × block_size` prefill tokens.
+    pub fn route(
+        &mut self,
+        req: &RouteQuery<'_>,
+        overlaps: &[(WorkerKey, u32)],
+        request_id: RequestId,
+        update_states: bool,
+        now: Instant,
+    ) -> Result<Selection, ScheduleError> {
+        if update_states && self.active.contains(&request_id) {
+            return Err(ScheduleError::DuplicateRequest(request_id));
+        }
+        let (sel, slot) = self.select_slot(req, overlaps)?;
+        if update_states {
+            let prefill = cost::uncached_prefill_tokens(
+                req.prompt_tokens,
+                sel.overlap_blocks,
+                self.config.block_size,
+            );
+            self.active
+                .add(request_id, slot, req.sequence_hashes, prefill, now)?;
+        }
+        Ok(sel)
+    }
+
+    /// Records an active sequence on a key directly (e.g. a peer replica's decision).
+    pub fn add_request(
+        &mut self,
+        request_id: RequestId,
+        key: WorkerKey,
+        sequence_hashes: &[SequenceHash],
+        prefill_tokens: u64,
+        now: Instant,
+    ) -> Result<(), ScheduleError> {
+        let slot = self.slot_for_pinned(key)?;
+        self.active
+            .add(request_id, slot, sequence_hashes, prefill_tokens, now)
+    }
+
+    /// The request finished prefill. False if unknown.
+    pub fn mark_prefill(&mut self, request_id: &str) -> bool {
+        self.active.mark_prefill(request_id)
+    }
+
+    /// The request finished. False if unknown.
+    pub fn free(&mut self, request_id: &str) -> bool {
+        self.active.free(request_id)
+    }
+
+    /// Frees active sequences added `request_timeout` or longer before `now` (oldest
+    /// first). Does not touch the queue: `drain_ready` times queued requests out.
+    pub fn sweep(&mut self, now: Instant) -> Vec<RequestId> {
+        let freed = self.active.sweep(now, self.config.request_timeout);
+        if !freed.is_empty() {
+            tracing::debug!(freed = freed.len(), "swept timed-out active sequences");
+        }
+        freed
+    }
+
+    // ---- queue ---------------------------------------------------------------------
+
+    /// Queues a request that found every candidate busy; gives it back when the queue
+    /// is full.
+    pub fn enqueue(&mut self, pending: Queued<P>) -> Result<(), Overloaded<P>> {
+        self.queue.push(pending)
+    }
+
+    pub fn queue_len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Empties the queue (e.g. on shutdown), FIFO order.
+    pub fn take_queued(&mut self) -> Vec<Queued<P>> {
+        self.queue.drain().collect()
+    }
+
+    /// Retries queued requests in FIFO order (call after any state change). Returns, in
+    /// queue order, those placed now, those that now fail for a reason other than
+    /// busy (e.g. their pinned worker left), and those queued `request_timeout` or
+    /// longer (`QueueTimeout`); the still-busy ones stay queued in order.
+    pub fn drain_ready(&mut self, now: Instant) -> Vec<(P, Result<Selection, ScheduleError>)> {
+        let mut out = Vec::new();
+        // Busy depends only on key load and placing a request only adds load: once an
+        // unfiltered request found every key busy, later unfiltered ones will too.
+        let mut all_busy = false;
+        for _ in 0..self.queue.len() {
+            let Some(r) = self.queue.pop_front() else {
+                break;
+            };
+            if now.saturating_duration_since(r.enqueued_at) >= self.config.request_timeout {
+                out.push((r.token, Err(ScheduleError::QueueTimeout)));
+                continue;
+            }
+            let query = r.query();
+            let unfiltered = !query.is_filtered();
+            if unfiltered && all_busy {
+                self.queue.requeue(r);
+                continue;
+            }
+            if r.update_states && self.active.contains(&r.request_id) {
+                out.push((r.token, Err(ScheduleError::DuplicateRequest(r.request_id))));
+                continue;
+            }
+            match self.select_slot(&query, &r.overlaps) {
+                Err(ScheduleError::AllBusy) => {
+                    all_busy |= unfiltered;
+                    self.queue.requeue(r);
+                }
+                Err(e) => out.push((r.token, Err(e))),
+                Ok((sel, slot)) => {
+                    let result = if r.update_states {
+                        let prefill = cost::uncached_prefill_tokens(
+                            r.prompt_tokens,
+                            sel.overlap_blocks,
+                            self.config.block_size,
+                        );
+                        self.active
+                            .add(r.request_id, slot, &r.sequence_hashes, prefill, now)
+                            .map(|()| sel)
+                    } else {
+                        Ok(sel)
+                    };
+                    out.push((r.token, result));
+                }
+            }
+        }
+        out
+    }
+
+    // ---- internals -------------------------------------------------------------------
+
+    fn slot_for_pinned(&self, key: WorkerKey) -> Result<Slot, ScheduleError> {
+        if !self.active.has_worker(key.worker_id) {
+            return Err(ScheduleError::UnknownWorker(key.worker_id));
+        }
+        self.active.slot_of(key).ok_or(ScheduleError::InvalidRank {
+            worker_id: key.worker_id,
+            dp_rank: key.dp_rank,
+        })
+    }
+
+    /// Fills `self.candidates` with the slots the filters allow (before busy).
+    fn filter_candidates(&mut self, req: &RouteQuery<'_>) -> Result<(), ScheduleError> {
+        self.candidates.clear();
+        if self.active.key_count() == 0 {
+            return Err(ScheduleError::NoWorkers);
+        }
+        let allowed = |w: WorkerId| req.allowed_workers.is_none_or(|a| a.contains(&w));
+        if let Some(key) = req.pinned {
+            let slot = self.slot_for_pinned(key)?;
+            if !allowed(key.worker_id) || req.pinned_worker.is_some_and(|w| w != key.worker_id) {
+                return Err(ScheduleError::NoAllowedWorkers);
+            }
+            self.candidates.push(slot);
+        } else if let Some(w) = req.pinned_worker {
+            if !self.active.has_worker(w) {
+                return Err(ScheduleError::UnknownWorker(w));
+            }
+            if !allowed(w) {
+                return Err(ScheduleError::NoAllowedWorkers);
+            }
+            self.candidates
+                .extend_from_slice(self.active.worker_slots(w));
+        } else if let Some(list) = req.allowed_workers {
+            for (i, w) in list.iter().enumerate() {
+                if !list[..i].contains(w) {
+                    self.candidates
+                        .extend_from_slice(self.active.worker_slots(*w));
+                }
+            }
+            if self.candidates.is_empty() {
+                return Err(ScheduleError::NoAllowedWorkers);
+            }
+        } else {
+            self.candidates.extend(self.active.slots());
+        }
+        Ok(())
+    }
+
+    /// Loads overlaps and "blocks already active" counts into the per-slot scratch;
+    /// returns the number of distinct request blocks. Undo with `reset_scratch`.
+    fn prepare_scratch(&mut self, req: &RouteQuery<'_>, overlaps: &[(WorkerKey, u32)]) -> u64 {
+        let bound = self.active.slot_bound();
+        if self.overlap_by_slot.len() < bound {
+            self.overlap_by_slot.resize(bound, 0);
+            self.hits_by_slot.resize(bound, 0);
+        }
+        for &(key, overlap) in overlaps {
+            if let Some(slot) = self.active.slot_of(key) {
+                let o = &mut self.overlap_by_slot[slot as usize];
+                *o = (*o).max(overlap);
+            }
+        }
+        self.hashes.clear();
+        self.hashes.extend_from_slice(req.sequence_hashes);
+        self.hashes.sort_unstable();
+        self.hashes.dedup();
+        if self.active.request_count() > 0 {
+            let (hits, touched) = (&mut self.hits_by_slot, &mut self.touched);
+            for &h in &self.hashes {
+                self.active.for_each_holder(h, |slot| {
+                    let n = &mut hits[slot as usize];
+                    if *n == 0 {
+                        touched.push(slot);
+                    }
+                    *n += 1;
+                });
+            }
+        }
+        self.hashes.len() as u64
+    }
+
+    fn reset_scratch(&mut self, overlaps: &[(WorkerKey, u32)]) {
+        for &(key, _) in overlaps {
+            if let Some(slot) = self.active.slot_of(key) {
+                self.overlap_by_slot[slot as usize] = 0;
+            }
+        }
+        for slot in self.touched.drain(..) {
+            self.hits_by_slot[slot as usize] = 0;
+        }
+    }
+
+    /// Cost of `slot` with the scratch prepared.
+    fn cost_of(&self, slot: Slot, request_blocks: u64, distinct: u64) -> (u32, KeyCost) {
+        let load = &self.active.state(slot).load;
+        let overlap = self.overlap_by_slot[slot as usize];
+        let new_blocks = distinct - u64::from(self.hits_by_slot[slot as usize]);
+        let c = cost::key_cost(
+            &self.params,
+            request_blocks,
+            overlap,
+            load.prefill_tokens,
+            load.active_blocks,
+            new_blocks,
+        );
+        (overlap, c)
+    }
+
+    fn select_slot(
+        &mut self,
+        req: &RouteQuery<'_>,
+        overlaps: &[(WorkerKey, u32)],
+    ) -> Result<(Selection, Slot), ScheduleError> {
+        self.filter_candidates(req)?;
+        let (config, active) = (&self.config, &self.active);
+        self.candidates
+            .retain(|&s| !is_busy(config, &active.state(s).load));
+        if self.candidates.is_empty() {
+            return Err(ScheduleError::AllBusy);
+        }
+
+        let distinct = self.prepare_scratch(req, overlaps);
+        let request_blocks = cost::request_blocks(req.prompt_tokens, self.config.block_size);
+        let mut scored = std::mem::take(&mut self.scored);
+        scored.clear();
+        scored.extend(self.candidates.iter().map(|&slot| {
+            let (overlap, c) = self.cost_of(slot, request_blocks, distinct);
+            (slot, overlap, c)
+        }));
+        self.reset_scratch(overlaps);
+
+        let i = cost::choose(
+            &mut self.rng,
+            self.config.temperature,
+            scored.len(),
+            |i| scored[i].2.cost,
+            &mut self.weights,
+        )
+        .expect("at least one candidate");
+        let (slot, overlap, c) = scored[i];
+        self.scored = scored;
+        let sel = Selection {
+            key: self.active.state(slot).key,
+            overlap_blocks: overlap,
+            cost: c.cost,
+            prefill_blocks: c.prefill_blocks,
+            decode_blocks: c.decode_blocks,
+        };
+        tracing::trace!(key = %sel.key, cost = sel.cost, overlap, "selected");
+        Ok((sel, slot))
+    }
+}
+
+/// Busy thresholds. The blocks threshold uses the larger of the tracked and the reported
+/// active blocks, and does not apply to a key of unknown (0) capacity.
+fn is_busy(config: &SchedulerConfig, load: &KeyLoad) -> bool {
+    if let Some(frac) = config.busy_active_blocks_frac {
+        if load.capacity_blocks > 0 {
+            let reported = load.reported.map_or(0, |r| r.active_blocks);
+            let active = load.active_blocks.max(reported);
+            if active as f64 >= frac * load.capacity_blocks as f64 {
+                return true;
+            }
+        }
+    }
+    config
+        .busy_prefill_tokens
+        .is_some_and(|t| load.prefill_tokens >= t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const BS: u32 = 4;
+
+    fn sched(f: impl FnOnce(&mut SchedulerConfig)) -> Scheduler<u32> {
+        let mut c = SchedulerConfig {
+            block_size: BS,
+            seed: 42,
+            ..Default::default()
+        };
+        f(&mut c);
+        Scheduler::new(c).unwrap()
+    }
+
+    fn k(w: u64, r: u32) -> WorkerKey {
+        WorkerKey::new(w, r)
+    }
+
+    fn hs(v: &[u64]) -> Vec<SequenceHash> {
+        v.iter().map(|&x| SequenceHash(x)).collect()
+    }
+
+    #[test]
+    fn is_send() {
+        fn assert_send<T: Send>() {}
+        assert_send::<Scheduler<u32>>();
+    }
+
+    #[test]
+    fn invalid_config_is_rejected() {
+        let c = SchedulerConfig {
+            block_size: 0,
+            ..Default::default()
+        };
+        assert!(matches!(
+            Scheduler::<()>::new(c),
+            Err(ScheduleError::InvalidConfig(_))
+        ));
+    }
+
+    #[test]
+    fn filters() {
+        let mut s = sched(|_| {});
+        let h = hs(&[1]);
+        let q = RouteQuery::new(4, &h);
+        assert_eq!(s.select(&q, &[]), Err(ScheduleError::NoWorkers));
+        s.add_worker_key(k(1, 0), 100);
+        s.add_worker_key(k(1, 1), 100);
+        s.add_worker_key(k(2, 0), 100);
+
+        let pinned = |key| RouteQuery {
+            pinned: Some(key),
+            ..q
+        };
+        assert_eq!(
+            s.select(&pinned(k(9, 0)), &[]),
+            Err(ScheduleError::UnknownWorker(9))
+        );
+        assert_eq!(
+            s.select(&pinned(k(1, 5)), &[]),
+            Err(ScheduleError::InvalidRank {
+                worker_id: 1,
+                dp_rank: 5
+            })
+        );
+        for _ in 0..20 {
+            assert_eq!(s.select(&pinned(k(1, 1)), &[]).unwrap().key, k(1, 1));
+        }
+        let allowed = [7u64, 8];
+        let q_allowed = RouteQuery {
+            allowed_workers: Some(&allowed),
+            ..q
+        };
+        assert_eq!(
+            s.select(&q_allowed, &[]),
+            Err(ScheduleError::NoAllowedWorkers)
+        );
+        let empty: [u64; 0] = [];
+        let q_empty = RouteQuery {
+            allowed_workers: Some(&empty),
+            ..q
+        };
+        assert_eq!(
+            s.select(&q_empty, &[]),
+            Err(ScheduleError::NoAllowedWorkers)
+        );
+        let allowed = [2u64, 7, 2];
+        let q_allowed = RouteQuery {
+            allowed_workers: Some(&allowed),
+            ..q
+        };
+        for _ in 0..20 {
+            assert_eq!(s.select(&q_allowed, &[]).unwrap().key, k(2, 0));
+        }
+        // Pinned outside the allowed list.
+        let q_conflict = RouteQuery {
+            pinned: Some(k(1, 0)),
+            ..q_allowed
+        };
+        assert_eq!(
+            s.select(&q_conflict, &[]),
+            Err(ScheduleError::NoAllowedWorkers)
+        );
+
+        let q_worker = |w| RouteQuery {
+            pinned_worker: Some(w),
+            ..q
+        };
+        assert_eq!(
+            s.select(&q_worker(9), &[]),
+            Err(ScheduleError::UnknownWorker(9))
+        );
+        let mut seen = [false; 2];
+        for _ in 0..50 {
+            let sel = s.select(&q_worker(1), &[]).unwrap();
+            assert_eq!(sel.key.worker_id, 1);
+            seen[sel.key.dp_rank as usize] = true;
+        }
+        assert_eq!(seen, [true, true]);
+    }
+
+    #[test]
+    fn overlap_and_load_drive_the_choice() {
+        let mut s = sched(|_| {});
+        let now = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        s.add_worker_key(k(2, 0), 100);
+        let h = hs(&[1, 2, 3]);
+        let q = RouteQuery::new(14, &h); // 4 request blocks (3 full)
+                                         // Key 2 caches 2 blocks.
+        let sel = s.route(&q, &[(k(2, 0), 2)], "a".into(), true, now).unwrap();
+        assert_eq!(sel.key, k(2, 0));
+        assert_eq!(sel.overlap_blocks, 2);
+        assert_eq!(sel.prefill_blocks, 2.0);
+        assert_eq!(sel.decode_blocks, 3);
+        assert_eq!(sel.cost, 5.0);
+        let load = s.load(k(2, 0)).unwrap();
+        assert_eq!(load.prefill_tokens, 14 - 8);
+        assert_eq!(load.active_blocks, 3);
+        assert_eq!(load.active_requests, 1);
+
+        // Same prompt, no overlap info: key 2 has the blocks active (no new decode
+        // blocks) but 6 prefill tokens in flight (1.5 blocks): 4 + 1.5 + 3 = 8.5 vs
+        // key 1: 4 + 3 = 7.
+        let p = s.potential_loads(&q, &[]);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].key, k(1, 0));
+        assert_eq!(
+            (p[0].potential_prefill_blocks, p[0].potential_decode_blocks),
+            (4.0, 3)
+        );
+        assert_eq!(
+            (p[1].potential_prefill_blocks, p[1].potential_decode_blocks),
+            (5.5, 3)
+        );
+        assert_eq!(s.select(&q, &[]).unwrap().key, k(1, 0));
+
+        assert!(s.mark_prefill("a"));
+        // Now key 2: 4 + 3 = 7 ties with key 1; both get chosen.
+        let mut seen = [false; 2];
+        for _ in 0..50 {
+            let sel = s.select(&q, &[]).unwrap();
+            assert_eq!(sel.cost, 7.0);
+            seen[(sel.key.worker_id - 1) as usize] = true;
+        }
+        assert_eq!(seen, [true, true]);
+
+        assert_eq!(
+            s.route(&q, &[], "a".into(), true, now),
+            Err(ScheduleError::DuplicateRequest("a".into()))
+        );
+        // update_states = false records nothing (and allows any id).
+        s.route(&q, &[], "a".into(), false, now).unwrap();
+        assert_eq!(s.active_requests(), 1);
+        assert!(s.free("a"));
+        assert!(!s.free("a"));
+        assert!(!s.mark_prefill("a"));
+        assert!(s
+            .loads()
+            .all(|(_, l)| l.active_blocks == 0 && l.prefill_tokens == 0));
+    }
+
+    #[test]
+    fn busy_thresholds() {
+        let mut s = sched(|c| {
+            c.busy_active_blocks_frac = Some(0.5);
+            c.busy_prefill_tokens = Some(10);
+        });
+        let now = Instant::now();
+        s.add_worker_key(k(1, 0), 8);
+        s.add_worker_key(k(2, 0), 8);
+        s.add_worker_key(k(3, 0), 0); // unknown capacity: blocks threshold off
+        let h = hs(&[1, 2, 3, 4]);
+        let q = RouteQuery::new(16, &h);
+        s.add_request("a".into(), k(1, 0), &h, 0, now).unwrap();
+        assert_eq!(s.is_busy(k(1, 0)), Some(true));
+        assert!(s.set_reported_load(
+            k(2, 0),
+            ReportedLoad {
+                active_blocks: 4,
+                waiting_requests: 0
+            }
+        ));
+        assert!(!s.set_reported_load(k(9, 0), ReportedLoad::default()));
+        assert_eq!(s.is_busy(k(2, 0)), Some(true));
+        s.add_request("b".into(), k(3, 0), &hs(&[9; 0]), 10, now)
+            .unwrap();
+        assert_eq!(s.is_busy(k(3, 0)), Some(true));
+        assert_eq!(s.select(&q, &[]), Err(ScheduleError::AllBusy));
+
+        s.set_reported_load(k(2, 0), ReportedLoad::default());
+        for _ in 0..20 {
+            assert_eq!(s.select(&q, &[(k(1, 0), 4)]).unwrap().key, k(2, 0));
+        }
+        // A busy pinned key is AllBusy, not rerouted.
+        let pinned = RouteQuery {
+            pinned: Some(k(1, 0)),
+            ..q
+        };
+        assert_eq!(s.select(&pinned, &[]), Err(ScheduleError::AllBusy));
+        assert!(s.mark_prefill("b"));
+        assert_eq!(s.is_busy(k(3, 0)), Some(false));
+    }
+
+    #[test]
+    fn queue_drains_in_order_after_state_changes() {
+        let mut s = sched(|c| {
+            c.busy_prefill_tokens = Some(4);
+            c.max_queued_requests = 3;
+            c.request_timeout = Duration::from_secs(10);
+        });
+        let t0 = Instant::now();
+        let t = |secs| t0 + Duration::from_secs(secs);
+        s.add_worker_key(k(1, 0), 100);
+        s.add_worker_key(k(2, 0), 100);
+        let h = hs(&[1]);
+        let q = RouteQuery::new(4, &h);
+        let first = s.route(&q, &[], "r1".into(), true, t(0)).unwrap();
+        let second = s.route(&q, &[], "r2".into(), true, t(0)).unwrap();
+        assert_ne!(first.key, second.key);
+        let on_key1 = if first.key == k(1, 0) { "r1" } else { "r2" };
+        assert_eq!(s.select(&q, &[]), Err(ScheduleError::AllBusy));
+        assert!(s.drain_ready(t(0)).is_empty());
+
+        let pinned_q = RouteQuery {
+            pinned: Some(k(2, 0)),
+            ..q
+        };
+        s.enqueue(Queued::new(&q, &[], "q1".into(), true, t(1), 1))
+            .unwrap();
+        s.enqueue(Queued::new(&pinned_q, &[], "q2".into(), true, t(1), 2))
+            .unwrap();
+        s.enqueue(Queued::new(&q, &[], "q3".into(), true, t(2), 3))
+            .unwrap();
+        let over = s
+            .enqueue(Queued::new(&q, &[], "q4".into(), true, t(2), 4))
+            .unwrap_err();
+        assert_eq!(
+            over.error(),
+            ScheduleError::Overloaded { queued: 3, max: 3 }
+        );
+        assert_eq!(s.queue_len(), 3);
+        assert!(s.drain_ready(t(3)).is_empty());
+        assert_eq!(s.queue_len(), 3);
+
+        // Key 1 frees up: q1 goes there (and makes it busy again); q2 is pinned to busy
+        // key 2, q3 stays.
+        assert!(s.mark_prefill(on_key1));
+        let out = s.drain_ready(t(4));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, 1);
+        assert!(s.contains_request("q1"));
+        assert_eq!(s.queue_len(), 2);
+
+        // The pinned worker leaves: q2 fails for a non-busy reason, q3 keeps waiting.
+        let dropped = s.remove_worker(2);
+        assert!(!dropped.is_empty());
+        let out = s.drain_ready(t(5));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0], (2, Err(ScheduleError::UnknownWorker(2))));
+        assert_eq!(s.queue_len(), 1);
+
+        // q3 times out.
+        let out = s.drain_ready(t(12));
+        assert_eq!(out, vec![(3, Err(ScheduleError::QueueTimeout))]);
+        assert_eq!(s.queue_len(), 0);
+    }
+
+    #[test]
+    fn sweep_and_remove_return_request_ids() {
+        let mut s = sched(|c| c.request_timeout = Duration::from_secs(5));
+        let t0 = Instant::now();
+        s.add_worker_key(k(1, 0), 10);
+        s.add_worker_key(k(1, 1), 10);
+        let h = hs(&[1, 2]);
+        s.add_request("a".into(), k(1, 0), &h, 3, t0).unwrap();
+        s.add_request("b".into(), k(1, 1), &h, 3, t0 + Duration::from_secs(3))
+            .unwrap();
+        assert_eq!(
+            s.add_request("c".into(), k(1, 7), &h, 3, t0),
+            Err(ScheduleError::InvalidRank {
+                worker_id: 1,
+                dp_rank: 7
+            })
+        );
+        assert_eq!(s.sweep(t0 + Duration::from_secs(5)), vec!["a"]);
+        assert_eq!(s.load(k(1, 0)).unwrap().active_blocks, 0);
+        assert_eq!(s.remove_worker_key(k(1, 1)), vec!["b"]);
+        assert!(!s.has_key(k(1, 1)));
+        assert_eq!(s.worker_keys().collect::<Vec<_>>(), vec![k(1, 0)]);
+        assert_eq!(s.active_requests(), 0);
+    }
+}

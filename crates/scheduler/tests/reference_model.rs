@@ -1,0 +1,652 @@
+//! Random operation sequences against a brute-force reference model.
+//!
+//! After every step the scheduler's per-key load (active blocks deduplicated by sequence
+//! hash, prefill tokens, request counts) must equal the model's; every route answer must
+//! match the model's filter / busy verdict, and at temperature 0 the chosen key must be a
+//! non-busy allowed candidate whose cost equals the model's minimum. Queued requests are
+//! replayed through `drain_ready` and checked the same way.
+
+use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use kvrouter_scheduler::{
+    Queued, ReportedLoad, RouteQuery, ScheduleError, Scheduler, SchedulerConfig, Selection,
+};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+const BS: u32 = 4;
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Clone, Debug)]
+enum Filter {
+    None,
+    Allowed(Vec<WorkerId>),
+    Pinned(WorkerKey),
+    PinnedWorker(WorkerId),
+    PinnedBoth(WorkerKey, WorkerId),
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    AddKey(WorkerKey, u64),
+    RemoveKey(WorkerKey),
+    RemoveWorker(WorkerId),
+    Report(WorkerKey, u64),
+    Route {
+        prompt_tokens: usize,
+        hashes: Vec<u64>,
+        overlaps: Vec<(WorkerKey, u32)>,
+        filter: Filter,
+        update: bool,
+        reuse_id: Option<usize>,
+        queue_if_busy: bool,
+    },
+    MarkPrefill(usize),
+    Free(usize),
+    Sweep,
+    Drain,
+}
+
+fn key() -> impl Strategy<Value = WorkerKey> {
+    (1u64..=4, 0u32..3).prop_map(|(w, r)| WorkerKey::new(w, r))
+}
+
+fn filter() -> impl Strategy<Value = Filter> {
+    prop_oneof![
+        4 => Just(Filter::None),
+        1 => prop::collection::vec(0u64..=5, 0..4).prop_map(Filter::Allowed),
+        1 => key().prop_map(Filter::Pinned),
+        1 => (0u64..=5).prop_map(Filter::PinnedWorker),
+        1 => (key(), 1u64..=4).prop_map(|(k, w)| Filter::PinnedBoth(k, w)),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let route = (
+        0usize..40,
+        prop::collection::vec(0u64..16, 10),
+        prop::collection::vec((key(), 0u32..12), 0..5),
+        filter(),
+        prop::bool::weighted(0.85),
+        prop::option::weighted(0.1, 0usize..100),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(prompt_tokens, pool, overlaps, filter, update, reuse_id, queue_if_busy)| {
+                let full = prompt_tokens / BS as usize;
+                Op::Route {
+                    prompt_tokens,
+                    hashes: pool[..full].to_vec(),
+                    overlaps,
+                    filter,
+                    update,
+                    reuse_id,
+                    queue_if_busy,
+                }
+            },
+        );
+    prop_oneof![
+        3 => (key(), prop_oneof![Just(0u64), 4u64..40]).prop_map(|(k, c)| Op::AddKey(k, c)),
+        1 => key().prop_map(Op::RemoveKey),
+        1 => (1u64..=4).prop_map(Op::RemoveWorker),
+        1 => (key(), 0u64..40).prop_map(|(k, a)| Op::Report(k, a)),
+        8 => route,
+        2 => (0usize..100).prop_map(Op::MarkPrefill),
+        3 => (0usize..100).prop_map(Op::Free),
+        1 => Just(Op::Sweep),
+        2 => Just(Op::Drain),
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct Cfg {
+    overlap_credit: f64,
+    prefill_load_scale: f64,
+    busy_frac: Option<f64>,
+    busy_prefill: Option<u64>,
+    max_queued: usize,
+    seed: u64,
+}
+
+fn cfg() -> impl Strategy<Value = Cfg> {
+    (
+        prop::sample::select(vec![0.0, 0.5, 1.0, 2.0]),
+        prop::sample::select(vec![0.0, 0.5, 1.0, 3.0]),
+        prop::option::of(prop::sample::select(vec![0.3, 0.5, 1.0])),
+        prop::option::of(prop::sample::select(vec![6u64, 20])),
+        0usize..4,
+        any::<u64>(),
+    )
+        .prop_map(
+            |(overlap_credit, prefill_load_scale, busy_frac, busy_prefill, max_queued, seed)| Cfg {
+                overlap_credit,
+                prefill_load_scale,
+                busy_frac,
+                busy_prefill,
+                max_queued,
+                seed,
+            },
+        )
+}
+
+// ---- the reference model ---------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+struct RefKey {
+    capacity: u64,
+    reported: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+struct RefReq {
+    key: WorkerKey,
+    hashes: Vec<u64>,
+    prefill: u64,
+    added: Instant,
+}
+
+#[derive(Clone, Debug)]
+struct RefQueued {
+    token: u64,
+    id: String,
+    prompt_tokens: usize,
+    hashes: Vec<u64>,
+    overlaps: Vec<(WorkerKey, u32)>,
+    filter: Filter,
+    update: bool,
+    at: Instant,
+}
+
+struct Model {
+    cfg: Cfg,
+    keys: BTreeMap<WorkerKey, RefKey>,
+    reqs: BTreeMap<String, RefReq>,
+    queue: Vec<RefQueued>,
+}
+
+impl Model {
+    fn workers(&self) -> BTreeSet<WorkerId> {
+        self.keys.keys().map(|k| k.worker_id).collect()
+    }
+
+    fn active_set(&self, key: WorkerKey) -> BTreeSet<u64> {
+        self.reqs
+            .values()
+            .filter(|r| r.key == key)
+            .flat_map(|r| r.hashes.iter().copied())
+            .collect()
+    }
+
+    fn prefill_tokens(&self, key: WorkerKey) -> u64 {
+        self.reqs
+            .values()
+            .filter(|r| r.key == key)
+            .map(|r| r.prefill)
+            .sum()
+    }
+
+    fn busy(&self, key: WorkerKey) -> bool {
+        let k = &self.keys[&key];
+        let active = self.active_set(key).len() as u64;
+        if let Some(frac) = self.cfg.busy_frac {
+            let a = active.max(k.reported.unwrap_or(0));
+            if k.capacity > 0 && a as f64 >= frac * k.capacity as f64 {
+                return true;
+            }
+        }
+        matches!(self.cfg.busy_prefill, Some(t) if self.prefill_tokens(key) >= t)
+    }
+
+    /// Candidates after filters (before busy), or the filter error.
+    fn candidates(&self, filter: &Filter) -> Result<Vec<WorkerKey>, ScheduleError> {
+        if self.keys.is_empty() {
+            return Err(ScheduleError::NoWorkers);
+        }
+        let workers = self.workers();
+        let pinned_key = |k: WorkerKey| {
+            if !workers.contains(&k.worker_id) {
+                Err(ScheduleError::UnknownWorker(k.worker_id))
+            } else if !self.keys.contains_key(&k) {
+                Err(ScheduleError::InvalidRank {
+                    worker_id: k.worker_id,
+                    dp_rank: k.dp_rank,
+                })
+            } else {
+                Ok(vec![k])
+            }
+        };
+        match filter {
+            Filter::None => Ok(self.keys.keys().copied().collect()),
+            Filter::Pinned(k) => pinned_key(*k),
+            Filter::PinnedBoth(k, w) => {
+                let c = pinned_key(*k)?;
+                if *w != k.worker_id {
+                    Err(ScheduleError::NoAllowedWorkers)
+                } else {
+                    Ok(c)
+                }
+            }
+            Filter::PinnedWorker(w) => {
+                if !workers.contains(w) {
+                    return Err(ScheduleError::UnknownWorker(*w));
+                }
+                Ok(self
+                    .keys
+                    .keys()
+                    .filter(|k| k.worker_id == *w)
+                    .copied()
+                    .collect())
+            }
+            Filter::Allowed(list) => {
+                let c: Vec<_> = self
+                    .keys
+                    .keys()
+                    .filter(|k| list.contains(&k.worker_id))
+                    .copied()
+                    .collect();
+                if c.is_empty() {
+                    Err(ScheduleError::NoAllowedWorkers)
+                } else {
+                    Ok(c)
+                }
+            }
+        }
+    }
+
+    fn overlap(overlaps: &[(WorkerKey, u32)], key: WorkerKey) -> u32 {
+        overlaps
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, o)| *o)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// (prefill_blocks, decode_blocks, cost) of sending the request to `key`.
+    fn cost(
+        &self,
+        key: WorkerKey,
+        prompt_tokens: usize,
+        hashes: &[u64],
+        overlaps: &[(WorkerKey, u32)],
+    ) -> (f64, u64, f64) {
+        let request_blocks = (prompt_tokens as u64).div_ceil(u64::from(BS)) as f64;
+        let overlap = f64::from(Self::overlap(overlaps, key));
+        let prefill = (request_blocks - self.cfg.overlap_credit * overlap).max(0.0)
+            + self.prefill_tokens(key) as f64 / f64::from(BS);
+        let mut set = self.active_set(key);
+        set.extend(hashes.iter().copied());
+        let decode = set.len() as u64;
+        (
+            prefill,
+            decode,
+            self.cfg.prefill_load_scale * prefill + decode as f64,
+        )
+    }
+
+    /// The verdict for a request: Err(expected error) or Ok(non-busy candidates).
+    fn verdict(&self, filter: &Filter) -> Result<Vec<WorkerKey>, ScheduleError> {
+        let c = self.candidates(filter)?;
+        let free: Vec<_> = c.into_iter().filter(|&k| !self.busy(k)).collect();
+        if free.is_empty() {
+            Err(ScheduleError::AllBusy)
+        } else {
+            Ok(free)
+        }
+    }
+
+    /// Checks a successful selection against the model; panics with context on mismatch.
+    fn check_selection(
+        &self,
+        sel: &Selection,
+        free: &[WorkerKey],
+        prompt_tokens: usize,
+        hashes: &[u64],
+        overlaps: &[(WorkerKey, u32)],
+    ) {
+        assert!(
+            free.contains(&sel.key),
+            "chose {} outside {free:?}",
+            sel.key
+        );
+        let (p, d, c) = self.cost(sel.key, prompt_tokens, hashes, overlaps);
+        assert!(
+            (sel.prefill_blocks - p).abs() < 1e-9,
+            "prefill {sel:?} vs {p}"
+        );
+        assert_eq!(sel.decode_blocks, d, "{sel:?}");
+        assert!((sel.cost - c).abs() < 1e-9, "cost {sel:?} vs {c}");
+        assert_eq!(sel.overlap_blocks, Self::overlap(overlaps, sel.key));
+        let min = free
+            .iter()
+            .map(|&k| self.cost(k, prompt_tokens, hashes, overlaps).2)
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            (sel.cost - min).abs() < 1e-9,
+            "cost {} but min {min}",
+            sel.cost
+        );
+    }
+
+    fn add(
+        &mut self,
+        id: String,
+        key: WorkerKey,
+        prompt_tokens: usize,
+        hashes: &[u64],
+        overlap: u32,
+        now: Instant,
+    ) {
+        let prefill = (prompt_tokens as u64).saturating_sub(u64::from(overlap) * u64::from(BS));
+        self.reqs.insert(
+            id,
+            RefReq {
+                key,
+                hashes: hashes.to_vec(),
+                prefill,
+                added: now,
+            },
+        );
+    }
+
+    fn drop_key(&mut self, key: WorkerKey) -> Vec<String> {
+        self.keys.remove(&key);
+        let ids: Vec<String> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.key == key)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &ids {
+            self.reqs.remove(id);
+        }
+        ids
+    }
+}
+
+fn to_hashes(v: &[u64]) -> Vec<SequenceHash> {
+    v.iter().map(|&h| SequenceHash(h)).collect()
+}
+
+fn query<'a>(
+    prompt_tokens: usize,
+    hashes: &'a [SequenceHash],
+    filter: &'a Filter,
+) -> RouteQuery<'a> {
+    let mut q = RouteQuery::new(prompt_tokens, hashes);
+    match filter {
+        Filter::None => {}
+        Filter::Allowed(list) => q.allowed_workers = Some(list),
+        Filter::Pinned(k) => q.pinned = Some(*k),
+        Filter::PinnedWorker(w) => q.pinned_worker = Some(*w),
+        Filter::PinnedBoth(k, w) => {
+            q.pinned = Some(*k);
+            q.pinned_worker = Some(*w);
+        }
+    }
+    q
+}
+
+fn check_state(s: &Scheduler<u64>, m: &Model) {
+    let keys: BTreeSet<WorkerKey> = s.worker_keys().collect();
+    assert_eq!(keys, m.keys.keys().copied().collect::<BTreeSet<_>>());
+    for (key, load) in s.loads() {
+        let rk = &m.keys[&key];
+        assert_eq!(
+            load.active_blocks,
+            m.active_set(key).len() as u64,
+            "blocks of {key}"
+        );
+        assert_eq!(
+            load.prefill_tokens,
+            m.prefill_tokens(key),
+            "prefill of {key}"
+        );
+        let n = m.reqs.values().filter(|r| r.key == key).count() as u64;
+        assert_eq!(load.active_requests, n, "requests of {key}");
+        assert_eq!(load.capacity_blocks, rk.capacity);
+        assert_eq!(load.reported.map(|r| r.active_blocks), rk.reported);
+        assert_eq!(s.is_busy(key), Some(m.busy(key)), "busy of {key}");
+    }
+    assert_eq!(s.active_requests(), m.reqs.len());
+    assert_eq!(s.queue_len(), m.queue.len());
+}
+
+fn run(cfg: Cfg, ops: Vec<Op>) {
+    let config = SchedulerConfig {
+        block_size: BS,
+        overlap_credit: cfg.overlap_credit,
+        prefill_load_scale: cfg.prefill_load_scale,
+        temperature: 0.0,
+        busy_active_blocks_frac: cfg.busy_frac,
+        busy_prefill_tokens: cfg.busy_prefill,
+        max_queued_requests: cfg.max_queued,
+        request_timeout: TIMEOUT,
+        seed: cfg.seed,
+    };
+    let mut s: Scheduler<u64> = Scheduler::new(config).unwrap();
+    let mut m = Model {
+        cfg,
+        keys: BTreeMap::new(),
+        reqs: BTreeMap::new(),
+        queue: Vec::new(),
+    };
+    let mut now = Instant::now();
+    let mut next_id = 0u64;
+    let mut ids: Vec<String> = Vec::new(); // every id ever used
+    for (step, op) in ops.into_iter().enumerate() {
+        now += Duration::from_millis(1500);
+        let pick = |i: usize, ids: &[String]| -> String {
+            if ids.is_empty() || i >= ids.len() * 2 {
+                "unknown".to_string()
+            } else {
+                ids[i % ids.len()].clone()
+            }
+        };
+        match op {
+            Op::AddKey(key, cap) => {
+                let new = s.add_worker_key(key, cap);
+                assert_eq!(new, !m.keys.contains_key(&key));
+                let reported = m.keys.get(&key).and_then(|k| k.reported);
+                m.keys.insert(
+                    key,
+                    RefKey {
+                        capacity: cap,
+                        reported,
+                    },
+                );
+            }
+            Op::RemoveKey(key) => {
+                let got = s.remove_worker_key(key);
+                let want = if m.keys.contains_key(&key) {
+                    m.drop_key(key)
+                } else {
+                    vec![]
+                };
+                assert_eq!(got, want);
+            }
+            Op::RemoveWorker(w) => {
+                let mut got = s.remove_worker(w);
+                got.sort();
+                let keys: Vec<_> = m
+                    .keys
+                    .keys()
+                    .filter(|k| k.worker_id == w)
+                    .copied()
+                    .collect();
+                let mut want: Vec<String> = keys.into_iter().flat_map(|k| m.drop_key(k)).collect();
+                want.sort();
+                assert_eq!(got, want);
+            }
+            Op::Report(key, active) => {
+                let known = s.set_reported_load(
+                    key,
+                    ReportedLoad {
+                        active_blocks: active,
+                        waiting_requests: 1,
+                    },
+                );
+                assert_eq!(known, m.keys.contains_key(&key));
+                if let Some(k) = m.keys.get_mut(&key) {
+                    k.reported = Some(active);
+                }
+            }
+            Op::Route {
+                prompt_tokens,
+                hashes,
+                overlaps,
+                filter,
+                update,
+                reuse_id,
+                queue_if_busy,
+            } => {
+                let id = match reuse_id {
+                    Some(i) if !ids.is_empty() => ids[i % ids.len()].clone(),
+                    _ => {
+                        next_id += 1;
+                        format!("r{next_id}")
+                    }
+                };
+                ids.push(id.clone());
+                let sh = to_hashes(&hashes);
+                let q = query(prompt_tokens, &sh, &filter);
+                let got = s.route(&q, &overlaps, id.clone(), update, now);
+                if update && m.reqs.contains_key(&id) {
+                    assert_eq!(got, Err(ScheduleError::DuplicateRequest(id)));
+                    continue;
+                }
+                match (m.verdict(&filter), got) {
+                    (Ok(free), Ok(sel)) => {
+                        m.check_selection(&sel, &free, prompt_tokens, &hashes, &overlaps);
+                        if update {
+                            m.add(id, sel.key, prompt_tokens, &hashes, sel.overlap_blocks, now);
+                        }
+                    }
+                    (Err(want), Err(got)) => {
+                        assert_eq!(got, want, "step {step}");
+                        if got == ScheduleError::AllBusy && queue_if_busy {
+                            next_id += 1;
+                            let token = next_id;
+                            let r = Queued::new(&q, &overlaps, id.clone(), update, now, token);
+                            match s.enqueue(r) {
+                                Ok(()) => {
+                                    assert!(m.queue.len() < m.cfg.max_queued);
+                                    m.queue.push(RefQueued {
+                                        token,
+                                        id,
+                                        prompt_tokens,
+                                        hashes,
+                                        overlaps,
+                                        filter,
+                                        update,
+                                        at: now,
+                                    });
+                                }
+                                Err(over) => {
+                                    assert_eq!(m.queue.len(), m.cfg.max_queued);
+                                    assert_eq!(
+                                        over.error(),
+                                        ScheduleError::Overloaded {
+                                            queued: m.queue.len(),
+                                            max: m.cfg.max_queued
+                                        }
+                                    );
+                                    assert_eq!(over.into_token(), token);
+                                }
+                            }
+                        }
+                    }
+                    (want, got) => panic!("step {step}: model {want:?}, scheduler {got:?}"),
+                }
+            }
+            Op::MarkPrefill(i) => {
+                let id = pick(i, &ids);
+                let got = s.mark_prefill(&id);
+                let want = match m.reqs.get_mut(&id) {
+                    Some(r) => {
+                        r.prefill = 0;
+                        true
+                    }
+                    None => false,
+                };
+                assert_eq!(got, want);
+            }
+            Op::Free(i) => {
+                let id = pick(i, &ids);
+                assert_eq!(s.free(&id), m.reqs.remove(&id).is_some());
+            }
+            Op::Sweep => {
+                let mut got = s.sweep(now);
+                got.sort();
+                let want: Vec<String> = m
+                    .reqs
+                    .iter()
+                    .filter(|(_, r)| now.duration_since(r.added) >= TIMEOUT)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in &want {
+                    m.reqs.remove(id);
+                }
+                assert_eq!(got, want);
+            }
+            Op::Drain => {
+                let out = s.drain_ready(now);
+                let mut out = out.into_iter();
+                let queue = std::mem::take(&mut m.queue);
+                for r in queue {
+                    if now.duration_since(r.at) >= TIMEOUT {
+                        let (token, res) = out.next().expect("timed-out request reported");
+                        assert_eq!((token, res), (r.token, Err(ScheduleError::QueueTimeout)));
+                        continue;
+                    }
+                    if r.update && m.reqs.contains_key(&r.id) {
+                        let (token, res) = out.next().expect("duplicate reported");
+                        assert_eq!(
+                            (token, res),
+                            (r.token, Err(ScheduleError::DuplicateRequest(r.id)))
+                        );
+                        continue;
+                    }
+                    match m.verdict(&r.filter) {
+                        Err(ScheduleError::AllBusy) => m.queue.push(r),
+                        Err(e) => {
+                            let (token, res) = out.next().expect("failure reported");
+                            assert_eq!((token, res), (r.token, Err(e)));
+                        }
+                        Ok(free) => {
+                            let (token, res) = out.next().expect("placement reported");
+                            assert_eq!(token, r.token);
+                            let sel = res.expect("placed");
+                            m.check_selection(&sel, &free, r.prompt_tokens, &r.hashes, &r.overlaps);
+                            if r.update {
+                                m.add(
+                                    r.id,
+                                    sel.key,
+                                    r.prompt_tokens,
+                                    &r.hashes,
+                                    sel.overlap_blocks,
+                                    now,
+                                );
+                            }
+                        }
+                    }
+                }
+                assert!(out.next().is_none(), "unexpected extra drain output");
+            }
+        }
+        check_state(&s, &m);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 512,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn matches_reference_model(cfg in cfg(), ops in prop::collection::vec(op(), 1..120)) {
+        run(cfg, ops);
+    }
+}

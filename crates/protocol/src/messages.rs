@@ -224,8 +224,13 @@ pub enum GenerateEvent {
         prompt_blocks: u32,
     },
     /// Inter-token latencies of the next tokens, in order.
-    Tokens { itl_us: Vec<u32> },
-    Done { output_tokens: u32, e2e_us: u64 },
+    Tokens {
+        itl_us: Vec<u32>,
+    },
+    Done {
+        output_tokens: u32,
+        e2e_us: u64,
+    },
     Error(ErrorReply),
 }
 
@@ -353,6 +358,15 @@ pub fn chunk_events(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>
     out
 }
 
+/// Room a route request keeps for everything but its tokens (model, ids, LoRA, allowed
+/// workers): the longest prompt a bus carries is `(max_payload - this) / 4` tokens.
+pub const ROUTE_PAYLOAD_OVERHEAD: usize = 64 << 10;
+
+/// The longest prompt (in tokens) whose route request fits `max_payload`.
+pub fn max_prompt_tokens_for(max_payload: usize) -> usize {
+    max_payload.saturating_sub(ROUTE_PAYLOAD_OVERHEAD) / 4
+}
+
 /// Bytes one block costs in an encoded event (engine hash + local hash).
 pub const ENCODED_BYTES_PER_BLOCK: usize = 16;
 
@@ -380,7 +394,10 @@ mod tests {
         let err: Reply<RouteDecision> =
             Reply::Err(ErrorReply::new(ErrorKind::UnknownModel, "no such model"));
         let back: Reply<RouteDecision> = decode(&encode(&err).unwrap()).unwrap();
-        assert_eq!(back.into_result().unwrap_err().kind, ErrorKind::UnknownModel);
+        assert_eq!(
+            back.into_result().unwrap_err().kind,
+            ErrorKind::UnknownModel
+        );
     }
 
     #[test]
@@ -400,7 +417,9 @@ mod tests {
         };
         let events: Vec<_> = (0..10).map(|i| ev(i, 3)).collect();
         let chunks = chunk_events(events.clone(), 7);
-        assert!(chunks.iter().all(|c| c.iter().map(|e| e.block_count()).sum::<usize>() <= 7));
+        assert!(chunks
+            .iter()
+            .all(|c| c.iter().map(|e| e.block_count()).sum::<usize>() <= 7));
         let flat: Vec<_> = chunks.into_iter().flatten().collect();
         assert_eq!(flat, events);
         // One event bigger than the budget still goes out, alone.
@@ -435,7 +454,11 @@ mod tests {
 
     #[test]
     fn roles_parse() {
-        for r in [WorkerRole::Aggregated, WorkerRole::Prefill, WorkerRole::Decode] {
+        for r in [
+            WorkerRole::Aggregated,
+            WorkerRole::Prefill,
+            WorkerRole::Decode,
+        ] {
             assert_eq!(r.as_str().parse::<WorkerRole>().unwrap(), r);
         }
         assert!("both".parse::<WorkerRole>().is_err());

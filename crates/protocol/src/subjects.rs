@@ -210,7 +210,10 @@ mod tests {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'~'));
         }
-        assert_eq!(model_token("Qwen/Qwen3-0.6B").unwrap(), "Qwen~2FQwen3-0~2E6B");
+        assert_eq!(
+            model_token("Qwen/Qwen3-0.6B").unwrap(),
+            "Qwen~2FQwen3-0~2E6B"
+        );
         assert_eq!(model_token(""), Err(SubjectError::EmptyModel));
     }
 

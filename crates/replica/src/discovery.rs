@@ -1,0 +1,358 @@
+//! Which worker ranks of one model are alive: registrations, heartbeats, leases.
+//!
+//! A plain core: messages in, [`Change`]s out, time passed in. The fleet actor turns changes
+//! into index, scheduler and state-sync work.
+
+use kvrouter_protocol::{DpRank, Heartbeat, Registration, WorkerId, WorkerKey};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+/// What a discovery message changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// A rank joined routing (fetch its state).
+    RankAdded {
+        key: WorkerKey,
+        capacity_blocks: u64,
+    },
+    /// A rank left (a heartbeat no longer lists it).
+    RankRemoved(WorkerKey),
+    /// Every rank of a worker left (deregistration, expired lease, or replaced instance).
+    WorkerRemoved {
+        worker_id: WorkerId,
+        reason: &'static str,
+    },
+    /// The registration was refused; the worker is not routed to.
+    Refused { worker_id: WorkerId, reason: String },
+    /// A heartbeat or event came from a worker (or instance) we have no registration for:
+    /// ask the fleet who is there.
+    Unknown { worker_id: WorkerId },
+}
+
+struct Entry {
+    instance_id: Uuid,
+    capacity_blocks: u64,
+    ranks: BTreeSet<DpRank>,
+    valid: std::ops::Range<DpRank>,
+    last_seen: Instant,
+}
+
+/// Live workers of one model.
+pub struct Discovery {
+    model: String,
+    block_size: Option<u32>,
+    lease: Duration,
+    workers: FxHashMap<WorkerId, Entry>,
+}
+
+impl Discovery {
+    /// `block_size`: fixed by configuration, or `None` to take the first worker's.
+    pub fn new(model: &str, block_size: Option<u32>, lease: Duration) -> Self {
+        Self {
+            model: model.to_string(),
+            block_size,
+            lease,
+            workers: FxHashMap::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = WorkerKey> + '_ {
+        self.workers
+            .iter()
+            .flat_map(|(&w, e)| e.ranks.iter().map(move |&r| WorkerKey::new(w, r)))
+    }
+
+    pub fn instance(&self, worker_id: WorkerId) -> Option<Uuid> {
+        self.workers.get(&worker_id).map(|e| e.instance_id)
+    }
+
+    pub fn has_key(&self, key: WorkerKey) -> bool {
+        self.workers
+            .get(&key.worker_id)
+            .is_some_and(|e| e.ranks.contains(&key.dp_rank))
+    }
+
+    fn check(&self, reg: &Registration) -> Result<(), String> {
+        if reg.model != self.model {
+            return Err(format!(
+                "registered for model {:?}, not {:?}",
+                reg.model, self.model
+            ));
+        }
+        if reg.block_size == 0 {
+            return Err("block size 0".into());
+        }
+        if let Some(b) = self.block_size {
+            if reg.block_size != b {
+                return Err(format!(
+                    "block size {} differs from the model's {b} (set by its first worker or --block-size)",
+                    reg.block_size
+                ));
+            }
+        }
+        if reg.dp_size == 0 || reg.dp_start_rank.checked_add(reg.dp_size).is_none() {
+            return Err(format!(
+                "invalid data-parallel ranks: dp_start_rank {} dp_size {}",
+                reg.dp_start_rank, reg.dp_size
+            ));
+        }
+        if reg.capacity_blocks == 0 {
+            return Err("capacity 0 blocks".into());
+        }
+        if let Some(r) = reg.live_ranks.iter().find(|r| !reg.ranks().contains(r)) {
+            return Err(format!(
+                "live rank {r} outside its ranks {}..{}",
+                reg.dp_start_rank,
+                reg.dp_start_rank + reg.dp_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// A registration (first start, re-announcement, or a new instance).
+    pub fn on_registration(&mut self, reg: &Registration, now: Instant) -> Vec<Change> {
+        if let Err(reason) = self.check(reg) {
+            return vec![Change::Refused {
+                worker_id: reg.worker_id,
+                reason,
+            }];
+        }
+        self.block_size.get_or_insert(reg.block_size);
+        let mut out = Vec::new();
+        if let Some(e) = self.workers.get_mut(&reg.worker_id) {
+            if e.instance_id == reg.instance_id {
+                e.last_seen = now;
+                let live: BTreeSet<DpRank> = reg.live_ranks.iter().copied().collect();
+                Self::diff_ranks(reg.worker_id, e, live, &mut out);
+                return out;
+            }
+            self.workers.remove(&reg.worker_id);
+            out.push(Change::WorkerRemoved {
+                worker_id: reg.worker_id,
+                reason: "replaced by a new instance",
+            });
+        }
+        let ranks: BTreeSet<DpRank> = reg.live_ranks.iter().copied().collect();
+        for &r in &ranks {
+            out.push(Change::RankAdded {
+                key: WorkerKey::new(reg.worker_id, r),
+                capacity_blocks: reg.capacity_blocks,
+            });
+        }
+        self.workers.insert(
+            reg.worker_id,
+            Entry {
+                instance_id: reg.instance_id,
+                capacity_blocks: reg.capacity_blocks,
+                ranks,
+                valid: reg.ranks(),
+                last_seen: now,
+            },
+        );
+        out
+    }
+
+    fn diff_ranks(
+        worker_id: WorkerId,
+        e: &mut Entry,
+        live: BTreeSet<DpRank>,
+        out: &mut Vec<Change>,
+    ) {
+        let live: BTreeSet<DpRank> = live.into_iter().filter(|r| e.valid.contains(r)).collect();
+        for &r in e.ranks.difference(&live) {
+            out.push(Change::RankRemoved(WorkerKey::new(worker_id, r)));
+        }
+        for &r in live.difference(&e.ranks) {
+            out.push(Change::RankAdded {
+                key: WorkerKey::new(worker_id, r),
+                capacity_blocks: e.capacity_blocks,
+            });
+        }
+        e.ranks = live;
+    }
+
+    pub fn on_heartbeat(&mut self, hb: &Heartbeat, now: Instant) -> Vec<Change> {
+        let mut out = Vec::new();
+        match self.workers.get_mut(&hb.worker_id) {
+            Some(e) if e.instance_id == hb.instance_id => {
+                e.last_seen = now;
+                let live = hb.live_ranks.iter().copied().collect();
+                Self::diff_ranks(hb.worker_id, e, live, &mut out);
+            }
+            _ => out.push(Change::Unknown {
+                worker_id: hb.worker_id,
+            }),
+        }
+        out
+    }
+
+    /// A worker leaving on purpose; ignored unless it names the current instance.
+    pub fn on_deregistration(&mut self, worker_id: WorkerId, instance_id: Uuid) -> Vec<Change> {
+        match self.workers.get(&worker_id) {
+            Some(e) if e.instance_id == instance_id => {
+                self.workers.remove(&worker_id);
+                vec![Change::WorkerRemoved {
+                    worker_id,
+                    reason: "deregistered",
+                }]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Workers whose last registration or heartbeat is older than the lease.
+    pub fn expire(&mut self, now: Instant) -> Vec<Change> {
+        let lease = self.lease;
+        let gone: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, e)| now.saturating_duration_since(e.last_seen) > lease)
+            .map(|(&w, _)| w)
+            .collect();
+        gone.into_iter()
+            .map(|worker_id| {
+                self.workers.remove(&worker_id);
+                Change::WorkerRemoved {
+                    worker_id,
+                    reason: "missed heartbeats (lease expired)",
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvrouter_protocol::WorkerRole;
+
+    fn reg(worker_id: u64, instance: u128, ranks: &[u32]) -> Registration {
+        Registration {
+            worker_id,
+            instance_id: Uuid::from_u128(instance),
+            model: "m".into(),
+            role: WorkerRole::Aggregated,
+            block_size: 16,
+            dp_size: 4,
+            dp_start_rank: 0,
+            live_ranks: ranks.to_vec(),
+            tp_size: 1,
+            capacity_blocks: 100,
+            heartbeat_interval_ms: 1000,
+        }
+    }
+
+    fn added(w: u64, r: u32) -> Change {
+        Change::RankAdded {
+            key: WorkerKey::new(w, r),
+            capacity_blocks: 100,
+        }
+    }
+
+    #[test]
+    fn registration_heartbeat_and_rank_changes() {
+        let now = Instant::now();
+        let mut d = Discovery::new("m", None, Duration::from_secs(3));
+        assert_eq!(
+            d.on_registration(&reg(1, 1, &[0, 1]), now),
+            vec![added(1, 0), added(1, 1)]
+        );
+        assert_eq!(d.block_size(), Some(16));
+        // Same instance again: nothing new.
+        assert!(d.on_registration(&reg(1, 1, &[0, 1]), now).is_empty());
+        // A heartbeat dropping rank 1 and adding rank 2.
+        let hb = Heartbeat {
+            worker_id: 1,
+            instance_id: Uuid::from_u128(1),
+            live_ranks: vec![0, 2],
+        };
+        assert_eq!(
+            d.on_heartbeat(&hb, now),
+            vec![Change::RankRemoved(WorkerKey::new(1, 1)), added(1, 2)]
+        );
+        // Ranks outside the registered range are ignored.
+        let hb = Heartbeat {
+            live_ranks: vec![0, 2, 9],
+            ..hb
+        };
+        assert!(d.on_heartbeat(&hb, now).is_empty());
+        let mut keys: Vec<_> = d.keys().collect();
+        keys.sort();
+        assert_eq!(keys, vec![WorkerKey::new(1, 0), WorkerKey::new(1, 2)]);
+    }
+
+    #[test]
+    fn new_instance_replaces_the_old_one() {
+        let now = Instant::now();
+        let mut d = Discovery::new("m", None, Duration::from_secs(3));
+        d.on_registration(&reg(1, 1, &[0]), now);
+        let ch = d.on_registration(&reg(1, 2, &[0]), now);
+        assert!(matches!(ch[0], Change::WorkerRemoved { worker_id: 1, .. }));
+        assert_eq!(ch[1], added(1, 0));
+        // The old instance's deregistration does not remove the new one.
+        assert!(d.on_deregistration(1, Uuid::from_u128(1)).is_empty());
+        assert_eq!(d.on_deregistration(1, Uuid::from_u128(2)).len(), 1);
+        assert_eq!(d.worker_count(), 0);
+    }
+
+    #[test]
+    fn lease_expiry() {
+        let t0 = Instant::now();
+        let mut d = Discovery::new("m", None, Duration::from_secs(3));
+        d.on_registration(&reg(1, 1, &[0]), t0);
+        d.on_registration(&reg(2, 2, &[0]), t0);
+        let hb = Heartbeat {
+            worker_id: 2,
+            instance_id: Uuid::from_u128(2),
+            live_ranks: vec![0],
+        };
+        d.on_heartbeat(&hb, t0 + Duration::from_secs(2));
+        assert!(d.expire(t0 + Duration::from_secs(3)).is_empty());
+        let gone = d.expire(t0 + Duration::from_secs(4));
+        assert_eq!(gone.len(), 1);
+        assert!(matches!(
+            gone[0],
+            Change::WorkerRemoved { worker_id: 1, .. }
+        ));
+        assert_eq!(d.worker_count(), 1);
+    }
+
+    #[test]
+    fn refusals() {
+        let now = Instant::now();
+        let mut d = Discovery::new("m", Some(32), Duration::from_secs(3));
+        let refused = |c: &[Change]| matches!(c, [Change::Refused { .. }]);
+        assert!(refused(&d.on_registration(&reg(1, 1, &[0]), now)));
+        let mut d = Discovery::new("m", None, Duration::from_secs(3));
+        d.on_registration(&reg(1, 1, &[0]), now);
+        let mut other = reg(2, 2, &[0]);
+        other.block_size = 64;
+        assert!(refused(&d.on_registration(&other, now)));
+        let mut bad = reg(3, 3, &[7]);
+        assert!(refused(&d.on_registration(&bad, now)));
+        bad.live_ranks = vec![0];
+        bad.model = "other".into();
+        assert!(refused(&d.on_registration(&bad, now)));
+        assert_eq!(d.worker_count(), 1);
+        // Heartbeats from strangers ask for a roll call.
+        let hb = Heartbeat {
+            worker_id: 9,
+            instance_id: Uuid::nil(),
+            live_ranks: vec![0],
+        };
+        assert_eq!(
+            d.on_heartbeat(&hb, now),
+            vec![Change::Unknown { worker_id: 9 }]
+        );
+    }
+}

@@ -1,0 +1,226 @@
+//! Prometheus metrics of a replica (served on the admin address at `/metrics`).
+
+use kvrouter_protocol::{ErrorKind, WorkerKey};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub model: String,
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KeyLabels {
+    pub model: String,
+    pub worker: String,
+    pub dp_rank: String,
+}
+
+impl KeyLabels {
+    pub fn new(model: &str, key: WorkerKey) -> Self {
+        Self {
+            model: model.to_string(),
+            worker: key.worker_id.to_string(),
+            dp_rank: key.dp_rank.to_string(),
+        }
+    }
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 1 µs .. ~0.5 s
+    Histogram::new(exponential_buckets(1e-6, 2.0, 20))
+}
+
+fn overlap_histogram() -> Histogram {
+    Histogram::new([
+        0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+    ])
+}
+
+/// Every metric a replica exports.
+pub struct Metrics {
+    registry: Registry,
+    pub routes: Family<ModelLabels, Counter>,
+    pub route_errors: Family<ErrorLabels, Counter>,
+    pub overlap_blocks: HistogramFamily<ModelLabels>,
+    pub decision_seconds: HistogramFamily<ModelLabels>,
+    pub events_applied: Family<ModelLabels, Counter>,
+    pub events_stale: Family<ModelLabels, Counter>,
+    pub event_gaps: Family<ModelLabels, Counter>,
+    pub recoveries: Family<ModelLabels, Counter>,
+    pub recovery_failures: Family<ModelLabels, Counter>,
+    pub workers: Family<ModelLabels, Gauge>,
+    pub worker_ranks: Family<ModelLabels, Gauge>,
+    pub unsynced_ranks: Family<ModelLabels, Gauge>,
+    pub refused_workers: Family<ModelLabels, Counter>,
+    pub queued_requests: Family<ModelLabels, Gauge>,
+    pub index_blocks: Family<ModelLabels, Gauge>,
+    pub active_blocks: Family<KeyLabels, Gauge>,
+    pub prefill_tokens: Family<KeyLabels, Gauge>,
+    pub active_requests: Family<KeyLabels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvrouter");
+        macro_rules! reg {
+            ($name:literal, $help:literal, $metric:expr) => {{
+                let m = $metric;
+                registry.register($name, $help, m.clone());
+                m
+            }};
+        }
+        Self {
+            routes: reg!("routes", "Route decisions made", Family::default()),
+            route_errors: reg!(
+                "route_errors",
+                "Requests answered with an error, by kind",
+                Family::default()
+            ),
+            overlap_blocks: reg!(
+                "route_overlap_blocks",
+                "Cached prefix blocks on the chosen worker rank",
+                HistogramFamily::new_with_constructor(overlap_histogram as fn() -> Histogram)
+            ),
+            decision_seconds: reg!(
+                "route_decision_seconds",
+                "Time from receiving a route request to sending its answer",
+                HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram)
+            ),
+            events_applied: reg!(
+                "kv_events_applied",
+                "KV events applied to the index",
+                Family::default()
+            ),
+            events_stale: reg!(
+                "kv_events_stale",
+                "Duplicate or out-of-date KV events dropped",
+                Family::default()
+            ),
+            event_gaps: reg!(
+                "kv_event_gaps",
+                "Event-id gaps detected (events lost)",
+                Family::default()
+            ),
+            recoveries: reg!(
+                "state_recoveries",
+                "Worker rank states fetched and loaded",
+                Family::default()
+            ),
+            recovery_failures: reg!(
+                "state_recovery_failures",
+                "Failed worker rank state fetches (retried)",
+                Family::default()
+            ),
+            workers: reg!("workers", "Live workers", Family::default()),
+            worker_ranks: reg!("worker_ranks", "Live worker ranks", Family::default()),
+            unsynced_ranks: reg!(
+                "unsynced_ranks",
+                "Worker ranks whose state is still being fetched",
+                Family::default()
+            ),
+            refused_workers: reg!(
+                "refused_registrations",
+                "Worker registrations refused (e.g. block size mismatch)",
+                Family::default()
+            ),
+            queued_requests: reg!(
+                "queued_requests",
+                "Route requests waiting for a worker that is not busy",
+                Family::default()
+            ),
+            index_blocks: reg!(
+                "index_blocks",
+                "Distinct prefix blocks in the index",
+                Family::default()
+            ),
+            active_blocks: reg!(
+                "worker_active_blocks",
+                "KV blocks of active requests routed to a worker rank",
+                Family::default()
+            ),
+            prefill_tokens: reg!(
+                "worker_prefill_tokens",
+                "Prompt tokens routed to a worker rank and not yet prefilled",
+                Family::default()
+            ),
+            active_requests: reg!(
+                "worker_active_requests",
+                "Requests routed to a worker rank and not yet freed",
+                Family::default()
+            ),
+            registry,
+        }
+    }
+
+    pub fn model(model: &str) -> ModelLabels {
+        ModelLabels {
+            model: model.to_string(),
+        }
+    }
+
+    pub fn error(&self, model: &str, kind: ErrorKind) {
+        self.route_errors
+            .get_or_create(&ErrorLabels {
+                model: model.to_string(),
+                kind: kind.as_str().to_string(),
+            })
+            .inc();
+    }
+
+    /// Drops the per-rank series of a rank that left.
+    pub fn forget_key(&self, model: &str, key: WorkerKey) {
+        let labels = KeyLabels::new(model, key);
+        self.active_blocks.remove(&labels);
+        self.prefill_tokens.remove(&labels);
+        self.active_requests.remove(&labels);
+    }
+
+    /// The Prometheus text exposition (OpenMetrics).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn departed_series_disappear() {
+        let m = Metrics::new();
+        let key = WorkerKey::new(42, 3);
+        m.active_blocks
+            .get_or_create(&KeyLabels::new("m", key))
+            .set(7);
+        m.error("m", ErrorKind::EmptyPrompt);
+        let text = m.render();
+        assert!(
+            text.contains(r#"kvrouter_worker_active_blocks{model="m",worker="42",dp_rank="3"} 7"#)
+        );
+        assert!(text.contains(r#"kvrouter_route_errors_total{model="m",kind="empty_prompt"} 1"#));
+        m.forget_key("m", key);
+        assert!(!m.render().contains(r#"worker="42""#));
+    }
+}

@@ -1,0 +1,488 @@
+//! Starting, wiring and stopping a replica: actors per model, bus subscriptions, admin HTTP.
+
+use crate::admin;
+use crate::endpoints::{spawn_handler, Endpoint, InFlight};
+use crate::fleet::{ask_who_is_there, FleetActor, FleetArgs, FleetMsg};
+use crate::metrics::Metrics;
+use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg};
+use crate::state::{ModelShared, ModelStatus, ReplicaShared};
+use kvrouter_bus::{Bus, BusError, Subscription};
+use kvrouter_indexer::{ShardedIndex, ShardedIndexConfig};
+use kvrouter_protocol::{
+    decode, Deregistration, Heartbeat, KvEventBatch, LoadReport, Registration, SubjectError,
+    Subjects,
+};
+use kvrouter_scheduler::SchedulerConfig;
+use ractor::{Actor, ActorRef};
+use serde::de::DeserializeOwned;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+use tokio::task::JoinHandle;
+
+/// Everything `kvrouter serve` configures.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    pub namespace: String,
+    /// Defaults to a fresh uuid.
+    pub replica_id: Option<String>,
+    pub models: Vec<String>,
+    /// Block size per model, when not taken from the first worker.
+    pub block_sizes: HashMap<String, u32>,
+    /// A worker that sends nothing for this long is removed.
+    pub worker_lease: Duration,
+    /// How long a rank's state fetch may stay silent before it is retried.
+    pub state_fetch_timeout: Duration,
+    pub max_prompt_tokens: usize,
+    /// Scheduling parameters (the block size is set per model).
+    pub scheduler: SchedulerConfig,
+    pub index_shards: usize,
+    /// Time the first "who is there" gets before the replica may turn ready.
+    pub discovery_window: Duration,
+    /// How long shutdown waits for in-flight requests.
+    pub drain_timeout: Duration,
+    pub admin_addr: Option<SocketAddr>,
+}
+
+impl Default for ReplicaConfig {
+    fn default() -> Self {
+        Self {
+            namespace: "kvrouter".into(),
+            replica_id: None,
+            models: Vec::new(),
+            block_sizes: HashMap::new(),
+            worker_lease: Duration::from_secs(3),
+            state_fetch_timeout: Duration::from_secs(2),
+            max_prompt_tokens: 131_072,
+            scheduler: SchedulerConfig::default(),
+            index_shards: 1,
+            discovery_window: Duration::from_millis(500),
+            drain_timeout: Duration::from_secs(10),
+            admin_addr: None,
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ReplicaError {
+    #[error("no model to serve: give at least one --model")]
+    NoModels,
+    #[error("model {0:?} is given twice")]
+    DuplicateModel(String),
+    #[error("--block-size names model {0:?}, which is not served (add --model {0})")]
+    BlockSizeForUnknownModel(String),
+    #[error("invalid block size 0 for model {0:?}")]
+    ZeroBlockSize(String),
+    #[error("--max-prompt-tokens {tokens} does not fit the bus's {max_payload}-byte message limit: use at most {fits}")]
+    PromptLimitTooLarge {
+        tokens: usize,
+        max_payload: usize,
+        fits: usize,
+    },
+    #[error("invalid replica id {0:?}: use letters, digits, '-' and '_'")]
+    ReplicaId(String),
+    #[error(transparent)]
+    Subject(#[from] SubjectError),
+    #[error("invalid scheduler settings: {0}")]
+    Scheduler(String),
+    #[error("cannot start the {what}: {reason}")]
+    Start { what: String, reason: String },
+    #[error("cannot subscribe to {subject}: {source}")]
+    Subscribe { subject: String, source: BusError },
+    #[error("cannot bind the admin address {addr}: {source}")]
+    Admin {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+struct ModelRuntime {
+    index: Arc<ShardedIndex>,
+    scheduler: ActorRef<SchedulerMsg>,
+    fleet: ActorRef<FleetMsg>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+/// A running replica.
+pub struct Replica {
+    shared: Arc<ReplicaShared>,
+    inflight: Arc<InFlight>,
+    /// Route, overlap and potential-load loops: stopped first on shutdown.
+    front: Vec<JoinHandle<()>>,
+    /// Everything else (events, discovery, mark_prefill/free, admin).
+    back: Vec<JoinHandle<()>>,
+    models: Vec<ModelRuntime>,
+    admin_addr: Option<SocketAddr>,
+    drain_timeout: Duration,
+}
+
+fn start_err(what: impl Into<String>, e: impl std::fmt::Display) -> ReplicaError {
+    ReplicaError::Start {
+        what: what.into(),
+        reason: e.to_string(),
+    }
+}
+
+async fn subscribe(
+    bus: &Bus,
+    subject: String,
+    group: Option<&str>,
+) -> Result<Subscription, ReplicaError> {
+    let r = match group {
+        Some(g) => bus.queue_subscribe(&subject, g).await,
+        None => bus.subscribe(&subject).await,
+    };
+    r.map_err(|source| ReplicaError::Subscribe { subject, source })
+}
+
+/// Decodes every message of a subscription and hands it on; undecodable ones are logged
+/// (at most every 10 s per subject) and dropped.
+fn forward<T: DeserializeOwned + Send + 'static>(
+    mut sub: Subscription,
+    what: &'static str,
+    mut to: impl FnMut(T) + Send + 'static,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut dropped = 0u64;
+        let mut last_warn: Option<Instant> = None;
+        while let Some(msg) = sub.next().await {
+            match decode::<T>(&msg.payload) {
+                Ok(v) => to(v),
+                Err(e) => {
+                    dropped += 1;
+                    if last_warn.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        tracing::warn!(subject = %msg.subject, error = %e, dropped, "undecodable {what} dropped");
+                        last_warn = Some(Instant::now());
+                    }
+                }
+            }
+        }
+    })
+}
+
+fn valid_replica_id(id: &str) -> bool {
+    !id.is_empty()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+impl Replica {
+    pub async fn start(config: ReplicaConfig, bus: Bus) -> Result<Self, ReplicaError> {
+        let subjects = Subjects::new(&config.namespace)?;
+        if config.models.is_empty() {
+            return Err(ReplicaError::NoModels);
+        }
+        for (i, m) in config.models.iter().enumerate() {
+            if config.models[..i].contains(m) {
+                return Err(ReplicaError::DuplicateModel(m.clone()));
+            }
+        }
+        for (m, &b) in &config.block_sizes {
+            if !config.models.contains(m) {
+                return Err(ReplicaError::BlockSizeForUnknownModel(m.clone()));
+            }
+            if b == 0 {
+                return Err(ReplicaError::ZeroBlockSize(m.clone()));
+            }
+        }
+        let fits = kvrouter_protocol::max_prompt_tokens_for(bus.max_payload());
+        if config.max_prompt_tokens > fits {
+            return Err(ReplicaError::PromptLimitTooLarge {
+                tokens: config.max_prompt_tokens,
+                max_payload: bus.max_payload(),
+                fits,
+            });
+        }
+        config
+            .scheduler
+            .validate()
+            .map_err(|e| ReplicaError::Scheduler(e.to_string()))?;
+        let replica_id = config
+            .replica_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        if !valid_replica_id(&replica_id) {
+            return Err(ReplicaError::ReplicaId(replica_id));
+        }
+
+        let metrics = Arc::new(Metrics::new());
+        let mut models = Vec::new();
+        let mut shared_models = HashMap::new();
+        for (i, name) in config.models.iter().enumerate() {
+            let model_subjects = subjects.model(name)?;
+            let status = Arc::new(ModelStatus::default());
+            let block_size = config.block_sizes.get(name).copied();
+            if let Some(b) = block_size {
+                status.block_size.store(b, Ordering::Relaxed);
+            }
+            let mut sched_config = config.scheduler.clone();
+            sched_config.block_size = block_size.unwrap_or(sched_config.block_size);
+            sched_config.seed = sched_config.seed.wrapping_add(i as u64);
+            let (scheduler, sched_join) = Actor::spawn(
+                None,
+                SchedulerActor,
+                SchedulerArgs {
+                    model: name.clone(),
+                    config: sched_config,
+                    metrics: metrics.clone(),
+                },
+            )
+            .await
+            .map_err(|e| start_err(format!("scheduler of model {name:?}"), e))?;
+            let (gap_tx, mut gap_rx) = tokio::sync::mpsc::unbounded_channel();
+            let index = Arc::new(
+                ShardedIndex::start(ShardedIndexConfig {
+                    shards: config.index_shards,
+                    approx: None,
+                    recovery: Some(gap_tx),
+                })
+                .await
+                .map_err(|e| start_err(format!("index of model {name:?}"), e))?,
+            );
+            let (fleet, fleet_join) = Actor::spawn(
+                None,
+                FleetActor,
+                FleetArgs {
+                    model: name.clone(),
+                    block_size,
+                    lease: config.worker_lease,
+                    fetch_timeout: config.state_fetch_timeout,
+                    index: index.clone(),
+                    scheduler: scheduler.clone(),
+                    subjects: model_subjects.clone(),
+                    bus: bus.clone(),
+                    replica_id: replica_id.clone(),
+                    status: status.clone(),
+                    metrics: metrics.clone(),
+                },
+            )
+            .await
+            .map_err(|e| start_err(format!("fleet tracker of model {name:?}"), e))?;
+            let gap_fleet = fleet.clone();
+            let gaps = tokio::spawn(async move {
+                while let Some(key) = gap_rx.recv().await {
+                    let _ = gap_fleet.send_message(FleetMsg::IndexGap(key));
+                }
+            });
+            let joins = tokio::spawn(async move {
+                let _ = sched_join.await;
+                let _ = fleet_join.await;
+            });
+            shared_models.insert(
+                name.clone(),
+                Arc::new(ModelShared {
+                    name: name.clone(),
+                    subjects: model_subjects,
+                    status,
+                    index: index.reader(),
+                    scheduler: scheduler.clone(),
+                    fleet: fleet.clone(),
+                }),
+            );
+            models.push(ModelRuntime {
+                index,
+                scheduler,
+                fleet,
+                handles: vec![gaps, joins],
+            });
+        }
+
+        let shared = Arc::new(ReplicaShared {
+            replica_id: replica_id.clone(),
+            bus: bus.clone(),
+            metrics,
+            models: shared_models,
+            draining: Default::default(),
+        });
+        let inflight = Arc::new(InFlight::default());
+        let mut back = Vec::new();
+
+        // Worker-facing subscriptions, per model.
+        for m in shared.models.values() {
+            let s = &m.subjects;
+            let f = m.fleet.clone();
+            back.push(forward(
+                subscribe(&bus, s.register(), None).await?,
+                "registration",
+                move |r: Registration| {
+                    let _ = f.send_message(FleetMsg::Registration(r));
+                },
+            ));
+            let f = m.fleet.clone();
+            back.push(forward(
+                subscribe(&bus, s.heartbeat(), None).await?,
+                "heartbeat",
+                move |h: Heartbeat| {
+                    let _ = f.send_message(FleetMsg::Heartbeat(h));
+                },
+            ));
+            let f = m.fleet.clone();
+            back.push(forward(
+                subscribe(&bus, s.deregister(), None).await?,
+                "deregistration",
+                move |d: Deregistration| {
+                    let _ = f.send_message(FleetMsg::Deregistration(d));
+                },
+            ));
+            let f = m.fleet.clone();
+            back.push(forward(
+                subscribe(&bus, s.kv_events(), None).await?,
+                "KV event batch",
+                move |b: KvEventBatch| {
+                    let _ = f.send_message(FleetMsg::Events(b));
+                },
+            ));
+            let f = m.fleet.clone();
+            back.push(forward(
+                subscribe(&bus, s.load(), None).await?,
+                "load report",
+                move |l: LoadReport| {
+                    let _ = f.send_message(FleetMsg::Load(l));
+                },
+            ));
+        }
+
+        // Router endpoints.
+        let group = Some(kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP);
+        let max_prompt = config.max_prompt_tokens;
+        let mut front = Vec::new();
+        for (subject, endpoint, queue) in [
+            (subjects.route(), Endpoint::Route, group),
+            (subjects.overlap_scores(), Endpoint::OverlapScores, group),
+            (subjects.potential_loads(), Endpoint::PotentialLoads, group),
+            (
+                subjects.mark_prefill(&replica_id),
+                Endpoint::MarkPrefill,
+                None,
+            ),
+            (subjects.free(&replica_id), Endpoint::Free, None),
+        ] {
+            let mut sub = subscribe(&bus, subject, queue).await?;
+            let shared = shared.clone();
+            let inflight = inflight.clone();
+            let task = tokio::spawn(async move {
+                while let Some(msg) = sub.next().await {
+                    spawn_handler(shared.clone(), &inflight, max_prompt, endpoint, msg);
+                }
+            });
+            match endpoint {
+                Endpoint::MarkPrefill | Endpoint::Free => back.push(task),
+                _ => front.push(task),
+            }
+        }
+        if let Err(e) = bus.flush().await {
+            tracing::warn!(error = %e, "cannot flush subscriptions");
+        }
+
+        // Roll call, then readiness may follow once every rank found is synced.
+        for m in shared.models.values() {
+            ask_who_is_there(&bus, &m.subjects, &replica_id).await;
+        }
+        let window = config.discovery_window;
+        let s = shared.clone();
+        back.push(tokio::spawn(async move {
+            tokio::time::sleep(window).await;
+            for m in s.models.values() {
+                m.status.discovered.store(true, Ordering::Relaxed);
+            }
+        }));
+
+        let admin_addr = match config.admin_addr {
+            Some(addr) => {
+                let (local, task) = admin::serve(addr, shared.clone())
+                    .await
+                    .map_err(|source| ReplicaError::Admin { addr, source })?;
+                back.push(task);
+                Some(local)
+            }
+            None => None,
+        };
+        tracing::info!(
+            replica_id = %replica_id,
+            namespace = %config.namespace,
+            models = ?config.models,
+            admin = ?admin_addr,
+            "replica started"
+        );
+        Ok(Self {
+            shared,
+            inflight,
+            front,
+            back,
+            models,
+            admin_addr,
+            drain_timeout: config.drain_timeout,
+        })
+    }
+
+    pub fn replica_id(&self) -> &str {
+        &self.shared.replica_id
+    }
+
+    pub fn shared(&self) -> &Arc<ReplicaShared> {
+        &self.shared
+    }
+
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.shared.readiness().0
+    }
+
+    /// Waits until ready or `timeout`; returns readiness.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.is_ready() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    /// Stops taking new requests, waits (up to the drain timeout) for the ones in flight,
+    /// then stops everything.
+    pub async fn shutdown(self) {
+        self.shared.draining.store(true, Ordering::Relaxed);
+        for t in &self.front {
+            t.abort();
+        }
+        let deadline = Instant::now() + self.drain_timeout;
+        while self.inflight.count() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let left = self.inflight.count();
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "drain timeout: answering queued requests with unavailable"
+            );
+            for m in &self.models {
+                let _ = m.scheduler.send_message(SchedulerMsg::RejectQueued);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for t in &self.back {
+            t.abort();
+        }
+        let _ = self.shared.bus.flush().await;
+        for m in self.models {
+            m.fleet.stop(None);
+            m.scheduler.stop(None);
+            for h in m.handles {
+                h.abort();
+            }
+            if let Ok(index) = Arc::try_unwrap(m.index) {
+                index.stop().await;
+            }
+        }
+        tracing::info!("replica stopped");
+    }
+}

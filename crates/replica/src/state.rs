@@ -1,0 +1,94 @@
+//! What a replica's tasks share without an actor hop: per-model read views and readiness.
+
+use crate::fleet::FleetMsg;
+use crate::metrics::Metrics;
+use crate::scheduler_actor::SchedulerMsg;
+use kvrouter_bus::Bus;
+use kvrouter_indexer::IndexReader;
+use kvrouter_protocol::ModelSubjects;
+use prometheus_client::metrics::gauge::Gauge;
+use ractor::ActorRef;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Counts the fleet actor publishes for readiness and the endpoints.
+#[derive(Default)]
+pub struct ModelStatus {
+    /// 0 until the first worker registers (or `--block-size` sets it).
+    pub block_size: AtomicU32,
+    pub ranks: AtomicUsize,
+    pub unsynced: AtomicUsize,
+    /// The first roll call ("who is there") has had time to be answered.
+    pub discovered: AtomicBool,
+}
+
+impl ModelStatus {
+    pub fn block_size(&self) -> Option<u32> {
+        match self.block_size.load(Ordering::Relaxed) {
+            0 => None,
+            b => Some(b),
+        }
+    }
+}
+
+/// One model as the endpoints see it.
+pub struct ModelShared {
+    pub name: String,
+    pub subjects: ModelSubjects,
+    pub status: Arc<ModelStatus>,
+    pub index: IndexReader,
+    pub scheduler: ActorRef<SchedulerMsg>,
+    pub fleet: ActorRef<FleetMsg>,
+}
+
+pub struct ReplicaShared {
+    pub replica_id: String,
+    pub bus: Bus,
+    pub metrics: Arc<Metrics>,
+    pub models: HashMap<String, Arc<ModelShared>>,
+    pub draining: AtomicBool,
+}
+
+impl ReplicaShared {
+    /// Ready once connected and every known rank of every model is synced.
+    pub fn readiness(&self) -> (bool, String) {
+        if self.draining.load(Ordering::Relaxed) {
+            return (false, "draining: shutting down".into());
+        }
+        if !self.bus.is_connected() {
+            return (false, "not connected to the bus".into());
+        }
+        let mut waiting = Vec::new();
+        for m in self.models.values() {
+            let st = &m.status;
+            if !st.discovered.load(Ordering::Relaxed) {
+                waiting.push(format!("{}: discovering workers", m.name));
+                continue;
+            }
+            let unsynced = st.unsynced.load(Ordering::Relaxed);
+            if unsynced > 0 {
+                waiting.push(format!(
+                    "{}: {unsynced} of {} ranks still syncing",
+                    m.name,
+                    st.ranks.load(Ordering::Relaxed)
+                ));
+            }
+        }
+        if waiting.is_empty() {
+            (true, "ready".into())
+        } else {
+            waiting.sort();
+            (false, format!("not ready: {}", waiting.join("; ")))
+        }
+    }
+
+    /// Gauges computed at scrape time.
+    pub fn refresh_gauges(&self) {
+        for m in self.models.values() {
+            let labels = Metrics::model(&m.name);
+            let blocks: &Gauge = &self.metrics.index_blocks.get_or_create(&labels);
+            blocks.set(m.index.stats().live_blocks as i64);
+        }
+    }
+}

@@ -23,9 +23,17 @@ struct Cli {
 enum Command {
     /// Print the local and sequence block hashes of a token list.
     Hash(cli::hash::HashArgs),
+    /// Run a router replica.
+    Serve(cli::serve::ServeArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
+    /// Ask the router replicas for one routing decision; prints it as JSON.
+    Route(cli::route::RouteArgs),
+    /// Route one request and run it on the chosen worker, as a frontend does; prints JSON.
+    Generate(cli::generate::GenerateArgs),
+    /// Print every bus subject of a model's fleet (no NATS needed).
+    Subjects(cli::subjects::SubjectsArgs),
 }
 
 /// The index's hash tables come from the system allocator (everything else from mimalloc).
@@ -45,7 +53,13 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => cli::hash::run(args),
+        Command::Serve(args) => cli::runtime().and_then(|rt| rt.block_on(cli::serve::run(args))),
         Command::Bench(cmd) => cli::runtime().and_then(|rt| rt.block_on(cli::bench::run(cmd))),
+        Command::Route(args) => cli::runtime().and_then(|rt| rt.block_on(cli::route::run(args))),
+        Command::Generate(args) => {
+            cli::runtime().and_then(|rt| rt.block_on(cli::generate::run(args)))
+        }
+        Command::Subjects(args) => cli::subjects::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

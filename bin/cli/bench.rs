@@ -15,6 +15,8 @@ pub enum BenchCommand {
     /// (internal) Populate an index from an exported stream in a fresh process; print RSS.
     #[command(hide = true)]
     IndexerRss(IndexerRssArgs),
+    /// Open-loop route latency against running replicas (p50/p99/p99.9/max).
+    RouteLatency(super::bench_route::RouteLatencyArgs),
 }
 
 #[derive(Args)]
@@ -65,6 +67,7 @@ pub struct IndexerRssArgs {
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Indexer(args) => indexer(args).await,
+        BenchCommand::RouteLatency(args) => super::bench_route::run(args).await,
         BenchCommand::IndexerRss(args) => {
             let figures = measure_rss(&args.stream, args.mode, args.shards).await?;
             println!("{}", serde_json::to_string(&figures)?);

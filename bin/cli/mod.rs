@@ -1,7 +1,13 @@
 //! Subcommand implementations: argument parsing and output only; the work lives in crates/.
 
 pub mod bench;
+pub mod bench_route;
+pub mod generate;
 pub mod hash;
+pub mod nats_args;
+pub mod route;
+pub mod serve;
+pub mod subjects;
 
 use anyhow::Context;
 

@@ -116,20 +116,17 @@ fn observe_route(
     result: &Result<(String, RouteDecision), ErrorReply>,
     started: Instant,
 ) {
-    // Errors before the model is known are counted under model "".
-    match result {
-        Ok((model, d)) => {
-            let labels = crate::metrics::Metrics::model(model);
-            let m = &shared.metrics;
-            m.routes.get_or_create(&labels).inc();
-            m.overlap_blocks
-                .get_or_create(&labels)
-                .observe(d.overlap_blocks as f64);
-            m.decision_seconds
-                .get_or_create(&labels)
-                .observe(started.elapsed().as_secs_f64());
-        }
-        Err(_) => {}
+    // Errors are counted where they arise, by kind.
+    if let Ok((model, d)) = result {
+        let labels = crate::metrics::Metrics::model(model);
+        let m = &shared.metrics;
+        m.routes.get_or_create(&labels).inc();
+        m.overlap_blocks
+            .get_or_create(&labels)
+            .observe(d.overlap_blocks as f64);
+        m.decision_seconds
+            .get_or_create(&labels)
+            .observe(started.elapsed().as_secs_f64());
     }
 }
 

@@ -1,0 +1,73 @@
+//! How every networked command reaches NATS: `#[command(flatten)] nats: NatsArgs`.
+
+use anyhow::Context;
+use clap::Args;
+use kvrouter_bus::{Bus, NatsOptions, DEFAULT_NATS_URL};
+use std::path::PathBuf;
+
+/// NATS connection and namespace flags, shared by every command that talks to the bus.
+#[derive(Args, Clone, Debug)]
+pub struct NatsArgs {
+    /// NATS server URL, or a comma-separated list (credentials in the URL work too).
+    #[arg(long = "nats", env = "KVROUTER_NATS", default_value = DEFAULT_NATS_URL, value_name = "URL")]
+    pub url: String,
+    /// NATS user (with --nats-password).
+    #[arg(long, env = "KVROUTER_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// NATS password (with --nats-user).
+    #[arg(long, env = "KVROUTER_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+    /// NATS authentication token.
+    #[arg(long, env = "KVROUTER_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (.creds: user JWT and nkey seed).
+    #[arg(long, env = "KVROUTER_NATS_CREDS", value_name = "FILE")]
+    pub nats_creds: Option<PathBuf>,
+    /// PEM file with the CA certificate(s) that signed the server's certificate.
+    #[arg(long, env = "KVROUTER_NATS_TLS_CA", value_name = "FILE")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate, for servers that verify clients (with --nats-tls-key).
+    #[arg(long, env = "KVROUTER_NATS_TLS_CERT", value_name = "FILE")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of --nats-tls-cert.
+    #[arg(long, env = "KVROUTER_NATS_TLS_KEY", value_name = "FILE")]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse to talk to a server without TLS.
+    #[arg(long, env = "KVROUTER_NATS_TLS_REQUIRED")]
+    pub nats_tls_required: bool,
+    /// Namespace of every subject, so several fleets can share one NATS.
+    #[arg(
+        long,
+        env = "KVROUTER_NAMESPACE",
+        default_value = "kvrouter",
+        value_name = "NS"
+    )]
+    pub namespace: String,
+}
+
+impl NatsArgs {
+    /// Connection options; `name` is the connection name the server shows (`/connz`).
+    pub fn options(&self, name: &str) -> NatsOptions {
+        NatsOptions {
+            url: self.url.clone(),
+            user: self.nats_user.clone(),
+            password: self.nats_password.clone(),
+            token: self.nats_token.clone(),
+            credentials_file: self.nats_creds.clone(),
+            tls_ca_file: self.nats_tls_ca.clone(),
+            tls_client_cert: self.nats_tls_cert.clone(),
+            tls_client_key: self.nats_tls_key.clone(),
+            tls_required: self.nats_tls_required,
+            name: Some(name.to_string()),
+            ..NatsOptions::default()
+        }
+    }
+
+    /// Connects to NATS; the error names the (redacted) URL.
+    pub async fn connect(&self, name: &str) -> anyhow::Result<Bus> {
+        let opts = self.options(name);
+        Bus::connect(&opts)
+            .await
+            .with_context(|| format!("cannot connect to NATS at {}", opts.redacted_url()))
+    }
+}

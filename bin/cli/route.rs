@@ -1,0 +1,162 @@
+//! `kvrouter route`: ask the replicas of a namespace for one routing decision.
+
+use super::nats_args::NatsArgs;
+use anyhow::Context;
+use clap::Args;
+use kvrouter_client::{new_request_id, KvRouterClient};
+use kvrouter_protocol::{Pin, RouteRequest};
+use serde_json::Value;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct RouteArgs {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Model name, as the workers register it.
+    #[arg(long, env = "KVROUTER_MODEL")]
+    pub model: String,
+    /// Prompt token ids, comma-separated (e.g. 1,2,3).
+    #[arg(long, env = "KVROUTER_TOKENS", value_parser = parse_tokens)]
+    pub tokens: TokenList,
+    /// Request id (default: a fresh uuid).
+    #[arg(long, env = "KVROUTER_REQUEST_ID")]
+    pub request_id: Option<String>,
+    /// LoRA adapter name.
+    #[arg(long, env = "KVROUTER_LORA")]
+    pub lora: Option<String>,
+    /// Only these worker ids may be chosen (comma-separated).
+    #[arg(long, env = "KVROUTER_ALLOWED_WORKERS", value_delimiter = ',', value_parser = super::parse_u64)]
+    pub allowed_workers: Option<Vec<u64>>,
+    /// Pin to a worker (WORKER) or to one rank of it (WORKER:RANK).
+    #[arg(long, env = "KVROUTER_PIN", value_parser = parse_pin)]
+    pub pin: Option<Pin>,
+    /// Do not track the request as active load (no mark_prefill / free needed afterwards).
+    #[arg(long, env = "KVROUTER_NO_UPDATE_STATES")]
+    pub no_update_states: bool,
+    /// How long to wait for the replica's answer, in milliseconds.
+    #[arg(long, env = "KVROUTER_TIMEOUT_MS", default_value_t = 2000)]
+    pub timeout_ms: u64,
+}
+
+/// Token ids from the command line (a newtype so clap does not split it into many values).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenList(pub Vec<u32>);
+
+/// Parses `1,2,3` (spaces allowed) into token ids.
+pub fn parse_tokens(s: &str) -> Result<TokenList, String> {
+    if s.trim().is_empty() {
+        return Err("no tokens given: expected comma-separated token ids, e.g. 1,2,3".into());
+    }
+    s.split(',')
+        .enumerate()
+        .map(|(i, t)| {
+            let t = t.trim();
+            t.parse::<u32>().map_err(|_| {
+                format!(
+                    "token #{} {t:?} is not a token id (an integer 0..={}); expected e.g. 1,2,3",
+                    i + 1,
+                    u32::MAX
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(TokenList)
+}
+
+/// Parses `WORKER` or `WORKER:RANK`.
+pub fn parse_pin(s: &str) -> Result<Pin, String> {
+    let s = s.trim();
+    let (worker, rank) = match s.split_once(':') {
+        Some((w, r)) => (w, Some(r)),
+        None => (s, None),
+    };
+    let worker_id = super::parse_u64(worker)
+        .map_err(|e| format!("bad --pin {s:?}: expected WORKER or WORKER:RANK; worker {e}"))?;
+    let dp_rank = rank
+        .map(|r| {
+            r.trim().parse::<u32>().map_err(|_| {
+                format!("bad --pin {s:?}: expected WORKER or WORKER:RANK; rank {r:?} is not a u32")
+            })
+        })
+        .transpose()?;
+    Ok(Pin { worker_id, dp_rank })
+}
+
+/// One JSON object with its keys in the given order.
+pub fn json_line(fields: &[(&str, Value)]) -> String {
+    let body: Vec<String> = fields
+        .iter()
+        .map(|(k, v)| format!("{}:{v}", Value::from(*k)))
+        .collect();
+    format!("{{{}}}", body.join(","))
+}
+
+pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
+    let bus = args.nats.connect("kvrouter-route").await?;
+    let client = KvRouterClient::new(bus, &args.nats.namespace)
+        .context("bad --namespace")?
+        .with_timeout(Duration::from_millis(args.timeout_ms.max(1)));
+    let req = RouteRequest {
+        model: args.model,
+        request_id: args.request_id.unwrap_or_else(new_request_id),
+        tokens: args.tokens.0,
+        lora: args.lora.filter(|l| !l.is_empty()),
+        allowed_workers: args.allowed_workers,
+        pin: args.pin,
+        update_states: !args.no_update_states,
+    };
+    let d = client.route(&req).await?;
+    println!(
+        "{}",
+        json_line(&[
+            ("worker_id", d.worker_id.into()),
+            ("dp_rank", d.dp_rank.into()),
+            ("overlap_blocks", d.overlap_blocks.into()),
+            ("replica_id", d.replica_id.into()),
+        ])
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_parse() {
+        assert_eq!(parse_tokens("1,2, 3").unwrap(), TokenList(vec![1, 2, 3]));
+        assert!(parse_tokens("").is_err());
+        let e = parse_tokens("1,x,3").unwrap_err();
+        assert!(e.contains("#2") && e.contains("\"x\""), "{e}");
+        assert!(parse_tokens("1,,2").is_err());
+        assert!(parse_tokens("-1").is_err());
+        assert!(parse_tokens("4294967296").is_err());
+    }
+
+    #[test]
+    fn pins_parse() {
+        assert_eq!(
+            parse_pin("7").unwrap(),
+            Pin {
+                worker_id: 7,
+                dp_rank: None
+            }
+        );
+        assert_eq!(
+            parse_pin("7:2").unwrap(),
+            Pin {
+                worker_id: 7,
+                dp_rank: Some(2)
+            }
+        );
+        assert!(parse_pin("7:").is_err());
+        assert!(parse_pin("x:1").is_err());
+        assert!(parse_pin("1:2:3").is_err());
+    }
+
+    #[test]
+    fn json_keeps_key_order() {
+        let s = json_line(&[("b", 1.into()), ("a", "x\"y".into())]);
+        assert_eq!(s, r#"{"b":1,"a":"x\"y"}"#);
+    }
+}

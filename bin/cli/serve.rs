@@ -1,0 +1,160 @@
+//! `kvrouter serve`: one router replica.
+
+use super::nats_args::NatsArgs;
+use anyhow::Context;
+use clap::Args;
+use kvrouter_replica::{Replica, ReplicaConfig};
+use kvrouter_scheduler::SchedulerConfig;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// Model to serve (repeat, or comma-separate in the environment variable).
+    #[arg(
+        long = "model",
+        env = "KVROUTER_MODEL",
+        value_delimiter = ',',
+        required = true
+    )]
+    models: Vec<String>,
+    /// Admin HTTP address for /healthz, /readyz and /metrics (e.g. 0.0.0.0:9090).
+    #[arg(long, env = "KVROUTER_ADMIN_ADDR")]
+    admin_addr: Option<SocketAddr>,
+    /// Block size of a model, MODEL=TOKENS (repeatable); otherwise the first worker's.
+    #[arg(long = "block-size", env = "KVROUTER_BLOCK_SIZE", value_delimiter = ',', value_parser = parse_block_size)]
+    block_sizes: Vec<(String, u32)>,
+    /// Seconds without a heartbeat after which a worker is removed.
+    #[arg(long, env = "KVROUTER_WORKER_LEASE_SECS", default_value_t = 3.0)]
+    worker_lease_secs: f64,
+    /// Active requests never freed are dropped after this many seconds.
+    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 300.0)]
+    request_timeout_secs: f64,
+    /// Prefill blocks one cached block saves in the cost.
+    #[arg(long, env = "KVROUTER_OVERLAP_CREDIT", default_value_t = 1.0)]
+    overlap_credit: f64,
+    /// Weight of prefill blocks against decode blocks in the cost.
+    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
+    prefill_load_scale: f64,
+    /// 0: lowest cost wins; > 0: sample with probability ∝ exp(-(cost/max cost)/T).
+    #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
+    router_temperature: f64,
+    /// A worker rank is busy when its active blocks reach this fraction of its capacity.
+    #[arg(long, env = "KVROUTER_BUSY_ACTIVE_BLOCKS_FRAC")]
+    busy_active_blocks_frac: Option<f64>,
+    /// A worker rank is busy when its in-flight prefill tokens reach this.
+    #[arg(long, env = "KVROUTER_BUSY_PREFILL_TOKENS")]
+    busy_prefill_tokens: Option<u64>,
+    /// Requests that may wait for a non-busy worker; beyond it, routes fail as overloaded.
+    #[arg(long, env = "KVROUTER_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    max_queued_requests: usize,
+    /// Longest prompt accepted, in tokens (bounded by the NATS max payload).
+    #[arg(long, env = "KVROUTER_MAX_PROMPT_TOKENS", default_value_t = 131_072)]
+    max_prompt_tokens: usize,
+    /// Index shard actors per model.
+    #[arg(long, env = "KVROUTER_INDEX_SHARDS", default_value_t = 1)]
+    index_shards: usize,
+    /// This replica's id in route answers (default: a fresh uuid).
+    #[arg(long, env = "KVROUTER_REPLICA_ID")]
+    replica_id: Option<String>,
+    /// How long a rank's state fetch may stay silent before it is retried.
+    #[arg(long, env = "KVROUTER_STATE_FETCH_TIMEOUT_MS", default_value_t = 2000)]
+    state_fetch_timeout_ms: u64,
+    /// On SIGTERM, how long to wait for in-flight requests.
+    #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
+    drain_timeout_secs: f64,
+    /// Seed of the scheduler's tie-breaks and sampling.
+    #[arg(long, env = "KVROUTER_SEED")]
+    seed: Option<u64>,
+}
+
+fn parse_block_size(s: &str) -> Result<(String, u32), String> {
+    let (model, size) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("{s:?}: expected MODEL=TOKENS, e.g. Qwen/Qwen3-0.6B=16"))?;
+    let size: u32 = size
+        .parse()
+        .map_err(|e| format!("{s:?}: block size {size:?} is not a number: {e}"))?;
+    if model.is_empty() || size == 0 {
+        return Err(format!("{s:?}: expected MODEL=TOKENS with TOKENS > 0"));
+    }
+    Ok((model.to_string(), size))
+}
+
+pub fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v).with_context(|| format!("--{name} {v} is not a valid duration"))
+}
+
+impl ServeArgs {
+    fn config(&self) -> anyhow::Result<ReplicaConfig> {
+        let scheduler = SchedulerConfig {
+            overlap_credit: self.overlap_credit,
+            prefill_load_scale: self.prefill_load_scale,
+            temperature: self.router_temperature,
+            busy_active_blocks_frac: self.busy_active_blocks_frac,
+            busy_prefill_tokens: self.busy_prefill_tokens,
+            max_queued_requests: self.max_queued_requests,
+            request_timeout: secs("request-timeout-secs", self.request_timeout_secs)?,
+            seed: self.seed.unwrap_or_else(fastrand_seed),
+            ..SchedulerConfig::default()
+        };
+        let block_sizes: HashMap<String, u32> = self.block_sizes.iter().cloned().collect();
+        Ok(ReplicaConfig {
+            namespace: self.nats.namespace.clone(),
+            replica_id: self.replica_id.clone(),
+            models: self.models.clone(),
+            block_sizes,
+            worker_lease: secs("worker-lease-secs", self.worker_lease_secs)?,
+            state_fetch_timeout: Duration::from_millis(self.state_fetch_timeout_ms),
+            max_prompt_tokens: self.max_prompt_tokens,
+            scheduler,
+            index_shards: self.index_shards,
+            drain_timeout: secs("drain-timeout-secs", self.drain_timeout_secs)?,
+            admin_addr: self.admin_addr,
+            ..ReplicaConfig::default()
+        })
+    }
+}
+
+fn fastrand_seed() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::process::id())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.config()?;
+    let bus = args.nats.connect("kvrouter-serve").await?;
+    let replica = Replica::start(config, bus)
+        .await
+        .context("cannot start the replica")?;
+    shutdown_signal().await;
+    tracing::info!("shutdown requested: draining");
+    replica.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,263 @@
+//! [`KvRouterClient`]: the router endpoints as async methods.
+
+use crate::error::ClientError;
+use bytes::Bytes;
+use kvrouter_bus::{Bus, BusError};
+use kvrouter_protocol::{
+    decode, encode, max_prompt_tokens_for, OverlapRequest, OverlapScoresReply, PotentialLoad,
+    Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects,
+};
+use serde::{de::DeserializeOwned, Serialize};
+use std::time::Duration;
+use tracing::Instrument;
+
+/// How long a router endpoint may take to answer, unless configured otherwise.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a generate stream may stay silent, unless configured otherwise.
+pub const DEFAULT_GENERATE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A fresh request id (a uuid v4), for callers that have none.
+pub fn new_request_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// A route request for `tokens` that tracks the request as active load (`update_states`),
+/// with a fresh request id and no filters.
+pub fn route_request(model: impl Into<String>, tokens: Vec<u32>) -> RouteRequest {
+    RouteRequest {
+        model: model.into(),
+        request_id: new_request_id(),
+        tokens,
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states: true,
+    }
+}
+
+/// A client of the kvrouter replicas of one namespace. Cheap to clone; share one per process.
+#[derive(Clone, Debug)]
+pub struct KvRouterClient {
+    pub(crate) bus: Bus,
+    pub(crate) subjects: Subjects,
+    pub(crate) timeout: Duration,
+    pub(crate) generate_idle_timeout: Duration,
+}
+
+impl KvRouterClient {
+    /// A client for the replicas serving `namespace` on `bus`.
+    pub fn new(bus: Bus, namespace: &str) -> Result<Self, ClientError> {
+        Ok(Self {
+            bus,
+            subjects: Subjects::new(namespace)?,
+            timeout: DEFAULT_REQUEST_TIMEOUT,
+            generate_idle_timeout: DEFAULT_GENERATE_IDLE_TIMEOUT,
+        })
+    }
+
+    /// Sets how long each router endpoint call may take (default 2 s).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets how long a generate stream may stay silent between events (default 30 s).
+    pub fn with_generate_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.generate_idle_timeout = timeout;
+        self
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub fn namespace(&self) -> &str {
+        self.subjects.namespace()
+    }
+
+    pub fn subjects(&self) -> &Subjects {
+        &self.subjects
+    }
+
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    /// Asks a replica which worker rank should serve the request. An empty `request_id` is
+    /// replaced by a fresh one (set one yourself when `update_states` is on: `mark_prefill`
+    /// and `free` need it).
+    pub async fn route(&self, req: &RouteRequest) -> Result<RouteDecision, ClientError> {
+        let filled;
+        let req = if req.request_id.is_empty() {
+            filled = RouteRequest {
+                request_id: new_request_id(),
+                ..req.clone()
+            };
+            &filled
+        } else {
+            req
+        };
+        let span = tracing::debug_span!(
+            "route",
+            model = %req.model,
+            request_id = %req.request_id,
+            tokens = req.tokens.len(),
+            update_states = req.update_states,
+        );
+        let subject = self.subjects.route();
+        self.call(&subject, req, req.tokens.len())
+            .instrument(span)
+            .await
+    }
+
+    /// How many leading blocks of the tokens each worker rank holds.
+    pub async fn overlap_scores(
+        &self,
+        req: &OverlapRequest,
+    ) -> Result<OverlapScoresReply, ClientError> {
+        let span =
+            tracing::debug_span!("overlap_scores", model = %req.model, tokens = req.tokens.len());
+        let subject = self.subjects.overlap_scores();
+        self.call(&subject, req, req.tokens.len())
+            .instrument(span)
+            .await
+    }
+
+    /// What each worker rank's load would be if the tokens went there.
+    pub async fn potential_loads(
+        &self,
+        req: &OverlapRequest,
+    ) -> Result<Vec<PotentialLoad>, ClientError> {
+        let span =
+            tracing::debug_span!("potential_loads", model = %req.model, tokens = req.tokens.len());
+        let subject = self.subjects.potential_loads();
+        self.call(&subject, req, req.tokens.len())
+            .instrument(span)
+            .await
+    }
+
+    /// Tells the replica that made the decision that the request's prefill is done.
+    pub async fn mark_prefill(
+        &self,
+        replica_id: &str,
+        model: &str,
+        request_id: &str,
+    ) -> Result<(), ClientError> {
+        let span = tracing::debug_span!("mark_prefill", replica_id, model, request_id);
+        let subject = self.subjects.mark_prefill(replica_id);
+        let update = RequestUpdate {
+            model: model.to_string(),
+            request_id: request_id.to_string(),
+        };
+        self.call(&subject, &update, 0).instrument(span).await
+    }
+
+    /// Tells the replica that made the decision that the request is finished.
+    pub async fn free(
+        &self,
+        replica_id: &str,
+        model: &str,
+        request_id: &str,
+    ) -> Result<(), ClientError> {
+        let span = tracing::debug_span!("free", replica_id, model, request_id);
+        let subject = self.subjects.free(replica_id);
+        let update = RequestUpdate {
+            model: model.to_string(),
+            request_id: request_id.to_string(),
+        };
+        self.call(&subject, &update, 0).instrument(span).await
+    }
+
+    /// Encodes `req`, checks it fits one bus message, sends it and decodes the `Reply<T>`.
+    async fn call<Req: Serialize, T: DeserializeOwned>(
+        &self,
+        subject: &str,
+        req: &Req,
+        tokens: usize,
+    ) -> Result<T, ClientError> {
+        let payload = encode_checked(req, tokens, self.bus.max_payload())?;
+        let msg = self
+            .bus
+            .request(subject, payload, self.timeout)
+            .await
+            .map_err(|e| self.router_error(subject, e))?;
+        let reply: Reply<T> = decode(&msg.payload).map_err(|source| ClientError::Decode {
+            subject: subject.to_string(),
+            source,
+        })?;
+        let result = reply.into_result().map_err(ClientError::Router);
+        if let Err(e) = &result {
+            tracing::debug!(error = %e, "router error reply");
+        }
+        result
+    }
+
+    /// Maps a bus failure on a router endpoint to the client's error.
+    fn router_error(&self, subject: &str, e: BusError) -> ClientError {
+        match e {
+            BusError::NoResponders { .. } => ClientError::NoRouter {
+                namespace: self.namespace().to_string(),
+                subject: subject.to_string(),
+            },
+            BusError::Timeout { after, .. } => ClientError::Timeout {
+                subject: subject.to_string(),
+                after,
+            },
+            other => ClientError::Bus(other),
+        }
+    }
+}
+
+/// Encodes a request carrying `tokens` prompt tokens and refuses it, naming the limit, when
+/// the prompt is longer than the protocol allows on a bus of `max_payload` bytes
+/// ([`max_prompt_tokens_for`]: what replicas accept) or the message would not fit.
+pub(crate) fn encode_checked<T: Serialize>(
+    value: &T,
+    tokens: usize,
+    max_payload: usize,
+) -> Result<Bytes, ClientError> {
+    let bytes = encode(value).map_err(ClientError::Encode)?;
+    let max_tokens = max_prompt_tokens_for(max_payload);
+    if (tokens > 0 && tokens > max_tokens) || bytes.len() > max_payload {
+        return Err(ClientError::PromptTooLarge {
+            tokens,
+            bytes: bytes.len(),
+            max_payload,
+            max_tokens,
+        });
+    }
+    Ok(Bytes::from(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oversized_requests_name_the_limit() {
+        let max_payload = (64 << 10) + 4000;
+        assert_eq!(max_prompt_tokens_for(max_payload), 1000);
+        let at_max = route_request("m", vec![7; 1000]);
+        assert!(encode_checked(&at_max, 1000, max_payload).is_ok());
+        let over = route_request("m", vec![7; 1001]);
+        match encode_checked(&over, 1001, max_payload) {
+            Err(ClientError::PromptTooLarge {
+                tokens,
+                max_payload: max,
+                max_tokens,
+                ..
+            }) => assert_eq!((tokens, max, max_tokens), (1001, max_payload, 1000)),
+            other => panic!("expected PromptTooLarge, got {other:?}"),
+        }
+        // A message that cannot fit is refused whatever its prompt.
+        let update = RequestUpdate {
+            model: "m".repeat(5000),
+            request_id: "r".into(),
+        };
+        assert!(matches!(
+            encode_checked(&update, 0, 4096),
+            Err(ClientError::PromptTooLarge { .. })
+        ));
+        assert!(encode_checked(&update, 0, 1 << 20).is_ok());
+    }
+}

@@ -25,6 +25,8 @@ enum Command {
     Hash(cli::hash::HashArgs),
     /// Run a router replica.
     Serve(cli::serve::ServeArgs),
+    /// Run a fleet of simulated engine workers (no GPU) on the bus.
+    Mocker(cli::mocker::MockerArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -54,6 +56,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Hash(args) => cli::hash::run(args),
         Command::Serve(args) => cli::runtime().and_then(|rt| rt.block_on(cli::serve::run(args))),
+        Command::Mocker(args) => cli::runtime().and_then(|rt| rt.block_on(cli::mocker::run(args))),
         Command::Bench(cmd) => cli::runtime().and_then(|rt| rt.block_on(cli::bench::run(cmd))),
         Command::Route(args) => cli::runtime().and_then(|rt| rt.block_on(cli::route::run(args))),
         Command::Generate(args) => {

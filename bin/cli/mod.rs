@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_route;
 pub mod generate;
 pub mod hash;
+pub mod mocker;
 pub mod nats_args;
 pub mod route;
 pub mod serve;

@@ -36,11 +36,15 @@
 pub mod config;
 pub mod engine;
 pub mod engine_hash;
+pub mod fleet;
 pub mod kv_cache;
+mod rank_task;
+mod worker;
 
 pub use config::{BatchShape, ConfigError, EngineConfig, TimingModel};
 pub use engine::{
     LoadReport, Output, OutputKind, RankEngine, Request, SimTime, StepOutcome, SubmitError,
 };
 pub use engine_hash::{engine_block_hash, engine_block_hashes, DEFAULT_ENGINE_HASH_SEED};
+pub use fleet::{FleetConfig, FleetError, MockerFleet};
 pub use kv_cache::{BlockTable, CacheFull, CachedBlock, KvCache, PrefixMatch, PromptBlocks};

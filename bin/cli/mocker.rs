@@ -1,0 +1,136 @@
+//! `kvrouter mocker`: a fleet of simulated engine workers on NATS.
+
+use super::nats_args::NatsArgs;
+use anyhow::Context;
+use clap::Args;
+use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_protocol::WorkerRole;
+use std::io::Write;
+use std::time::Duration;
+
+/// Random worker id bases stay below 2^53, so JSON tools that read numbers as doubles (jq,
+/// JavaScript) see the exact ids.
+const RANDOM_ID_LIMIT: u64 = 1 << 53;
+
+#[derive(Args)]
+pub struct MockerArgs {
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// Model the workers serve.
+    #[arg(long, env = "KVROUTER_MODEL")]
+    model: String,
+    /// Number of workers.
+    #[arg(long, env = "KVROUTER_WORKERS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    workers: u32,
+    /// Data-parallel ranks per worker (each with its own KV cache).
+    #[arg(long, env = "KVROUTER_DP_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    dp_size: u32,
+    /// First data-parallel rank of each worker.
+    #[arg(long, env = "KVROUTER_DP_START_RANK", default_value_t = 0)]
+    dp_start_rank: u32,
+    /// Tensor-parallel size (reported in registrations).
+    #[arg(long, env = "KVROUTER_TP_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    tp_size: u32,
+    /// Worker role: aggregated, prefill or decode.
+    #[arg(long, env = "KVROUTER_ROLE", default_value = "aggregated")]
+    role: WorkerRole,
+    /// Tokens per KV block.
+    #[arg(long, env = "KVROUTER_BLOCK_SIZE", default_value_t = 64)]
+    block_size: usize,
+    /// KV cache capacity of each rank, in blocks.
+    #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS", default_value_t = 6400)]
+    capacity_blocks: usize,
+    /// Simulated time runs this many times faster than the wall clock.
+    #[arg(long, env = "KVROUTER_SPEEDUP", default_value_t = 1.0)]
+    speedup: f64,
+    /// First worker id (decimal or 0x hex); the workers get consecutive ids. Default: random,
+    /// so that several mocker processes do not collide.
+    #[arg(long, env = "KVROUTER_WORKER_ID_START", value_parser = super::parse_u64)]
+    worker_id_start: Option<u64>,
+    /// Token budget of one engine step (decode tokens plus prefill chunks).
+    #[arg(long, env = "KVROUTER_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Most requests running at once on a rank.
+    #[arg(long, env = "KVROUTER_MAX_NUM_SEQS", default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Heartbeat period in milliseconds.
+    #[arg(long, env = "KVROUTER_HEARTBEAT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    heartbeat_ms: u64,
+}
+
+impl MockerArgs {
+    fn config(&self) -> anyhow::Result<FleetConfig> {
+        let worker_id_start = match self.worker_id_start {
+            Some(id) => id,
+            None => random_worker_id_base(self.workers),
+        };
+        let config = FleetConfig {
+            namespace: self.nats.namespace.clone(),
+            model: self.model.clone(),
+            workers: self.workers,
+            worker_id_start,
+            dp_size: self.dp_size,
+            dp_start_rank: self.dp_start_rank,
+            tp_size: self.tp_size,
+            role: self.role,
+            engine: EngineConfig {
+                block_size: self.block_size,
+                capacity_blocks: self.capacity_blocks,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                max_num_seqs: self.max_num_seqs,
+                ..EngineConfig::default()
+            },
+            speedup: self.speedup,
+            heartbeat_interval: Duration::from_millis(self.heartbeat_ms),
+            ..FleetConfig::default()
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// A random first id such that `workers` consecutive ids stay below 2^53.
+fn random_worker_id_base(workers: u32) -> u64 {
+    let room = RANDOM_ID_LIMIT - u64::from(workers);
+    uuid::Uuid::new_v4().as_u64_pair().0 % room
+}
+
+pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
+    let config = args.config()?;
+    let bus = args.nats.connect("kvrouter-mocker").await?;
+    let fleet = MockerFleet::start(bus, config)
+        .await
+        .context("cannot start the mocker fleet")?;
+    let worker_ids = fleet.worker_ids();
+    let instance_ids: Vec<String> = worker_ids
+        .iter()
+        .filter_map(|&w| fleet.instance_id(w))
+        .map(|u| u.to_string())
+        .collect();
+    tracing::info!(
+        model = %fleet.config().model,
+        ?worker_ids,
+        dp_size = fleet.config().dp_size,
+        dp_start_rank = fleet.config().dp_start_rank,
+        speedup = fleet.config().speedup,
+        "mocker fleet running"
+    );
+    // Written by hand to keep the field order: worker_ids first.
+    let line = format!(
+        "{{\"worker_ids\":{},\"instance_ids\":{}}}",
+        serde_json::to_string(&worker_ids)?,
+        serde_json::to_string(&instance_ids)?
+    );
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").context("cannot write to stdout")?;
+        out.flush().context("cannot write to stdout")?;
+    }
+    super::serve::shutdown_signal().await;
+    tracing::info!("shutdown requested: deregistering the workers");
+    fleet
+        .shutdown()
+        .await
+        .context("mocker shutdown did not complete cleanly")?;
+    Ok(())
+}

@@ -1,0 +1,484 @@
+//! [`MockerFleet`]: N simulated workers × D data-parallel ranks in one process, on the bus.
+//!
+//! Each worker speaks the worker side of docs/protocol.md:
+//! - **discovery**: a `Registration` on start and at once on every `WhoIsThere`, a
+//!   `Heartbeat` every `heartbeat_interval` with its live ranks, a `Deregistration` on
+//!   [`MockerFleet::shutdown`];
+//! - **KV events** (`KvEventBatch`, per rank in event-id order, chunked under the bus payload
+//!   limit) and **load reports** (`LoadReport`), batched every `event_batch_interval`;
+//! - **generate** (`GenerateRequest` → stream of `GenerateEvent`), **state** (`StateQuery` →
+//!   stream of `Reply<StateChunk>`, consistent with the event stream) and the
+//!   **drop_events** test hook (an encoded `u64`: drop that many of the next event batches;
+//!   with a reply subject it is answered `Reply<()>` once the publisher has the order).
+//!
+//! Every rank is a tokio task owning its [`RankEngine`](crate::RankEngine); simulated time
+//! runs `speedup` times faster than the wall clock (see [`crate::rank_task`]).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvrouter_mocker::FleetError> {
+//! use kvrouter_mocker::{FleetConfig, MockerFleet};
+//! let bus = kvrouter_bus::Bus::local();
+//! let config = FleetConfig { workers: 2, dp_size: 2, speedup: 100.0, ..FleetConfig::new("my-model") };
+//! let fleet = MockerFleet::start(bus, config).await?;
+//! println!("workers {:?}", fleet.worker_ids());
+//! fleet.shutdown().await?;
+//! # Ok(()) }
+//! ```
+
+use crate::config::{ConfigError, EngineConfig};
+use crate::engine::RankEngine;
+use crate::rank_task::{stopped, RankCmd, RankTask};
+use crate::worker::{publish_msg, EndpointSubs, Endpoints, Publisher, WorkerInfo};
+use kvrouter_bus::{Bus, BusError, Subscription};
+use kvrouter_protocol::{
+    Deregistration, DpRank, EventId, ModelSubjects, SubjectError, Subjects, WorkerId, WorkerKey,
+    WorkerRole,
+};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+/// How long [`MockerFleet::shutdown`] waits for its tasks before aborting them.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a fleet runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FleetConfig {
+    /// Subject namespace (default `kvrouter`).
+    pub namespace: String,
+    /// Model every worker serves.
+    pub model: String,
+    /// Number of workers (default 1).
+    pub workers: u32,
+    /// Worker ids are `worker_id_start .. worker_id_start + workers` (default 0).
+    pub worker_id_start: WorkerId,
+    /// Data-parallel ranks per worker (default 1), each with its own KV cache.
+    pub dp_size: u32,
+    /// First rank of each worker (default 0).
+    pub dp_start_rank: DpRank,
+    /// Tensor-parallel size, reported in registrations only (default 1).
+    pub tp_size: u32,
+    pub role: WorkerRole,
+    /// Engine of every rank (block size, capacity per rank, batching limits, timing).
+    pub engine: EngineConfig,
+    /// Simulated time runs this many times faster than the wall clock (default 1).
+    pub speedup: f64,
+    /// Heartbeat period (default 1 s).
+    pub heartbeat_interval: Duration,
+    /// KV events wait at most this long (wall) to be batched (default 5 ms).
+    pub event_batch_interval: Duration,
+    /// Load reports go out this often when something changed (default 100 ms), and at most
+    /// one `event_batch_interval` after a change.
+    pub load_report_interval: Duration,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            namespace: "kvrouter".into(),
+            model: String::new(),
+            workers: 1,
+            worker_id_start: 0,
+            dp_size: 1,
+            dp_start_rank: 0,
+            tp_size: 1,
+            role: WorkerRole::Aggregated,
+            engine: EngineConfig::default(),
+            speedup: 1.0,
+            heartbeat_interval: Duration::from_secs(1),
+            event_batch_interval: Duration::from_millis(5),
+            load_report_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+impl FleetConfig {
+    /// The defaults, serving `model`.
+    pub fn new(model: impl Into<String>) -> Self {
+        Self {
+            model: model.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Checks that the fleet can run.
+    pub fn validate(&self) -> Result<(), FleetError> {
+        let bad = |m: String| Err(FleetError::Config(m));
+        self.engine.validate()?;
+        Subjects::new(&self.namespace)?.model(&self.model)?;
+        if self.workers == 0 {
+            return bad("workers must be at least 1".into());
+        }
+        if self
+            .worker_id_start
+            .checked_add(u64::from(self.workers) - 1)
+            .is_none()
+        {
+            return bad(format!(
+                "worker ids {} + {} workers overflow u64",
+                self.worker_id_start, self.workers
+            ));
+        }
+        if self.dp_size == 0 {
+            return bad("dp_size must be at least 1".into());
+        }
+        if self.dp_start_rank.checked_add(self.dp_size).is_none() {
+            return bad(format!(
+                "dp_start_rank {} + dp_size {} overflows u32",
+                self.dp_start_rank, self.dp_size
+            ));
+        }
+        if self.tp_size == 0 {
+            return bad("tp_size must be at least 1".into());
+        }
+        if u32::try_from(self.engine.block_size).is_err() {
+            return bad(format!(
+                "block_size {} does not fit u32",
+                self.engine.block_size
+            ));
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return bad(format!(
+                "speedup must be a positive number, not {}",
+                self.speedup
+            ));
+        }
+        if self.heartbeat_interval.is_zero() {
+            return bad("heartbeat_interval must be positive".into());
+        }
+        if self.load_report_interval.is_zero() {
+            return bad("load_report_interval must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a fleet could not start, or a fleet operation failed.
+#[derive(Debug, Error)]
+pub enum FleetError {
+    #[error("invalid fleet configuration: {0}")]
+    Config(String),
+    #[error("invalid engine configuration: {0}")]
+    Engine(#[from] ConfigError),
+    #[error(transparent)]
+    Subject(#[from] SubjectError),
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("worker {0} is not part of this fleet")]
+    UnknownWorker(WorkerId),
+    #[error("worker {worker_id} has no rank {dp_rank}")]
+    InvalidRank {
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    },
+    #[error("the fleet is shutting down")]
+    Stopped,
+}
+
+/// One worker as the fleet handle sees it.
+struct WorkerHandle {
+    info: Arc<WorkerInfo>,
+    ranks: Vec<mpsc::UnboundedSender<RankCmd>>,
+}
+
+/// A running fleet of simulated workers. Stop it with [`shutdown`](Self::shutdown) (which
+/// deregisters every worker); dropping it stops the tasks without deregistering.
+pub struct MockerFleet {
+    bus: Bus,
+    config: FleetConfig,
+    subjects: ModelSubjects,
+    workers: Vec<WorkerHandle>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MockerFleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MockerFleet")
+            .field("model", &self.config.model)
+            .field("worker_ids", &self.worker_ids())
+            .field("dp_size", &self.config.dp_size)
+            .finish()
+    }
+}
+
+impl MockerFleet {
+    /// Starts every worker and rank, subscribes their endpoints, then publishes their
+    /// registrations.
+    pub async fn start(bus: Bus, config: FleetConfig) -> Result<MockerFleet, FleetError> {
+        config.validate()?;
+        let subjects = Subjects::new(&config.namespace)?.model(&config.model)?;
+        let (shutdown, _) = watch::channel(false);
+        let mut fleet = MockerFleet {
+            bus: bus.clone(),
+            subjects: subjects.clone(),
+            workers: Vec::with_capacity(config.workers as usize),
+            shutdown,
+            tasks: Vec::new(),
+            config,
+        };
+        // On error, dropping `fleet` stops whatever was started.
+        for i in 0..fleet.config.workers {
+            let worker_id = fleet.config.worker_id_start + u64::from(i);
+            fleet.start_worker(worker_id).await?;
+        }
+        let who = bus.subscribe(&subjects.who_is_there()).await?;
+        let infos: Vec<Arc<WorkerInfo>> = fleet.workers.iter().map(|w| w.info.clone()).collect();
+        fleet.tasks.push(tokio::spawn(discovery_task(
+            bus.clone(),
+            subjects.clone(),
+            infos.clone(),
+            who,
+            fleet.config.heartbeat_interval,
+            fleet.shutdown.subscribe(),
+        )));
+        for info in &infos {
+            tracing::info!(
+                worker_id = info.worker_id,
+                instance_id = %info.instance_id,
+                model = %info.model,
+                dp_start_rank = info.dp_start_rank,
+                dp_size = info.dp_size,
+                "mocker worker started"
+            );
+            publish_msg(&bus, &subjects.register(), &info.registration()).await;
+        }
+        Ok(fleet)
+    }
+
+    async fn start_worker(&mut self, worker_id: WorkerId) -> Result<(), FleetError> {
+        let c = &self.config;
+        let info = Arc::new(WorkerInfo::new(
+            worker_id,
+            c.model.clone(),
+            c.role,
+            // Validated to fit.
+            u32::try_from(c.engine.block_size).unwrap_or(u32::MAX),
+            c.dp_size,
+            c.dp_start_rank,
+            c.tp_size,
+            c.engine.capacity_blocks as u64,
+            u32::try_from(c.heartbeat_interval.as_millis()).unwrap_or(u32::MAX),
+        ));
+        let subs = EndpointSubs {
+            generate: self
+                .bus
+                .subscribe(&self.subjects.generate(worker_id))
+                .await?,
+            state: self.bus.subscribe(&self.subjects.state(worker_id)).await?,
+            drop_events: self
+                .bus
+                .subscribe(&self.subjects.drop_events(worker_id))
+                .await?,
+        };
+        let (pub_tx, pub_rx) = mpsc::unbounded_channel();
+        let mut ranks = Vec::with_capacity(c.dp_size as usize);
+        for index in 0..c.dp_size {
+            let key = WorkerKey::new(worker_id, c.dp_start_rank + index);
+            let engine = RankEngine::new(key, c.engine.clone())?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = RankTask::new(
+                engine,
+                index as usize,
+                info.clone(),
+                pub_tx.clone(),
+                c.speedup,
+            );
+            self.tasks
+                .push(tokio::spawn(task.run(rx, self.shutdown.subscribe())));
+            ranks.push(tx);
+        }
+        let publisher = Publisher {
+            bus: self.bus.clone(),
+            info: info.clone(),
+            kv_events_subject: self.subjects.kv_events(),
+            load_subject: self.subjects.load(),
+            batch_interval: c.event_batch_interval,
+            load_interval: c.load_report_interval,
+        };
+        self.tasks.push(tokio::spawn(
+            publisher.run(pub_rx, self.shutdown.subscribe()),
+        ));
+        let endpoints = Endpoints {
+            bus: self.bus.clone(),
+            info: info.clone(),
+            ranks: ranks.clone(),
+            publisher: pub_tx,
+        };
+        self.tasks
+            .push(tokio::spawn(endpoints.run(subs, self.shutdown.subscribe())));
+        self.workers.push(WorkerHandle { info, ranks });
+        Ok(())
+    }
+
+    /// The worker ids, in order.
+    pub fn worker_ids(&self) -> Vec<WorkerId> {
+        self.workers.iter().map(|w| w.info.worker_id).collect()
+    }
+
+    /// The instance id of a worker of this fleet (new on every start).
+    pub fn instance_id(&self, worker_id: WorkerId) -> Option<Uuid> {
+        self.worker(worker_id).ok().map(|w| w.info.instance_id)
+    }
+
+    /// The configuration the fleet runs.
+    pub fn config(&self) -> &FleetConfig {
+        &self.config
+    }
+
+    /// The subjects of the fleet's model.
+    pub fn subjects(&self) -> &ModelSubjects {
+        &self.subjects
+    }
+
+    /// The live ranks of a worker.
+    pub fn live_ranks(&self, worker_id: WorkerId) -> Result<Vec<DpRank>, FleetError> {
+        Ok(self.worker(worker_id)?.info.live_ranks())
+    }
+
+    fn worker(&self, worker_id: WorkerId) -> Result<&WorkerHandle, FleetError> {
+        worker_id
+            .checked_sub(self.config.worker_id_start)
+            .and_then(|i| usize::try_from(i).ok())
+            .and_then(|i| self.workers.get(i))
+            .ok_or(FleetError::UnknownWorker(worker_id))
+    }
+
+    fn rank_index(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    ) -> Result<(&WorkerHandle, usize), FleetError> {
+        let w = self.worker(worker_id)?;
+        let index = w
+            .info
+            .rank_index(dp_rank)
+            .ok_or(FleetError::InvalidRank { worker_id, dp_rank })?;
+        Ok((w, index))
+    }
+
+    /// Takes a rank in or out of service. A dead rank is left out of `live_ranks` (in
+    /// heartbeats, registrations and load reports) and refuses generate and state queries;
+    /// its cache and running requests are kept. A change is announced at once with a
+    /// registration and a heartbeat.
+    pub async fn set_rank_live(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        live: bool,
+    ) -> Result<(), FleetError> {
+        let (w, index) = self.rank_index(worker_id, dp_rank)?;
+        if w.info.set_live(index, live) {
+            tracing::info!(worker_id, dp_rank, live, "rank liveness changed");
+            publish_msg(&self.bus, &self.subjects.register(), &w.info.registration()).await;
+            publish_msg(&self.bus, &self.subjects.heartbeat(), &w.info.heartbeat()).await;
+        }
+        Ok(())
+    }
+
+    /// Drops a rank's prefix cache, emitting a `Cleared` event; returns its event id.
+    pub async fn clear_rank(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    ) -> Result<EventId, FleetError> {
+        let (w, index) = self.rank_index(worker_id, dp_rank)?;
+        let (tx, rx) = oneshot::channel();
+        w.ranks[index]
+            .send(RankCmd::Clear { reply: tx })
+            .map_err(|_| FleetError::Stopped)?;
+        rx.await.map_err(|_| FleetError::Stopped)
+    }
+
+    /// Stops every rank (requests in flight get an `Unavailable` error), publishes the KV
+    /// events still buffered, deregisters every worker and flushes the bus.
+    pub async fn shutdown(mut self) -> Result<(), FleetError> {
+        let _ = self.shutdown.send(true);
+        let tasks = std::mem::take(&mut self.tasks);
+        for mut task in tasks {
+            if tokio::time::timeout(STOP_TIMEOUT, &mut task).await.is_err() {
+                tracing::warn!("a mocker task did not stop in time; aborting it");
+                task.abort();
+            }
+        }
+        let mut first_err = None;
+        for w in &self.workers {
+            let msg = Deregistration {
+                worker_id: w.info.worker_id,
+                instance_id: w.info.instance_id,
+            };
+            let sent = match kvrouter_protocol::encode(&msg) {
+                Ok(b) => self
+                    .bus
+                    .publish(&self.subjects.deregister(), bytes::Bytes::from(b))
+                    .await
+                    .map_err(FleetError::from),
+                Err(e) => Err(FleetError::Config(e.to_string())),
+            };
+            match sent {
+                Ok(()) => {
+                    tracing::info!(worker_id = w.info.worker_id, "mocker worker deregistered")
+                }
+                Err(e) => {
+                    tracing::warn!(worker_id = w.info.worker_id, error = %e, "cannot deregister");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Err(e) = self.bus.flush().await {
+            first_err.get_or_insert(e.into());
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for MockerFleet {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+/// Heartbeats for every worker, and registrations at once on every `WhoIsThere`.
+async fn discovery_task(
+    bus: Bus,
+    subjects: ModelSubjects,
+    workers: Vec<Arc<WorkerInfo>>,
+    mut who: Subscription,
+    heartbeat_interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let register = subjects.register();
+    let heartbeat = subjects.heartbeat();
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + heartbeat_interval,
+        heartbeat_interval,
+    );
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = stopped(&mut shutdown) => break,
+            msg = who.next() => {
+                let Some(msg) = msg else { break };
+                // Any payload counts as a roll call; a malformed one is only logged.
+                if let Err(e) = kvrouter_protocol::decode::<kvrouter_protocol::WhoIsThere>(&msg.payload) {
+                    tracing::debug!(error = %e, "malformed WhoIsThere; answering anyway");
+                }
+                for w in &workers {
+                    publish_msg(&bus, &register, &w.registration()).await;
+                }
+            }
+            _ = tick.tick() => {
+                for w in &workers {
+                    publish_msg(&bus, &heartbeat, &w.heartbeat()).await;
+                }
+            }
+        }
+    }
+}

@@ -89,3 +89,120 @@ impl Drop for NatsServer {
         let _ = self.child.wait();
     }
 }
+
+/// A free loopback TCP port (for admin addresses).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A running `kvrouter` process, killed (SIGKILL) by PID when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Proc {
+    /// Starts `kvrouter ARGS`; stdout is piped (read it with [`Proc::first_line`]).
+    pub fn start(name: &str, args: &[&str]) -> Self {
+        let child = kvrouter()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("kvrouter starts");
+        Self {
+            child,
+            name: name.to_string(),
+        }
+    }
+
+    /// The first line the process prints on stdout.
+    pub fn first_line(&mut self) -> String {
+        let out = self.child.stdout.take().expect("stdout piped");
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line).expect("a line");
+        line
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status();
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill(mut self) {
+        self.signal("-KILL");
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then wait up to `timeout` for the exit status.
+    pub fn terminate(mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        self.signal("-TERM");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.signal("-KILL");
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `GET path` on a loopback port: (status code, body). (0, "") when nothing listens.
+pub fn http_get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// Polls `f` every 50 ms until it returns true or `timeout` passes; returns the last answer.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

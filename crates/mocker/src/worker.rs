@@ -184,7 +184,6 @@ pub(crate) async fn publish_msg<T: Serialize>(bus: &Bus, subject: &str, msg: &T)
 /// single event too large for any message is logged and left out.
 pub(crate) fn encode_chunked<T: Serialize>(
     events: Vec<KvEvent>,
-    max_blocks: usize,
     max_payload: usize,
     wrap: &dyn Fn(Vec<KvEvent>) -> T,
 ) -> Vec<Bytes> {
@@ -218,7 +217,7 @@ pub(crate) fn encode_chunked<T: Serialize>(
         }
     }
     let mut out = Vec::new();
-    for chunk in chunk_events(events, max_blocks) {
+    for chunk in chunk_events(events, max_payload) {
         push(chunk, max_payload, wrap, &mut out);
     }
     out
@@ -308,12 +307,7 @@ impl Publisher {
             instance_id,
             events,
         };
-        let batches = encode_chunked(
-            std::mem::take(buf),
-            max_blocks_per_batch(max_payload),
-            max_payload,
-            &wrap,
-        );
+        let batches = encode_chunked(std::mem::take(buf), max_payload, &wrap);
         for batch in batches {
             if *to_drop > 0 {
                 *to_drop -= 1;
@@ -479,7 +473,7 @@ impl Endpoints {
                     events,
                 })
             };
-            let mut chunks = encode_chunked(snapshot.events, max_blocks, bus.max_payload(), &wrap);
+            let mut chunks = encode_chunked(snapshot.events, bus.max_payload(), &wrap);
             if chunks.is_empty() {
                 match encode(&wrap(Vec::new())) {
                     Ok(b) => chunks.push(Bytes::from(b)),

@@ -335,21 +335,21 @@ impl<T> From<Result<T, ErrorReply>> for Reply<T> {
     }
 }
 
-/// Splits events into batches of at most `max_blocks` blocks each, in order, so that every
-/// encoded batch stays under the bus's payload limit. An event bigger than the budget travels
-/// alone (producers keep single events smaller, see [`max_blocks_per_batch`]).
-pub fn chunk_events(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>> {
-    let max_blocks = max_blocks.max(1);
+/// Splits events into batches whose encoding stays under `max_payload` (with room to spare
+/// for the batch's own fields), in order. An event bigger than that travels alone: producers
+/// keep single events under [`max_blocks_per_batch`] blocks.
+pub fn chunk_events(events: Vec<KvEvent>, max_payload: usize) -> Vec<Vec<KvEvent>> {
+    let budget = (max_payload / 2).max(1);
     let mut out = Vec::new();
     let mut cur = Vec::new();
-    let mut cur_blocks = 0usize;
+    let mut cur_bytes = 0usize;
     for ev in events {
-        let n = ev.block_count().max(1);
-        if cur_blocks + n > max_blocks && !cur.is_empty() {
+        let n = ENCODED_EVENT_OVERHEAD + ENCODED_BYTES_PER_BLOCK * ev.block_count();
+        if cur_bytes + n > budget && !cur.is_empty() {
             out.push(std::mem::take(&mut cur));
-            cur_blocks = 0;
+            cur_bytes = 0;
         }
-        cur_blocks += n;
+        cur_bytes += n;
         cur.push(ev);
     }
     if !cur.is_empty() {
@@ -357,6 +357,10 @@ pub fn chunk_events(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>
     }
     out
 }
+
+/// Upper bound on the encoded size of an event apart from its blocks (key, id, variant,
+/// parent, lengths).
+pub const ENCODED_EVENT_OVERHEAD: usize = 64;
 
 /// Room a route request keeps for everything but its tokens (model, ids, LoRA, allowed
 /// workers): the longest prompt a bus carries is `(max_payload - this) / 4` tokens.

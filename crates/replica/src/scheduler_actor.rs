@@ -225,6 +225,7 @@ impl Actor for SchedulerActor {
             } => {
                 state.core.add_worker_key(key, capacity_blocks);
                 state.drain(now);
+                state.export_loads();
             }
             SchedulerMsg::RemoveKey(key) => {
                 state.core.remove_worker_key(key);

@@ -35,6 +35,10 @@ pub struct RouteLatencyArgs {
     /// Seed of the prompt generator.
     #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
     pub seed: u64,
+    /// Skip running the shared prefixes through the fleet first (by default they are
+    /// generated once, so the workers cache them and the index holds them).
+    #[arg(long, env = "KVROUTER_NO_WARM_UP")]
+    pub no_warm_up: bool,
     /// Per-request timeout, in milliseconds.
     #[arg(long, env = "KVROUTER_TIMEOUT_MS", default_value_t = 2000)]
     pub timeout_ms: u64,
@@ -51,6 +55,7 @@ pub async fn run(args: RouteLatencyArgs) -> anyhow::Result<()> {
         prefix_share: args.prefix_share,
         prefix_pool: args.prefix_pool,
         seed: args.seed,
+        warm_up: !args.no_warm_up,
         ..RouteLatencyConfig::new(
             args.model.clone(),
             args.rate,

@@ -26,6 +26,9 @@ pub struct RouteLatencyConfig {
     /// How many shared prefixes the pool holds.
     pub prefix_pool: usize,
     pub seed: u64,
+    /// Run each shared prefix through the fleet first (generate, one output token), so the
+    /// workers cache it and the index holds it during the measurement.
+    pub warm_up: bool,
 }
 
 impl RouteLatencyConfig {
@@ -43,6 +46,7 @@ impl RouteLatencyConfig {
             prefix_share: 0.5,
             prefix_pool: 8,
             seed: 0x6b76_726f_7574_6572,
+            warm_up: true,
         }
     }
 
@@ -124,44 +128,21 @@ pub fn scheduled_count(rate: f64, duration: Duration) -> u64 {
     (rate * duration.as_secs_f64()).ceil().max(0.0) as u64
 }
 
-/// A small, fast PRNG (splitmix64); the bench needs no cryptographic quality.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`; tiny modulo bias is fine here).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-}
-
 /// Random prompts of a fixed length whose first `prefix_share` part comes from a pool of
 /// shared prefixes.
 #[derive(Clone, Debug)]
 pub struct PromptSource {
     prompt_tokens: usize,
     prefixes: Vec<Vec<u32>>,
-    rng: SplitMix64,
+    rng: fastrand::Rng,
 }
 
 /// Token ids are drawn from `1..VOCAB`.
-const VOCAB: u64 = 32_000;
+const VOCAB: u32 = 32_000;
 
 impl PromptSource {
     pub fn new(prompt_tokens: usize, prefix_share: f64, pool: usize, seed: u64) -> Self {
-        let mut rng = SplitMix64::new(seed);
+        let mut rng = fastrand::Rng::with_seed(seed);
         let prefix_len = ((prompt_tokens as f64) * prefix_share.clamp(0.0, 1.0)).round() as usize;
         let prefix_len = prefix_len.min(prompt_tokens);
         let prefixes = (0..pool.max(1))
@@ -174,8 +155,13 @@ impl PromptSource {
         }
     }
 
+    /// The shared prefixes (to warm the workers' caches with).
+    pub fn prefixes(&self) -> &[Vec<u32>] {
+        &self.prefixes
+    }
+
     pub fn next_prompt(&mut self) -> Vec<u32> {
-        let pick = self.rng.below(self.prefixes.len() as u64) as usize;
+        let pick = self.rng.usize(..self.prefixes.len());
         let mut tokens = Vec::with_capacity(self.prompt_tokens);
         if let Some(prefix) = self.prefixes.get(pick) {
             tokens.extend_from_slice(prefix);
@@ -187,9 +173,8 @@ impl PromptSource {
     }
 }
 
-fn random_token(rng: &mut SplitMix64) -> u32 {
-    // VOCAB fits u32, so the cast is lossless.
-    (1 + rng.below(VOCAB - 1)) as u32
+fn random_token(rng: &mut fastrand::Rng) -> u32 {
+    rng.u32(1..VOCAB)
 }
 
 /// The result of a run.
@@ -245,6 +230,17 @@ pub async fn run_route_latency(
         config.prefix_pool,
         config.seed,
     );
+    if config.warm_up {
+        for prefix in prompts.prefixes() {
+            let params = crate::GenerateParams::new(config.model.clone(), prefix.clone(), 1);
+            client
+                .generate(&params)
+                .await
+                .map_err(|e| format!("warm-up generate failed: {e}"))?;
+        }
+        // Let the KV events reach every replica.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
     let handle = tokio::runtime::Handle::current();
     let client = client.clone();

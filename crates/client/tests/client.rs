@@ -441,7 +441,10 @@ async fn route_latency_bench_sends_on_schedule() {
     let bus = Bus::local();
     let subjects = Subjects::new(NS).unwrap();
     let seen = responder(&bus, &subjects.route(), |_| enc(&Reply::Ok(decision("r1")))).await;
-    let config = RouteLatencyConfig::new(MODEL, 400.0, 32, Duration::from_millis(500));
+    let config = RouteLatencyConfig {
+        warm_up: false, // the fake replica has no workers to generate on
+        ..RouteLatencyConfig::new(MODEL, 400.0, 32, Duration::from_millis(500))
+    };
     let report = run_route_latency(&client(&bus), &config).await.unwrap();
     assert_eq!(report.sent, 200);
     assert_eq!(report.ok, 200, "{report:?}");
@@ -458,7 +461,10 @@ async fn route_latency_bench_sends_on_schedule() {
 
     // Without a replica, every request is counted as a no_router error.
     let bus = Bus::local();
-    let config = RouteLatencyConfig::new(MODEL, 200.0, 8, Duration::from_millis(100));
+    let config = RouteLatencyConfig {
+        warm_up: false,
+        ..RouteLatencyConfig::new(MODEL, 200.0, 8, Duration::from_millis(100))
+    };
     let report = run_route_latency(&client(&bus), &config).await.unwrap();
     assert_eq!(report.ok, 0);
     assert_eq!(report.errors.get("no_router"), Some(&report.sent));

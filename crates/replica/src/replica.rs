@@ -7,10 +7,10 @@ use crate::metrics::Metrics;
 use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg};
 use crate::state::{ModelShared, ModelStatus, ReplicaShared};
 use kvrouter_bus::{Bus, BusError, Subscription};
-use kvrouter_indexer::{ShardedIndex, ShardedIndexConfig};
+use kvrouter_indexer::{RankDump, ShardedIndex, ShardedIndexConfig};
 use kvrouter_protocol::{
     decode, Deregistration, Heartbeat, KvEventBatch, LoadReport, Registration, SubjectError,
-    Subjects,
+    Subjects, WorkerKey,
 };
 use kvrouter_scheduler::SchedulerConfig;
 use ractor::{Actor, ActorRef};
@@ -100,6 +100,7 @@ pub enum ReplicaError {
 }
 
 struct ModelRuntime {
+    name: String,
     index: Arc<ShardedIndex>,
     scheduler: ActorRef<SchedulerMsg>,
     fleet: ActorRef<FleetMsg>,
@@ -284,6 +285,7 @@ impl Replica {
                 }),
             );
             models.push(ModelRuntime {
+                name: name.clone(),
                 index,
                 scheduler,
                 fleet,
@@ -445,6 +447,13 @@ impl Replica {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         true
+    }
+
+    /// The index's view of one rank, as events that rebuild it (after every event already
+    /// handed to the index); `None` for an unknown model or rank.
+    pub async fn dump_rank(&self, model: &str, key: WorkerKey) -> Option<RankDump> {
+        let m = self.models.iter().find(|m| m.name == model)?;
+        m.index.dump(key).await.ok().flatten()
     }
 
     /// Stops taking new requests, waits (up to the drain timeout) for the ones in flight,

@@ -1,0 +1,273 @@
+//! A replica and a mocker fleet on the in-process bus: state sync under live traffic, and the
+//! busy queue.
+
+use bytes::Bytes;
+use kvrouter_bus::Bus;
+use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
+use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_protocol::{
+    decode, encode, hashing::chain_sequence_hash, EngineBlockHash, ErrorKind, KvEvent, KvEventData,
+    LocalBlockHash, Reply, RouteRequest, SequenceHash, StateChunk, StateQuery, Subjects, WorkerKey,
+};
+use kvrouter_replica::{Replica, ReplicaConfig};
+use kvrouter_scheduler::SchedulerConfig;
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+const MODEL: &str = "m";
+
+/// The blocks a list of `Stored` events describes, each named by its sequence hash (so two
+/// caches that name blocks differently still compare equal when they hold the same prefixes).
+fn prefixes(events: &[KvEvent]) -> BTreeSet<SequenceHash> {
+    let mut parent_of: HashMap<EngineBlockHash, (Option<EngineBlockHash>, LocalBlockHash)> =
+        HashMap::new();
+    for ev in events {
+        if let KvEventData::Stored { parent, blocks } = &ev.data {
+            let mut parent = *parent;
+            for b in blocks {
+                parent_of.insert(b.engine_hash, (parent, b.local_hash));
+                parent = Some(b.engine_hash);
+            }
+        }
+    }
+    fn seq(
+        e: EngineBlockHash,
+        parent_of: &HashMap<EngineBlockHash, (Option<EngineBlockHash>, LocalBlockHash)>,
+        memo: &mut HashMap<EngineBlockHash, SequenceHash>,
+    ) -> SequenceHash {
+        if let Some(&s) = memo.get(&e) {
+            return s;
+        }
+        let (parent, local) = parent_of[&e];
+        let s = match parent {
+            None => SequenceHash(local.0),
+            Some(p) => chain_sequence_hash(seq(p, parent_of, memo), local),
+        };
+        memo.insert(e, s);
+        s
+    }
+    let mut memo = HashMap::new();
+    parent_of
+        .keys()
+        .map(|&e| seq(e, &parent_of, &mut memo))
+        .collect()
+}
+
+async fn worker_state(bus: &Bus, key: WorkerKey) -> Vec<KvEvent> {
+    let subject = Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .state(key.worker_id);
+    let query = encode(&StateQuery {
+        dp_rank: key.dp_rank,
+    })
+    .unwrap();
+    let mut stream = bus
+        .request_stream(&subject, Bytes::from(query), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut events = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk: StateChunk = decode::<Reply<StateChunk>>(&chunk.unwrap())
+            .unwrap()
+            .into_result()
+            .unwrap();
+        events.extend(chunk.events);
+    }
+    events
+}
+
+fn fleet_config(workers: u32, dp: u32, capacity: usize) -> FleetConfig {
+    FleetConfig {
+        model: MODEL.into(),
+        workers,
+        worker_id_start: 10,
+        dp_size: dp,
+        engine: EngineConfig {
+            block_size: 16,
+            capacity_blocks: capacity,
+            ..EngineConfig::default()
+        },
+        speedup: 1000.0,
+        heartbeat_interval: Duration::from_millis(200),
+        ..FleetConfig::default()
+    }
+}
+
+fn replica_config(scheduler: SchedulerConfig) -> ReplicaConfig {
+    ReplicaConfig {
+        models: vec![MODEL.into()],
+        scheduler,
+        discovery_window: Duration::from_millis(100),
+        ..ReplicaConfig::default()
+    }
+}
+
+fn prompt(prefix: u32, suffix: u32, blocks: u32) -> Vec<u32> {
+    let shared = (0..blocks / 2).map(|i| prefix * 1000 + i);
+    let own = (0..blocks - blocks / 2).map(|i| 1_000_000 + suffix * 1000 + i);
+    shared
+        .chain(own)
+        .flat_map(|b| (0..16).map(move |t| b * 16 + t))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
+    let bus = Bus::local();
+    // Small caches, so evictions (Removed events) are part of the stream.
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(3, 2, 48))
+        .await
+        .unwrap();
+    let early = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
+        .await
+        .unwrap();
+    assert!(early.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+
+    let traffic = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let mut tasks = Vec::new();
+            for i in 0..240u32 {
+                let client = client.clone();
+                tasks.push(tokio::spawn(async move {
+                    let p = GenerateParams::new(MODEL, prompt(i % 7, i, 6), 2);
+                    client.generate(&p).await.map(|_| ())
+                }));
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            for t in tasks {
+                t.await.unwrap().unwrap();
+            }
+        })
+    };
+    // Mid-traffic: one worker loses two event batches, and a second replica starts.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let drop = Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .drop_events(11);
+    bus.request(
+        &drop,
+        Bytes::from(encode(&2u64).unwrap()),
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    let late = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
+        .await
+        .unwrap();
+    traffic.await.unwrap();
+    assert!(late.wait_ready(Duration::from_secs(5)).await);
+    // One more request per rank after the loss, so every gap shows, then quiet.
+    for w in 10..13u64 {
+        for r in 0..2u32 {
+            let mut p = GenerateParams::new(MODEL, prompt(99, (w * 2) as u32 + r, 4), 1);
+            p.pin = Some(kvrouter_protocol::Pin {
+                worker_id: w,
+                dp_rank: Some(r),
+            });
+            client.generate(&p).await.unwrap();
+        }
+    }
+    let keys: Vec<WorkerKey> = (10..13u64)
+        .flat_map(|w| (0..2).map(move |r| WorkerKey::new(w, r)))
+        .collect();
+    let mut last_diff = String::new();
+    let mut equal = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last_diff.clear();
+        for &key in &keys {
+            let truth = prefixes(&worker_state(&bus, key).await);
+            assert!(!truth.is_empty(), "rank {key} caches something");
+            for (name, r) in [("early", &early), ("late", &late)] {
+                let dump = r.dump_rank(MODEL, key).await;
+                let seen = dump.map(|d| prefixes(&d.events)).unwrap_or_default();
+                if seen != truth {
+                    last_diff += &format!(
+                        "{name} replica, rank {key}: {} blocks vs the worker's {}; ",
+                        seen.len(),
+                        truth.len()
+                    );
+                }
+            }
+        }
+        if last_diff.is_empty() {
+            equal = true;
+            break;
+        }
+    }
+    assert!(equal, "index differs from the worker caches: {last_diff}");
+    let metrics = early.shared().metrics.render();
+    assert!(
+        metrics.contains("kvrouter_kv_event_gaps_total{model=\"m\"}"),
+        "{metrics}"
+    );
+    early.shutdown().await;
+    late.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_workers_queue_requests_until_load_drops_then_overload() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 256))
+        .await
+        .unwrap();
+    // Any prefill in flight makes the only worker busy; one request may wait.
+    let replica = Replica::start(
+        replica_config(SchedulerConfig {
+            busy_prefill_tokens: Some(1),
+            max_queued_requests: 1,
+            ..SchedulerConfig::default()
+        }),
+        bus.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let req = |id: &str| RouteRequest {
+        model: MODEL.into(),
+        request_id: id.into(),
+        tokens: prompt(1, 1, 4),
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states: true,
+    };
+    let a = client.route(&req("a")).await.unwrap();
+    let waiting = {
+        let client = client.clone();
+        let r = req("b");
+        tokio::spawn(async move { client.route(&r).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "b waits while a is in prefill");
+    match client.route(&req("c")).await {
+        Err(ClientError::Router(e)) => assert_eq!(e.kind, ErrorKind::Overloaded, "{e}"),
+        other => panic!("expected overloaded, got {other:?}"),
+    }
+    client
+        .mark_prefill(&a.replica_id, MODEL, "a")
+        .await
+        .unwrap();
+    let b = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .expect("b is answered once a's prefill is done")
+        .unwrap()
+        .unwrap();
+    assert_eq!(b.worker_id, 10);
+    // Freeing an unknown request is an error the client sees.
+    client.free(&a.replica_id, MODEL, "a").await.unwrap();
+    match client.free(&a.replica_id, MODEL, "a").await {
+        Err(ClientError::Router(e)) => assert_eq!(e.kind, ErrorKind::UnknownRequest),
+        other => panic!("expected unknown request, got {other:?}"),
+    }
+    replica.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}

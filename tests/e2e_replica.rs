@@ -40,7 +40,18 @@ fn serve(nats: &NatsServer, id: &str, admin: u16, extra: &[&str]) -> Proc {
 
 /// Starts a mocker fleet and waits for its start line.
 fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32) -> Proc {
+    mocker_with_block(nats, first_id, workers, dp, BLOCK)
+}
+
+fn mocker_with_block(
+    nats: &NatsServer,
+    first_id: u64,
+    workers: u32,
+    dp: u32,
+    block: usize,
+) -> Proc {
     let url = nats.url();
+    let block = block.to_string();
     let (first, workers, dp) = (first_id.to_string(), workers.to_string(), dp.to_string());
     let mut p = Proc::start(
         "mocker",
@@ -55,7 +66,7 @@ fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32) -> Proc {
             "--dp-size",
             &dp,
             "--block-size",
-            "16",
+            &block,
             "--capacity-blocks",
             "512",
             "--speedup",
@@ -482,6 +493,17 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
         ))
         .unwrap();
     assert_eq!(d.key(), WorkerKey::new(7, 1));
+
+    // A worker whose block size differs from the model's is refused, and logged.
+    let _odd = mocker_with_block(&nats, 8, 1, 1, 32);
+    assert!(wait_until(Duration::from_secs(5), || metrics(port)
+        .contains(
+            r#"kvrouter_refused_registrations_total{model="Qwen/Qwen3-0.6B"}"#
+        )));
+    assert!(matches!(
+        c.route_req(route_request(&good, Some(Pin { worker_id: 8, dp_rank: None }))),
+        Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownWorker
+    ));
 
     let m = metrics(port);
     for kind in [

@@ -247,7 +247,7 @@ fn log_event(url: &str, event: Event) {
             "NATS server entered lame duck mode (shutting down); will move to another server"
         ),
         Event::Draining => tracing::info!(%url, "NATS connection draining"),
-        Event::Closed => tracing::warn!(%url, "NATS connection closed for good"),
+        Event::Closed => tracing::info!(%url, "NATS connection closed"),
         Event::SlowConsumer(sid) => tracing::warn!(
             %url,
             sid,

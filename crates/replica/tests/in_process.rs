@@ -240,7 +240,25 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         pin: None,
         update_states: true,
     };
+    // potential_loads answers for every rank, before and after a request is tracked.
+    let overlap = kvrouter_protocol::OverlapRequest {
+        model: MODEL.into(),
+        tokens: prompt(1, 1, 4),
+        lora: None,
+    };
+    let before = client.potential_loads(&overlap).await.unwrap();
+    assert_eq!(before.len(), 1);
+    assert_eq!(before[0].decode_blocks, 4);
     let a = client.route(&req("a")).await.unwrap();
+    let after = client.potential_loads(&overlap).await.unwrap();
+    assert_eq!(
+        after[0].decode_blocks, 4,
+        "a's blocks are active already: counted once"
+    );
+    assert!(
+        after[0].prefill_blocks > before[0].prefill_blocks,
+        "a's prefill is in flight"
+    );
     let waiting = {
         let client = client.clone();
         let r = req("b");

@@ -8,9 +8,9 @@ use common::{free_port, http_get, kvrouter, wait_until, NatsServer, Proc};
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
 use kvrouter_protocol::{
-    decode, encode, local_block_hashes, sequence_hashes, ErrorKind, KvEventData, OverlapRequest,
-    Pin, Reply, RouteDecision, RouteRequest, SequenceHash, StateChunk, StateQuery, Subjects,
-    WorkerKey,
+    decode, encode, hashing::stored_sequence_hashes, local_block_hashes, sequence_hashes,
+    ErrorKind, OverlapRequest, Pin, Reply, RouteDecision, RouteRequest, SequenceHash, StateChunk,
+    StateQuery, Subjects, WorkerKey,
 };
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -173,52 +173,15 @@ impl Client {
                 Duration::from_secs(5),
             ))
             .expect("state stream");
-        // engine hash -> (parent engine hash, local hash)
-        let mut blocks = HashMap::new();
+        let mut events = Vec::new();
         while let Some(chunk) = self.rt.block_on(stream.next()) {
             let chunk: StateChunk = decode::<Reply<StateChunk>>(&chunk.expect("chunk"))
                 .expect("decodable")
                 .into_result()
                 .expect("state");
-            for ev in chunk.events {
-                if let KvEventData::Stored { parent, blocks: b } = ev.data {
-                    let mut parent = parent;
-                    for blk in b {
-                        blocks.insert(blk.engine_hash, (parent, blk.local_hash));
-                        parent = Some(blk.engine_hash);
-                    }
-                }
-            }
+            events.extend(chunk.events);
         }
-        let mut seq = HashMap::new();
-        fn resolve(
-            e: kvrouter_protocol::EngineBlockHash,
-            blocks: &HashMap<
-                kvrouter_protocol::EngineBlockHash,
-                (
-                    Option<kvrouter_protocol::EngineBlockHash>,
-                    kvrouter_protocol::LocalBlockHash,
-                ),
-            >,
-            seq: &mut HashMap<kvrouter_protocol::EngineBlockHash, SequenceHash>,
-        ) -> SequenceHash {
-            if let Some(&s) = seq.get(&e) {
-                return s;
-            }
-            let (parent, local) = blocks[&e];
-            let s = match parent {
-                None => SequenceHash(local.0),
-                Some(p) => {
-                    kvrouter_protocol::hashing::chain_sequence_hash(resolve(p, blocks, seq), local)
-                }
-            };
-            seq.insert(e, s);
-            s
-        }
-        let keys: Vec<_> = blocks.keys().copied().collect();
-        keys.into_iter()
-            .map(|e| resolve(e, &blocks, &mut seq))
-            .collect()
+        stored_sequence_hashes(&events)
     }
 }
 

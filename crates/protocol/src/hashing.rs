@@ -5,7 +5,8 @@
 //! (shifted by the LoRA name, if any). Sequence hashes chain the local hashes so that two
 //! prompts share blocks `0..=k` exactly when their sequence hashes agree at `k`.
 
-use crate::types::{LocalBlockHash, SequenceHash};
+use crate::types::{EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, SequenceHash};
+use std::collections::{HashMap, HashSet};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -78,6 +79,57 @@ pub fn sequence_hashes(local: &[LocalBlockHash]) -> Vec<SequenceHash> {
     out
 }
 
+/// The prefixes a cache snapshot holds (the `Stored` events of a state dump or index dump),
+/// each named by its sequence hash, so two caches that name blocks differently compare
+/// equal when they hold the same prefixes. Blocks whose parent chain is not in the events
+/// are left out; other event kinds are ignored.
+pub fn stored_sequence_hashes(events: &[KvEvent]) -> HashSet<SequenceHash> {
+    let mut parent_of: HashMap<EngineBlockHash, (Option<EngineBlockHash>, LocalBlockHash)> =
+        HashMap::new();
+    for ev in events {
+        if let KvEventData::Stored { parent, blocks } = &ev.data {
+            let mut parent = *parent;
+            for b in blocks {
+                parent_of.insert(b.engine_hash, (parent, b.local_hash));
+                parent = Some(b.engine_hash);
+            }
+        }
+    }
+    let mut named: HashMap<EngineBlockHash, SequenceHash> = HashMap::new();
+    let mut chain = Vec::new();
+    for &start in parent_of.keys() {
+        // Walk up to a named block (or the root), then name the chain top-down.
+        let mut cur = Some(start);
+        let mut base = None;
+        while let Some(e) = cur {
+            if let Some(&s) = named.get(&e) {
+                base = Some(s);
+                break;
+            }
+            let Some(&(parent, _)) = parent_of.get(&e) else {
+                chain.clear(); // cut off from the root
+                break;
+            };
+            chain.push(e);
+            cur = parent;
+            if chain.len() > parent_of.len() {
+                chain.clear(); // a cycle: malformed input
+                break;
+            }
+        }
+        while let Some(e) = chain.pop() {
+            let local = parent_of[&e].1;
+            let s = match base {
+                None => SequenceHash(local.0),
+                Some(p) => chain_sequence_hash(p, local),
+            };
+            named.insert(e, s);
+            base = Some(s);
+        }
+    }
+    named.into_values().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +189,33 @@ mod tests {
         assert_eq!(sa[..2], sb[..2]);
         assert_ne!(sa[2], sb[2]);
         assert_ne!(sa[3], sb[3]);
+    }
+
+    #[test]
+    fn snapshot_prefixes_are_named_by_sequence_hash() {
+        use crate::types::{StoredBlock, WorkerKey};
+        let tokens: Vec<u32> = (0..16).collect();
+        let local = local_block_hashes(&tokens, 4, None).unwrap();
+        let seq = sequence_hashes(&local);
+        let block = |e: u64, i: usize| StoredBlock {
+            engine_hash: EngineBlockHash(e),
+            local_hash: local[i],
+        };
+        let ev = |parent: Option<u64>, blocks: Vec<StoredBlock>| KvEvent {
+            key: WorkerKey::new(1, 0),
+            event_id: 0,
+            data: KvEventData::Stored {
+                parent: parent.map(EngineBlockHash),
+                blocks,
+            },
+        };
+        // Children before parents, split chains, and an orphan (parent 99 unknown).
+        let events = vec![
+            ev(Some(11), vec![block(12, 2), block(13, 3)]),
+            ev(None, vec![block(10, 0), block(11, 1)]),
+            ev(Some(99), vec![block(50, 1)]),
+        ];
+        let got = stored_sequence_hashes(&events);
+        assert_eq!(got, seq.iter().copied().collect::<HashSet<_>>());
     }
 }

@@ -229,12 +229,13 @@ async fn route(
         request_id: req.request_id,
         prompt_tokens: req.tokens.len(),
         sequence_hashes: seq,
-        overlaps,
         allowed_workers: req.allowed_workers,
         pinned,
         pinned_worker,
+        overlaps,
         update_states: req.update_states,
-        reply: tx,
+        enqueued_at: Instant::now(),
+        token: tx,
     };
     drop(_span);
     m.scheduler

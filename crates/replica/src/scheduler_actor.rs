@@ -21,30 +21,9 @@ const TICK: Duration = Duration::from_millis(500);
 
 pub type RouteReply = oneshot::Sender<Result<Selection, ErrorReply>>;
 
-/// A route request, hashed and scored against the index.
-pub struct RouteJob {
-    pub request_id: String,
-    pub prompt_tokens: usize,
-    pub sequence_hashes: Vec<SequenceHash>,
-    pub overlaps: Vec<(WorkerKey, u32)>,
-    pub allowed_workers: Option<Vec<WorkerId>>,
-    pub pinned: Option<WorkerKey>,
-    pub pinned_worker: Option<WorkerId>,
-    pub update_states: bool,
-    pub reply: RouteReply,
-}
-
-impl RouteJob {
-    fn query(&self) -> RouteQuery<'_> {
-        RouteQuery {
-            prompt_tokens: self.prompt_tokens,
-            sequence_hashes: &self.sequence_hashes,
-            allowed_workers: self.allowed_workers.as_deref(),
-            pinned: self.pinned,
-            pinned_worker: self.pinned_worker,
-        }
-    }
-}
+/// A route request, hashed and scored against the index, with its reply channel: the same
+/// value waits in the core's queue when every worker is busy.
+pub type RouteJob = Queued<RouteReply>;
 
 pub enum SchedulerMsg {
     Route(RouteJob),
@@ -110,25 +89,13 @@ impl SchedulerState {
         );
         match result {
             Err(ScheduleError::AllBusy) => {
-                let queued = Queued {
-                    request_id: job.request_id,
-                    prompt_tokens: job.prompt_tokens,
-                    sequence_hashes: job.sequence_hashes,
-                    allowed_workers: job.allowed_workers,
-                    pinned: job.pinned,
-                    pinned_worker: job.pinned_worker,
-                    overlaps: job.overlaps,
-                    update_states: job.update_states,
-                    enqueued_at: now,
-                    token: job.reply,
-                };
-                if let Err(full) = self.core.enqueue(queued) {
+                if let Err(full) = self.core.enqueue(job) {
                     let reply = schedule_error_reply(&full.error());
                     let _ = full.into_token().send(Err(reply));
                 }
             }
             other => {
-                let _ = job.reply.send(other.map_err(|e| schedule_error_reply(&e)));
+                let _ = job.token.send(other.map_err(|e| schedule_error_reply(&e)));
             }
         }
     }

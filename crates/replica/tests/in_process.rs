@@ -6,51 +6,18 @@ use kvrouter_bus::Bus;
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    decode, encode, hashing::chain_sequence_hash, EngineBlockHash, ErrorKind, KvEvent, KvEventData,
-    LocalBlockHash, Reply, RouteRequest, SequenceHash, StateChunk, StateQuery, Subjects, WorkerKey,
+    decode, encode, hashing::stored_sequence_hashes, ErrorKind, KvEvent, Reply, RouteRequest,
+    SequenceHash, StateChunk, StateQuery, Subjects, WorkerKey,
 };
 use kvrouter_replica::{Replica, ReplicaConfig};
 use kvrouter_scheduler::SchedulerConfig;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 const MODEL: &str = "m";
 
-/// The blocks a list of `Stored` events describes, each named by its sequence hash (so two
-/// caches that name blocks differently still compare equal when they hold the same prefixes).
 fn prefixes(events: &[KvEvent]) -> BTreeSet<SequenceHash> {
-    let mut parent_of: HashMap<EngineBlockHash, (Option<EngineBlockHash>, LocalBlockHash)> =
-        HashMap::new();
-    for ev in events {
-        if let KvEventData::Stored { parent, blocks } = &ev.data {
-            let mut parent = *parent;
-            for b in blocks {
-                parent_of.insert(b.engine_hash, (parent, b.local_hash));
-                parent = Some(b.engine_hash);
-            }
-        }
-    }
-    fn seq(
-        e: EngineBlockHash,
-        parent_of: &HashMap<EngineBlockHash, (Option<EngineBlockHash>, LocalBlockHash)>,
-        memo: &mut HashMap<EngineBlockHash, SequenceHash>,
-    ) -> SequenceHash {
-        if let Some(&s) = memo.get(&e) {
-            return s;
-        }
-        let (parent, local) = parent_of[&e];
-        let s = match parent {
-            None => SequenceHash(local.0),
-            Some(p) => chain_sequence_hash(seq(p, parent_of, memo), local),
-        };
-        memo.insert(e, s);
-        s
-    }
-    let mut memo = HashMap::new();
-    parent_of
-        .keys()
-        .map(|&e| seq(e, &parent_of, &mut memo))
-        .collect()
+    stored_sequence_hashes(events).into_iter().collect()
 }
 
 async fn worker_state(bus: &Bus, key: WorkerKey) -> Vec<KvEvent> {

@@ -4,7 +4,7 @@ use super::nats_args::NatsArgs;
 use anyhow::Context;
 use clap::Args;
 use kvrouter_replica::{Replica, ReplicaConfig};
-use kvrouter_scheduler::SchedulerConfig;
+use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// On SIGTERM, how long to wait for in-flight requests.
     #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
     drain_timeout_secs: f64,
+    /// How workers are chosen: kv (cached prefix and load), or a baseline for comparisons:
+    /// round-robin, random, least-loaded.
+    #[arg(long, env = "KVROUTER_POLICY", default_value = "kv")]
+    policy: RoutingPolicy,
     /// Seed of the scheduler's tie-breaks and sampling.
     #[arg(long, env = "KVROUTER_SEED")]
     seed: Option<u64>,
@@ -99,6 +103,7 @@ impl ServeArgs {
             max_queued_requests: self.max_queued_requests,
             request_timeout: secs("request-timeout-secs", self.request_timeout_secs)?,
             seed: self.seed.unwrap_or_else(fastrand_seed),
+            policy: self.policy,
             ..SchedulerConfig::default()
         };
         let block_sizes: HashMap<String, u32> = self.block_sizes.iter().cloned().collect();

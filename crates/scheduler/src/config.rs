@@ -3,6 +3,52 @@
 use crate::error::ScheduleError;
 use std::time::Duration;
 
+/// How a worker key is chosen among the candidates that pass the filters and busy thresholds.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum RoutingPolicy {
+    /// Lowest cost (cached prefix and load), the point of kvrouter.
+    #[default]
+    Kv,
+    /// Each candidate in turn.
+    RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// Least load (active blocks plus in-flight prefill, in blocks), ignoring cached prefixes.
+    LeastLoaded,
+}
+
+impl RoutingPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kv => "kv",
+            Self::RoundRobin => "round-robin",
+            Self::Random => "random",
+            Self::LeastLoaded => "least-loaded",
+        }
+    }
+}
+
+impl std::fmt::Display for RoutingPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RoutingPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "kv" => Ok(Self::Kv),
+            "round-robin" | "rr" => Ok(Self::RoundRobin),
+            "random" => Ok(Self::Random),
+            "least-loaded" => Ok(Self::LeastLoaded),
+            other => Err(format!(
+                "unknown policy {other:?}: expected kv, round-robin, random or least-loaded"
+            )),
+        }
+    }
+}
+
 /// Tunables of one model's scheduler. See the crate docs for the cost formula.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
@@ -26,6 +72,8 @@ pub struct SchedulerConfig {
     pub request_timeout: Duration,
     /// Seed of the scheduler's own random generator (tie-breaks and sampling).
     pub seed: u64,
+    /// How the candidate is chosen (baselines other than `Kv` exist for comparisons).
+    pub policy: RoutingPolicy,
 }
 
 impl Default for SchedulerConfig {
@@ -40,6 +88,7 @@ impl Default for SchedulerConfig {
             max_queued_requests: 1024,
             request_timeout: Duration::from_secs(300),
             seed: 0,
+            policy: RoutingPolicy::Kv,
         }
     }
 }

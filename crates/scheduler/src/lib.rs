@@ -31,7 +31,7 @@ mod queue;
 mod scheduler;
 
 pub use active::{KeyLoad, ReportedLoad, RequestId};
-pub use config::SchedulerConfig;
+pub use config::{RoutingPolicy, SchedulerConfig};
 pub use error::ScheduleError;
 pub use queue::{Overloaded, Queued};
 pub use scheduler::{PotentialLoad, RouteQuery, Scheduler, Selection};

@@ -1,7 +1,7 @@
 //! The scheduler: filters, busy thresholds, cost-based choice, active sequences, queue.
 
 use crate::active::{ActiveSequences, KeyLoad, ReportedLoad, RequestId, Slot};
-use crate::config::SchedulerConfig;
+use crate::config::{RoutingPolicy, SchedulerConfig};
 use crate::cost::{self, CostParams, KeyCost};
 use crate::error::ScheduleError;
 use crate::queue::{Overloaded, Queued, RequestQueue};
@@ -81,6 +81,8 @@ pub struct Scheduler<P = ()> {
     candidates: Vec<Slot>,
     scored: Vec<(Slot, u32, KeyCost)>,
     weights: Vec<f64>,
+    /// Round-robin position.
+    turn: usize,
 }
 
 impl<P> Scheduler<P> {
@@ -104,6 +106,7 @@ impl<P> Scheduler<P> {
             candidates: Vec::new(),
             scored: Vec::new(),
             weights: Vec::new(),
+            turn: 0,
         })
     }
 
@@ -482,14 +485,36 @@ impl<P> Scheduler<P> {
         }));
         self.reset_scratch(overlaps);
 
-        let i = cost::choose(
-            &mut self.rng,
-            self.config.temperature,
-            scored.len(),
-            |i| scored[i].2.cost,
-            &mut self.weights,
-        )
-        .expect("at least one candidate");
+        let i = match self.config.policy {
+            RoutingPolicy::Kv => cost::choose(
+                &mut self.rng,
+                self.config.temperature,
+                scored.len(),
+                |i| scored[i].2.cost,
+                &mut self.weights,
+            )
+            .unwrap_or(0),
+            RoutingPolicy::RoundRobin => {
+                self.turn = self.turn.wrapping_add(1);
+                self.turn % scored.len()
+            }
+            RoutingPolicy::Random => self.rng.usize(..scored.len()),
+            RoutingPolicy::LeastLoaded => {
+                let bs = f64::from(self.config.block_size);
+                let active = &self.active;
+                cost::choose(
+                    &mut self.rng,
+                    0.0,
+                    scored.len(),
+                    |i| {
+                        let load = &active.state(scored[i].0).load;
+                        load.active_blocks as f64 + load.prefill_tokens as f64 / bs
+                    },
+                    &mut self.weights,
+                )
+                .unwrap_or(0)
+            }
+        };
         let (slot, overlap, c) = scored[i];
         self.scored = scored;
         let sel = Selection {

@@ -1,7 +1,7 @@
 //! Randomness of the choice: fair tie-breaks, temperature sampling, seed determinism.
 
 use kvrouter_protocol::{SequenceHash, WorkerKey};
-use kvrouter_scheduler::{RouteQuery, Scheduler, SchedulerConfig};
+use kvrouter_scheduler::{RouteQuery, RoutingPolicy, Scheduler, SchedulerConfig};
 use std::time::Instant;
 
 fn scheduler(seed: u64, temperature: f64, keys: u64) -> Scheduler {
@@ -98,4 +98,59 @@ fn same_seed_same_choices() {
         assert_eq!(choices(5, t), choices(5, t));
         assert_ne!(choices(5, t), choices(6, t));
     }
+}
+
+fn with_policy(policy: RoutingPolicy, keys: u64) -> Scheduler {
+    let mut s = Scheduler::new(SchedulerConfig {
+        block_size: 16,
+        policy,
+        seed: 5,
+        ..Default::default()
+    })
+    .unwrap();
+    for w in 0..keys {
+        s.add_worker_key(WorkerKey::new(w, 0), 1000);
+    }
+    s
+}
+
+#[test]
+fn baseline_policies_ignore_the_cache() {
+    let now = Instant::now();
+    let h = hashes(1, 4);
+    let q = RouteQuery::new(64, &h);
+    // Key 2 holds the whole prefix: kv goes there every time.
+    let overlaps = [(WorkerKey::new(2, 0), 4)];
+    let mut kv = with_policy(RoutingPolicy::Kv, 4);
+    assert!((0..20).all(|_| kv.select(&q, &overlaps).unwrap().key.worker_id == 2));
+
+    // Round robin visits every key in turn, whatever the overlaps.
+    let mut rr = with_policy(RoutingPolicy::RoundRobin, 4);
+    let picks: Vec<u64> = (0..8)
+        .map(|_| rr.select(&q, &overlaps).unwrap().key.worker_id)
+        .collect();
+    assert_eq!(picks[..4], picks[4..]);
+    let mut distinct = picks[..4].to_vec();
+    distinct.sort_unstable();
+    assert_eq!(distinct, vec![0, 1, 2, 3]);
+
+    // Random spreads over every key.
+    let mut random = with_policy(RoutingPolicy::Random, 4);
+    let mut counts = [0u32; 4];
+    for _ in 0..400 {
+        counts[random.select(&q, &overlaps).unwrap().key.worker_id as usize] += 1;
+    }
+    assert!(counts.iter().all(|&c| (50..=150).contains(&c)), "{counts:?}");
+
+    // Least loaded avoids the cached but loaded key 2 and takes the idle key 3.
+    let mut ll = with_policy(RoutingPolicy::LeastLoaded, 4);
+    for (w, n) in [(0, 10), (1, 5), (2, 40)] {
+        ll.add_request(format!("r{w}"), WorkerKey::new(w, 0), &hashes(10 + w, n), 0, now)
+            .unwrap();
+    }
+    assert!((0..20).all(|_| ll.select(&q, &overlaps).unwrap().key.worker_id == 3));
+    for p in ["kv", "round-robin", "random", "least-loaded"] {
+        assert_eq!(p.parse::<RoutingPolicy>().unwrap().as_str(), p);
+    }
+    assert!("fastest".parse::<RoutingPolicy>().is_err());
 }

@@ -27,6 +27,9 @@ enum Command {
     Serve(cli::serve::ServeArgs),
     /// Run a fleet of simulated engine workers (no GPU) on the bus.
     Mocker(cli::mocker::MockerArgs),
+    /// Replay a Mooncake trace that ships in the repo through two router replicas and a
+    /// simulated fleet, kv routing against round robin, and print what kv bought.
+    Demo(cli::replay::DemoArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -51,13 +54,16 @@ fn tune_system_allocator() {
 
 fn main() -> std::process::ExitCode {
     tune_system_allocator();
-    cli::init_tracing();
     let cli = Cli::parse();
+    // Commands that run whole fleets in-process would drown their report in info logs.
+    let quiet = matches!(cli.command, Command::Demo(_) | Command::Bench(_));
+    cli::init_tracing(if quiet { "warn" } else { "info" });
     let result = match cli.command {
         Command::Hash(args) => cli::hash::run(args),
         Command::Serve(args) => cli::runtime().and_then(|rt| rt.block_on(cli::serve::run(args))),
         Command::Mocker(args) => cli::runtime().and_then(|rt| rt.block_on(cli::mocker::run(args))),
-        Command::Bench(cmd) => cli::runtime().and_then(|rt| rt.block_on(cli::bench::run(cmd))),
+        Command::Bench(cmd) => cli::bench::run(cmd),
+        Command::Demo(args) => cli::replay::run_demo(args),
         Command::Route(args) => cli::runtime().and_then(|rt| rt.block_on(cli::route::run(args))),
         Command::Generate(args) => {
             cli::runtime().and_then(|rt| rt.block_on(cli::generate::run(args)))

@@ -17,6 +17,9 @@ pub enum BenchCommand {
     IndexerRss(IndexerRssArgs),
     /// Open-loop route latency against running replicas (p50/p99/p99.9/max).
     RouteLatency(super::bench_route::RouteLatencyArgs),
+    /// Replay a Mooncake trace through router replicas and a mocker fleet, per routing
+    /// policy and rate: hit rates against two ideals, TTFT, ITL, throughput, goodput.
+    Replay(super::replay::ReplayArgs),
 }
 
 #[derive(Args)]
@@ -64,12 +67,17 @@ pub struct IndexerRssArgs {
     shards: usize,
 }
 
-pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+/// Runs a bench command; each picks its own runtime (the replay runs on a virtual clock).
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
-        BenchCommand::Indexer(args) => indexer(args).await,
-        BenchCommand::RouteLatency(args) => super::bench_route::run(args).await,
+        BenchCommand::Replay(args) => super::replay::run_replay(args),
+        BenchCommand::Indexer(args) => super::runtime()?.block_on(indexer(args)),
+        BenchCommand::RouteLatency(args) => {
+            super::runtime()?.block_on(super::bench_route::run(args))
+        }
         BenchCommand::IndexerRss(args) => {
-            let figures = measure_rss(&args.stream, args.mode, args.shards).await?;
+            let figures =
+                super::runtime()?.block_on(measure_rss(&args.stream, args.mode, args.shards))?;
             println!("{}", serde_json::to_string(&figures)?);
             Ok(())
         }

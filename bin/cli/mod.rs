@@ -6,17 +6,18 @@ pub mod generate;
 pub mod hash;
 pub mod mocker;
 pub mod nats_args;
+pub mod replay;
 pub mod route;
 pub mod serve;
 pub mod subjects;
 
 use anyhow::Context;
 
-/// Logs go to stderr; `KVROUTER_LOG` (or `RUST_LOG`) sets the filter, default `info`.
-pub fn init_tracing() {
+/// Logs go to stderr; `KVROUTER_LOG` (or `RUST_LOG`) sets the filter, else `default`.
+pub fn init_tracing(default: &str) {
     let filter = std::env::var("KVROUTER_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
-        .unwrap_or_else(|_| "info".into());
+        .unwrap_or_else(|_| default.into());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)

@@ -48,6 +48,9 @@ struct Broker {
     inbox_prefix: String,
     next_inbox: AtomicU64,
     max_payload: usize,
+    /// Counter behind queue-group picks: spread like random choices, but the same sequence of
+    /// publishes picks the same members every time (deterministic in-process replays).
+    picks: AtomicU64,
 }
 
 #[derive(Default)]
@@ -94,6 +97,7 @@ impl Sink {
 /// Delivers to one of `members`, starting at a random one and skipping members whose
 /// subscription is being dropped. Returns whether someone got it.
 fn deliver_to_one<S: Borrow<Sink>>(
+    pick: u64,
     members: &[S],
     subject: &str,
     reply: Option<&str>,
@@ -103,7 +107,11 @@ fn deliver_to_one<S: Borrow<Sink>>(
     if n == 0 {
         return false;
     }
-    let start = fastrand::usize(..n);
+    // splitmix64 of the pick counter: uniform enough, and reproducible.
+    let mut z = pick.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    let start = ((z ^ (z >> 31)) % n as u64) as usize;
     (0..n).any(|i| {
         members[(start + i) % n]
             .borrow()
@@ -126,6 +134,7 @@ impl LocalBus {
                 inbox_prefix: format!("_INBOX.{:016x}.", fastrand::u64(..)),
                 next_inbox: AtomicU64::new(1),
                 max_payload,
+                picks: AtomicU64::new(0),
             }),
         }
     }
@@ -167,9 +176,16 @@ impl LocalBus {
         let Some(first) = first_grouped else {
             return delivered;
         };
+        let pick = self.broker.picks.fetch_add(1, Ordering::Relaxed);
         if more_grouped.is_empty() {
             for group in &first.groups {
-                delivered += usize::from(deliver_to_one(&group.members, subject, reply, payload));
+                delivered += usize::from(deliver_to_one(
+                    pick,
+                    &group.members,
+                    subject,
+                    reply,
+                    payload,
+                ));
             }
             return delivered;
         }
@@ -184,7 +200,7 @@ impl LocalBus {
         for chunk in members.chunk_by(|a, b| a.0 == b.0) {
             batch.clear();
             batch.extend(chunk.iter().map(|(_, s)| *s));
-            delivered += usize::from(deliver_to_one(&batch, subject, reply, payload));
+            delivered += usize::from(deliver_to_one(pick, &batch, subject, reply, payload));
         }
         delivered
     }

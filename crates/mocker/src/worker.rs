@@ -546,6 +546,7 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
     let mut flush_at: Option<Instant> = None;
     loop {
         let out = tokio::select! {
+            biased;
             out = rx.recv() => out,
             _ = tokio::time::sleep_until(flush_at.unwrap_or_else(Instant::now)), if flush_at.is_some() => {
                 flush_at = None;

@@ -140,13 +140,22 @@ fn baseline_policies_ignore_the_cache() {
     for _ in 0..400 {
         counts[random.select(&q, &overlaps).unwrap().key.worker_id as usize] += 1;
     }
-    assert!(counts.iter().all(|&c| (50..=150).contains(&c)), "{counts:?}");
+    assert!(
+        counts.iter().all(|&c| (50..=150).contains(&c)),
+        "{counts:?}"
+    );
 
     // Least loaded avoids the cached but loaded key 2 and takes the idle key 3.
     let mut ll = with_policy(RoutingPolicy::LeastLoaded, 4);
     for (w, n) in [(0, 10), (1, 5), (2, 40)] {
-        ll.add_request(format!("r{w}"), WorkerKey::new(w, 0), &hashes(10 + w, n), 0, now)
-            .unwrap();
+        ll.add_request(
+            format!("r{w}"),
+            WorkerKey::new(w, 0),
+            &hashes(10 + w, n),
+            0,
+            now,
+        )
+        .unwrap();
     }
     assert!((0..20).all(|_| ll.select(&q, &overlaps).unwrap().key.worker_id == 3));
     for p in ["kv", "round-robin", "random", "least-loaded"] {

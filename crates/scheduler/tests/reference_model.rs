@@ -8,7 +8,8 @@
 
 use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
 use kvrouter_scheduler::{
-    Queued, ReportedLoad, RouteQuery, ScheduleError, Scheduler, SchedulerConfig, Selection,
+    Queued, ReportedLoad, RouteQuery, RoutingPolicy, ScheduleError, Scheduler, SchedulerConfig,
+    Selection,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -423,6 +424,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         max_queued_requests: cfg.max_queued,
         request_timeout: TIMEOUT,
         seed: cfg.seed,
+        policy: RoutingPolicy::Kv,
     };
     let mut s: Scheduler<u64> = Scheduler::new(config).unwrap();
     let mut m = Model {

@@ -1,0 +1,274 @@
+//! `kvrouter bench replay` and `kvrouter demo`: a trace through replicas and a mocker fleet.
+
+use anyhow::{bail, Context};
+use clap::Args;
+use kvrouter_bench::replay::ideal::ideal_hit_rates;
+use kvrouter_bench::replay::plot::plot;
+use kvrouter_bench::replay::report::{render_table, ReplayReport, ReportSettings};
+use kvrouter_bench::replay::requests::{build_requests, count_truncated, load_trace};
+use kvrouter_bench::replay::runner::{run_policy, virtual_runtime, ReplayConfig};
+use kvrouter_bench::replay::RunOutcome;
+use kvrouter_bus::NatsOptions;
+use kvrouter_scheduler::RoutingPolicy;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The fleet, router and output flags `bench replay` and `demo` share.
+#[derive(Args, Clone, Debug)]
+pub struct FleetArgs {
+    /// Simulated workers.
+    #[arg(long, env = "KVROUTER_WORKERS", default_value_t = 8)]
+    workers: u32,
+    /// Data-parallel ranks per worker.
+    #[arg(long, env = "KVROUTER_DP_SIZE", default_value_t = 1)]
+    dp_size: u32,
+    /// Tokens per KV block (must divide 512, the tokens of one trace hash id).
+    #[arg(long, env = "KVROUTER_BLOCK_SIZE", default_value_t = 64)]
+    block_size: usize,
+    /// KV cache capacity of each rank, in blocks.
+    #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS", default_value_t = 8192)]
+    capacity_blocks: usize,
+    /// Router replicas (requests are spread over them as over NATS queue subscribers).
+    #[arg(long, env = "KVROUTER_REPLICAS", default_value_t = 2)]
+    replicas: usize,
+    /// Simulated seconds per wall second, with --nats. The in-process replay runs on a
+    /// virtual clock: as fast as the CPU allows, exact and deterministic.
+    #[arg(long, env = "KVROUTER_SPEEDUP", default_value_t = 10.0)]
+    speedup: f64,
+    /// Replay over this NATS server instead of the in-process bus (each run uses its own
+    /// namespace).
+    #[arg(long, env = "KVROUTER_NATS")]
+    nats: Option<String>,
+    /// TTFT objective for goodput: the highest rate whose p90 TTFT meets it.
+    #[arg(long, env = "KVROUTER_SLO_TTFT_MS", default_value_t = 2000.0)]
+    slo_ttft_ms: f64,
+    /// Seed of the routers' tie-breaks (the replay is deterministic for a seed in-process).
+    #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
+    seed: u64,
+    /// Replay only the first N requests of the trace.
+    #[arg(long, env = "KVROUTER_LIMIT")]
+    limit: Option<usize>,
+    /// Write the TTFT distributions and hit rates to this file (.svg or .png).
+    #[arg(long, env = "KVROUTER_PLOT")]
+    plot: Option<PathBuf>,
+    /// Print the report as one JSON object instead of a table.
+    #[arg(long, env = "KVROUTER_JSON")]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// Mooncake-format trace (JSONL).
+    #[arg(long, env = "KVROUTER_TRACE")]
+    trace: PathBuf,
+    /// Routing policies to compare.
+    #[arg(
+        long,
+        env = "KVROUTER_POLICIES",
+        value_delimiter = ',',
+        default_value = "kv,round-robin,random,least-loaded"
+    )]
+    policies: Vec<RoutingPolicy>,
+    /// Arrival rate multiplier: request i arrives at timestamp_i / X.
+    #[arg(long, env = "KVROUTER_RATE_SCALE", conflicts_with = "rate_scales")]
+    rate_scale: Option<f64>,
+    /// Several rate multipliers (for goodput).
+    #[arg(long, env = "KVROUTER_RATE_SCALES", value_delimiter = ',')]
+    rate_scales: Vec<f64>,
+    #[command(flatten)]
+    fleet: FleetArgs,
+}
+
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Trace to replay (default: the Mooncake sample shipped in data/).
+    #[arg(long, env = "KVROUTER_TRACE")]
+    trace: Option<PathBuf>,
+    /// Arrival rate multiplier (default: 2, where round robin's queues build up).
+    #[arg(long, env = "KVROUTER_RATE_SCALE", default_value_t = 2.0)]
+    rate_scale: f64,
+    #[command(flatten)]
+    fleet: FleetArgs,
+}
+
+fn default_trace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mooncake_trace_1000.jsonl")
+}
+
+/// A one-line progress display on a terminal (stderr), nothing otherwise.
+struct Progress {
+    enabled: bool,
+}
+
+impl Progress {
+    fn new(quiet: bool) -> Self {
+        Self {
+            enabled: !quiet && std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn show(&self, label: &str, done: usize, total: usize, started: Instant) {
+        if !self.enabled {
+            return;
+        }
+        let width = 30;
+        let filled = done * width / total.max(1);
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r{label:<28} [{}{}] {done}/{total} {:.0}s",
+            "#".repeat(filled),
+            "-".repeat(width - filled),
+            started.elapsed().as_secs_f64()
+        );
+        if done == total {
+            let _ = writeln!(err);
+        }
+        let _ = err.flush();
+    }
+}
+
+/// Runs every (rate, policy) pair and builds the report.
+fn replay(
+    trace_path: &Path,
+    policies: &[RoutingPolicy],
+    rates: &[f64],
+    fleet: &FleetArgs,
+) -> anyhow::Result<(ReplayReport, Vec<RunOutcome>)> {
+    if policies.is_empty() || rates.is_empty() {
+        bail!("give at least one policy and one rate scale");
+    }
+    let trace = load_trace(trace_path, fleet.limit)
+        .with_context(|| format!("cannot load the trace {}", trace_path.display()))?;
+    let config = ReplayConfig {
+        workers: fleet.workers,
+        dp_size: fleet.dp_size,
+        block_size: fleet.block_size,
+        capacity_blocks: fleet.capacity_blocks,
+        speedup: fleet.speedup,
+        replicas: fleet.replicas,
+        nats: fleet.nats.as_ref().map(NatsOptions::new),
+        seed: fleet.seed,
+        ..ReplayConfig::default()
+    };
+    config.validate()?;
+    let progress = Progress::new(fleet.json);
+    let mut outcomes = Vec::new();
+    let mut ideals = None;
+    for &rate in rates {
+        let requests = build_requests(&trace, rate)?;
+        if ideals.is_none() {
+            ideals = Some(ideal_hit_rates(
+                &requests,
+                config.block_size,
+                config.fleet_capacity_blocks(),
+            ));
+        }
+        for &policy in policies {
+            let label = format!("{policy} x{rate}");
+            let started = Instant::now();
+            let total = requests.len();
+            let on_done = |n: usize| progress.show(&label, n, total, started);
+            let outcome = match config.nats {
+                None => virtual_runtime()?
+                    .block_on(run_policy(&config, policy, rate, &requests, &on_done)),
+                Some(_) => super::runtime()?
+                    .block_on(run_policy(&config, policy, rate, &requests, &on_done)),
+            }
+            .with_context(|| format!("replay with policy {policy} at rate x{rate} failed"))?;
+            outcomes.push(outcome);
+        }
+    }
+    let settings = ReportSettings {
+        workers: fleet.workers as usize,
+        dp_size: fleet.dp_size,
+        block_size: fleet.block_size,
+        capacity_blocks: fleet.capacity_blocks as u64,
+        replicas: fleet.replicas,
+        speedup: fleet.speedup,
+        slo_ttft_ms: fleet.slo_ttft_ms,
+        bus: if fleet.nats.is_some() {
+            "nats"
+        } else {
+            "in-process"
+        }
+        .to_string(),
+        requests: trace.len(),
+        seed: fleet.seed,
+        truncated_requests: count_truncated(&trace),
+    };
+    let report = ReplayReport::from_outcomes(
+        trace_path.display().to_string(),
+        settings,
+        ideals.unwrap_or_default(),
+        &outcomes,
+    );
+    Ok((report, outcomes))
+}
+
+fn output(report: &ReplayReport, outcomes: &[RunOutcome], fleet: &FleetArgs) -> anyhow::Result<()> {
+    if let Some(path) = &fleet.plot {
+        plot(report, outcomes, path)
+            .with_context(|| format!("cannot plot to {}", path.display()))?;
+    }
+    if fleet.json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print!("{}", render_table(report));
+        if let Some(path) = &fleet.plot {
+            println!("plot written to {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
+    let rates = match (args.rate_scale, args.rate_scales.is_empty()) {
+        (Some(r), _) => vec![r],
+        (None, false) => args.rate_scales.clone(),
+        (None, true) => vec![1.0],
+    };
+    let (report, outcomes) = replay(&args.trace, &args.policies, &rates, &args.fleet)?;
+    output(&report, &outcomes, &args.fleet)
+}
+
+pub fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let trace = args.trace.clone().unwrap_or_else(default_trace);
+    if !args.fleet.json {
+        println!(
+            "kvrouter demo: replaying {} through {} router replicas and {} simulated workers \
+             (in-process bus), kv routing against round robin, arrivals x{}.\n",
+            trace.display(),
+            args.fleet.replicas,
+            args.fleet.workers,
+            args.rate_scale
+        );
+    }
+    let (report, outcomes) = replay(
+        &trace,
+        &[RoutingPolicy::Kv, RoutingPolicy::RoundRobin],
+        &[args.rate_scale],
+        &args.fleet,
+    )?;
+    output(&report, &outcomes, &args.fleet)?;
+    if !args.fleet.json {
+        let find = |p: &str| report.runs.iter().find(|r| r.policy == p);
+        if let (Some(kv), Some(rr)) = (find("kv"), find("round-robin")) {
+            println!(
+                "\nkv routing: mean TTFT {:.0} ms against round robin's {:.0} ms ({:.1}x lower), \
+                 p99 {:.0} ms against {:.0} ms; cache hit rate {:.1}% against {:.1}% \
+                 (an ideal pooled cache: {:.1}%).",
+                kv.ttft_ms.mean,
+                rr.ttft_ms.mean,
+                rr.ttft_ms.mean / kv.ttft_ms.mean.max(1e-9),
+                kv.ttft_ms.p99,
+                rr.ttft_ms.p99,
+                kv.hit_rate * 100.0,
+                rr.hit_rate * 100.0,
+                report.ideals.pooled_hit_rate * 100.0
+            );
+        }
+    }
+    Ok(())
+}

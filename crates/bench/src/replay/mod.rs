@@ -1,0 +1,58 @@
+//! `kvrouter bench replay`: a Mooncake trace through router replicas and a mocker fleet, per
+//! routing policy and arrival rate, against two ideal caches.
+//!
+//! - [`requests`]: trace records → prompts (each hash id stands for 512 deterministic tokens).
+//! - [`ideal`]: hit rates of an unlimited cache and of one LRU cache holding the fleet's capacity.
+//! - [`runner`]: starts the fleet and the replicas on a bus and replays the requests.
+//! - [`report`]: per-run summaries, goodput across rates, the table and the JSON.
+//! - [`plot`]: TTFT distributions and hit rates against the ideals (SVG or PNG).
+
+pub mod ideal;
+pub mod plot;
+pub mod report;
+pub mod requests;
+pub mod runner;
+
+use serde::Serialize;
+
+/// What happened to one replayed request. Times are simulated (engine) microseconds; arrival
+/// and done are measured from the start of the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RequestResult {
+    /// Position in the trace.
+    pub index: usize,
+    pub arrival_us: u64,
+    pub done_us: u64,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    /// Overlap the router saw when it chose.
+    pub overlap_blocks: u32,
+    /// Blocks the worker found cached at prefill, and the prompt's full blocks.
+    pub cached_blocks: u32,
+    pub prompt_blocks: u32,
+    pub ttft_us: u64,
+    /// Mean inter-token latency (0 with fewer than two output tokens).
+    pub itl_mean_us: f64,
+    pub e2e_us: u64,
+    pub output_tokens: u32,
+    /// Set when the request failed (then the timings are 0).
+    pub error: Option<String>,
+}
+
+/// Active blocks of every worker rank at one moment (from the workers' load reports).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LoadSample {
+    pub at_us: u64,
+    pub active_blocks: Vec<u64>,
+}
+
+/// One policy at one rate: every request's result and the load samples.
+#[derive(Clone, Debug, Default)]
+pub struct RunOutcome {
+    pub policy: String,
+    pub rate_scale: f64,
+    pub results: Vec<RequestResult>,
+    pub samples: Vec<LoadSample>,
+    /// Simulated length of the run (first arrival to last completion), µs.
+    pub duration_us: u64,
+}

@@ -9,7 +9,7 @@ use kvrouter_bench::replay::requests::{build_requests, count_truncated, load_tra
 use kvrouter_bench::replay::runner::{run_policy, virtual_runtime, ReplayConfig};
 use kvrouter_bench::replay::RunOutcome;
 use kvrouter_bus::NatsOptions;
-use kvrouter_scheduler::RoutingPolicy;
+use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -46,6 +46,15 @@ pub struct FleetArgs {
     /// Seed of the routers' tie-breaks (the replay is deterministic for a seed in-process).
     #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
     seed: u64,
+    /// The replicas' cost: prefill blocks one cached block saves.
+    #[arg(long, env = "KVROUTER_OVERLAP_CREDIT", default_value_t = 1.0)]
+    overlap_credit: f64,
+    /// The replicas' cost: weight of prefill blocks against decode blocks.
+    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
+    prefill_load_scale: f64,
+    /// The replicas' sampling temperature (0: lowest cost wins).
+    #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
+    router_temperature: f64,
     /// Replay only the first N requests of the trace.
     #[arg(long, env = "KVROUTER_LIMIT")]
     limit: Option<usize>,
@@ -150,6 +159,12 @@ fn replay(
         replicas: fleet.replicas,
         nats: fleet.nats.as_ref().map(NatsOptions::new),
         seed: fleet.seed,
+        scheduler: SchedulerConfig {
+            overlap_credit: fleet.overlap_credit,
+            prefill_load_scale: fleet.prefill_load_scale,
+            temperature: fleet.router_temperature,
+            ..SchedulerConfig::default()
+        },
         ..ReplayConfig::default()
     };
     config.validate()?;
@@ -186,7 +201,11 @@ fn replay(
         block_size: fleet.block_size,
         capacity_blocks: fleet.capacity_blocks as u64,
         replicas: fleet.replicas,
-        speedup: fleet.speedup,
+        speedup: if fleet.nats.is_some() {
+            fleet.speedup
+        } else {
+            0.0
+        },
         slo_ttft_ms: fleet.slo_ttft_ms,
         bus: if fleet.nats.is_some() {
             "nats"

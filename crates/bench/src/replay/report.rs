@@ -243,6 +243,7 @@ pub struct ReportSettings {
     /// Blocks per worker rank.
     pub capacity_blocks: u64,
     pub replicas: usize,
+    /// Simulated seconds per wall second; 0 for the in-process replay's virtual clock.
     pub speedup: f64,
     pub slo_ttft_ms: f64,
     /// `"in-process"` or `"nats"`.
@@ -429,7 +430,7 @@ pub fn render_table(report: &ReplayReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "trace {} ({} requests{}), {} workers x {} ranks, block {} tokens, {} blocks/rank, {} replicas, {} bus, speedup {}",
+        "trace {} ({} requests{}), {} workers x {} ranks, block {} tokens, {} blocks/rank, {} replicas, {} bus, {}",
         report.trace,
         c.requests,
         if c.truncated_requests > 0 {
@@ -443,7 +444,11 @@ pub fn render_table(report: &ReplayReport) -> String {
         c.capacity_blocks,
         c.replicas,
         c.bus,
-        c.speedup
+        if c.speedup > 0.0 {
+            format!("speedup {}", c.speedup)
+        } else {
+            "virtual clock".to_string()
+        }
     );
     let _ = writeln!(out);
     let _ = writeln!(

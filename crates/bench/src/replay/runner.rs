@@ -44,6 +44,8 @@ pub struct ReplayConfig {
     pub seed: u64,
     /// How often the workers' active blocks are sampled (simulated time).
     pub sample_every: Duration,
+    /// The replicas' scheduling parameters (policy and seed are set per run).
+    pub scheduler: SchedulerConfig,
 }
 
 impl Default for ReplayConfig {
@@ -58,6 +60,7 @@ impl Default for ReplayConfig {
             nats: None,
             seed: 1,
             sample_every: Duration::from_millis(250),
+            scheduler: SchedulerConfig::default(),
         }
     }
 }
@@ -165,9 +168,11 @@ pub async fn run_policy(
                 scheduler: SchedulerConfig {
                     policy,
                     seed: config.seed.wrapping_add(i as u64),
-                    ..SchedulerConfig::default()
+                    ..config.scheduler.clone()
                 },
                 discovery_window: Duration::from_millis(100),
+                // Every prompt the bus can carry (the traces hold prompts over 128k tokens).
+                max_prompt_tokens: kvrouter_protocol::max_prompt_tokens_for(bus.max_payload()),
                 ..ReplicaConfig::default()
             },
             bus.clone(),

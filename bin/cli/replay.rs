@@ -55,6 +55,13 @@ pub struct FleetArgs {
     /// The replicas' sampling temperature (0: lowest cost wins).
     #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     router_temperature: f64,
+    /// The replicas share their active sequences, so each routes on the whole load.
+    #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
+    replica_sync: bool,
+    /// Approximate mode: the replicas consume no KV events; each feeds its index from its own
+    /// routing decisions (expiring after 120 s of simulated time).
+    #[arg(long, env = "KVROUTER_NO_KV_EVENTS")]
+    no_kv_events: bool,
     /// Replay only the first N requests of the trace.
     #[arg(long, env = "KVROUTER_LIMIT")]
     limit: Option<usize>,
@@ -165,6 +172,8 @@ fn replay(
             temperature: fleet.router_temperature,
             ..SchedulerConfig::default()
         },
+        no_kv_events: fleet.no_kv_events,
+        replica_sync: fleet.replica_sync,
         ..ReplayConfig::default()
     };
     config.validate()?;

@@ -70,6 +70,17 @@ pub struct ServeArgs {
     /// round-robin, random, least-loaded.
     #[arg(long, env = "KVROUTER_POLICY", default_value = "kv")]
     policy: RoutingPolicy,
+    /// Share active-sequence changes with the other replicas (and apply theirs), so every
+    /// replica routes on the whole fleet's load; a late replica catches up from a peer.
+    #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
+    replica_sync: bool,
+    /// Approximate mode: consume no KV events and fetch no worker state; a routed request's
+    /// blocks count as cached on the chosen worker rank until --router-ttl-secs pass.
+    #[arg(long, env = "KVROUTER_NO_KV_EVENTS")]
+    no_kv_events: bool,
+    /// Approximate mode: how long a routed request's blocks count as cached.
+    #[arg(long, env = "KVROUTER_ROUTER_TTL_SECS", default_value_t = 120.0)]
+    router_ttl_secs: f64,
     /// Seed of the scheduler's tie-breaks and sampling.
     #[arg(long, env = "KVROUTER_SEED")]
     seed: Option<u64>,
@@ -119,6 +130,9 @@ impl ServeArgs {
             index_shards: self.index_shards,
             drain_timeout: secs("drain-timeout-secs", self.drain_timeout_secs)?,
             admin_addr: self.admin_addr,
+            no_kv_events: self.no_kv_events,
+            router_ttl: secs("router-ttl-secs", self.router_ttl_secs)?,
+            replica_sync: self.replica_sync,
             ..ReplicaConfig::default()
         })
     }

@@ -26,6 +26,12 @@ use tokio::task::JoinHandle;
 /// How often approximate-mode shards drop expired blocks.
 const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
+/// Approximate-mode time, from tokio's clock so that TTLs follow a paused (virtual) clock in
+/// replays and tests; the same as `Instant::now()` otherwise.
+fn approx_now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 #[derive(Clone, Debug)]
 pub struct ShardedIndexConfig {
     /// Shard actors. Each applies its workers' events in parallel with the others, but a
@@ -160,7 +166,7 @@ impl Actor for ShardActor {
                 let mut guard = core_lock.write();
                 let core = &mut *guard;
                 let result = match core.approx.as_mut() {
-                    Some(t) => t.record(&mut core.index, key, &local, &sequence, Instant::now()),
+                    Some(t) => t.record(&mut core.index, key, &local, &sequence, approx_now()),
                     None => Ok(()),
                 };
                 state.after_write(core);
@@ -201,7 +207,7 @@ impl Actor for ShardActor {
                 let mut guard = core_lock.write();
                 let core = &mut *guard;
                 if let Some(t) = core.approx.as_mut() {
-                    t.expire(&mut core.index, Instant::now());
+                    t.expire(&mut core.index, approx_now());
                 }
                 state.after_write(core);
             }

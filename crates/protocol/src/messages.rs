@@ -205,6 +205,39 @@ pub struct RequestUpdate {
     pub request_id: String,
 }
 
+/// One change to a replica's active sequences, shared with its peers (`--replica-sync`).
+/// Request ids are global: `"{origin replica id}:{request id}"`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SeqChange {
+    /// A request was routed to `key` with these blocks and uncached prompt tokens.
+    Add {
+        request_id: String,
+        key: WorkerKey,
+        sequence_hashes: Vec<crate::types::SequenceHash>,
+        prefill_tokens: u64,
+    },
+    /// Its prefill is done.
+    Prefilled { request_id: String },
+    /// It finished.
+    Free { request_id: String },
+}
+
+/// Active-sequence changes of one replica for one model, in the order it made them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncBatch {
+    pub replica_id: String,
+    pub model: String,
+    pub changes: Vec<SeqChange>,
+}
+
+/// A joining replica asks a peer for every active sequence it knows of a model (answered as
+/// a stream of `SyncBatch`es holding `Add`s).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncStateRequest {
+    pub replica_id: String,
+    pub model: String,
+}
+
 /// Runs a request on one rank of a worker (answered as a stream of [`GenerateEvent`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenerateRequest {

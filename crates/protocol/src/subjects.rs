@@ -90,6 +90,16 @@ impl Subjects {
         format!("{}.router.replica.{replica_id}.free", self.ns)
     }
 
+    /// `SyncBatch`, published by every replica with `--replica-sync` to all the others.
+    pub fn sync(&self) -> String {
+        format!("{}.router.sync", self.ns)
+    }
+
+    /// `SyncStateRequest` → stream of `SyncBatch` (queue group of synced replicas).
+    pub fn sync_state(&self) -> String {
+        format!("{}.router.sync_state", self.ns)
+    }
+
     pub fn model(&self, model: &str) -> Result<ModelSubjects, SubjectError> {
         Ok(ModelSubjects {
             prefix: format!("{}.model.{}", self.ns, model_token(model)?),
@@ -164,6 +174,8 @@ pub fn fleet_subjects(
         ("potential_loads", s.potential_loads()),
         ("mark_prefill", s.mark_prefill("*")),
         ("free", s.free("*")),
+        ("sync", s.sync()),
+        ("sync_state", s.sync_state()),
         ("register", m.register()),
         ("heartbeat", m.heartbeat()),
         ("deregister", m.deregister()),

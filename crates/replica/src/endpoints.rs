@@ -4,7 +4,7 @@
 //! holds up nobody. Every failure is answered with an [`ErrorReply`]; nothing a peer sends
 //! can stop the loop.
 
-use crate::scheduler_actor::{RouteJob, SchedulerMsg};
+use crate::scheduler_actor::{RouteJob, RouteToken, SchedulerMsg};
 use crate::state::{ModelShared, ReplicaShared};
 use bytes::Bytes;
 use kvrouter_bus::Message;
@@ -213,6 +213,11 @@ async fn route(
         ));
     }
     let overlaps = m.index.find_matches(&local).scores;
+    // Approximate mode: a decision that updates state feeds the index once it is made.
+    let record = match &m.recorder {
+        Some(r) if req.update_states => Some((r, local, seq.clone())),
+        _ => None,
+    };
     let (pinned, pinned_worker) = match req.pin {
         Some(Pin {
             worker_id,
@@ -235,7 +240,10 @@ async fn route(
         overlaps,
         update_states: req.update_states,
         enqueued_at: Instant::now(),
-        token: tx,
+        token: RouteToken {
+            reply: tx,
+            request_id: String::new(),
+        },
     };
     drop(_span);
     m.scheduler
@@ -245,6 +253,9 @@ async fn route(
         .await
         .map_err(|_| unavailable(shared, &req.model))?
         .map_err(|e| error(shared, &req.model, e))?;
+    if let Some((recorder, local, seq)) = record {
+        recorder.record(sel.key, local, seq);
+    }
     Ok((
         req.model,
         RouteDecision {

@@ -58,6 +58,8 @@ pub struct FleetArgs {
     pub replica_id: String,
     pub status: Arc<ModelStatus>,
     pub metrics: Arc<Metrics>,
+    /// Approximate mode: no KV events and no state fetches; a rank is synced once it joins.
+    pub no_kv_events: bool,
 }
 
 pub struct FleetState {
@@ -149,7 +151,9 @@ impl FleetState {
                         key,
                         capacity_blocks,
                     });
-                    self.start_fetch(key, myself);
+                    if !self.args.no_kv_events {
+                        self.start_fetch(key, myself);
+                    }
                 }
                 Change::RankRemoved(key) => {
                     tracing::info!(%model, worker = key.worker_id, dp_rank = key.dp_rank, "worker rank left");

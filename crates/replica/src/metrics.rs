@@ -67,6 +67,9 @@ pub struct Metrics {
     pub refused_workers: Family<ModelLabels, Counter>,
     pub queued_requests: Family<ModelLabels, Gauge>,
     pub index_blocks: Family<ModelLabels, Gauge>,
+    /// Approximate mode (`--no-kv-events`): route decisions recorded in the index.
+    pub approx_records: Family<ModelLabels, Counter>,
+    pub approx_record_failures: Family<ModelLabels, Counter>,
     pub active_blocks: Family<KeyLabels, Gauge>,
     pub prefill_tokens: Family<KeyLabels, Gauge>,
     pub active_requests: Family<KeyLabels, Gauge>,
@@ -150,6 +153,16 @@ impl Metrics {
             index_blocks: reg!(
                 "index_blocks",
                 "Distinct prefix blocks in the index",
+                Family::default()
+            ),
+            approx_records: reg!(
+                "approx_decisions_recorded",
+                "Route decisions recorded in the index (approximate mode)",
+                Family::default()
+            ),
+            approx_record_failures: reg!(
+                "approx_record_failures",
+                "Route decisions the index could not record (approximate mode)",
                 Family::default()
             ),
             active_blocks: reg!(

@@ -1,13 +1,15 @@
 //! Starting, wiring and stopping a replica: actors per model, bus subscriptions, admin HTTP.
 
 use crate::admin;
+use crate::approx::DecisionRecorder;
 use crate::endpoints::{spawn_handler, Endpoint, InFlight};
 use crate::fleet::{ask_who_is_there, FleetActor, FleetArgs, FleetMsg};
 use crate::metrics::Metrics;
-use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg};
+use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg, SyncLink};
 use crate::state::{ModelShared, ModelStatus, ReplicaShared};
+use crate::sync_bus;
 use kvrouter_bus::{Bus, BusError, Subscription};
-use kvrouter_indexer::{RankDump, ShardedIndex, ShardedIndexConfig};
+use kvrouter_indexer::{ApproxConfig, RankDump, ShardedIndex, ShardedIndexConfig};
 use kvrouter_protocol::{
     decode, Deregistration, Heartbeat, KvEventBatch, LoadReport, Registration, SubjectError,
     Subjects, WorkerKey,
@@ -45,6 +47,14 @@ pub struct ReplicaConfig {
     /// How long shutdown waits for in-flight requests.
     pub drain_timeout: Duration,
     pub admin_addr: Option<SocketAddr>,
+    /// Approximate mode: subscribe to no KV events and fetch no worker state; the index is
+    /// fed by this replica's own route decisions, each expiring after `router_ttl`.
+    pub no_kv_events: bool,
+    /// Lifetime of a route decision's blocks in approximate mode.
+    pub router_ttl: Duration,
+    /// Share active-sequence changes with peer replicas and apply theirs, so every replica
+    /// routes on the whole fleet's load.
+    pub replica_sync: bool,
 }
 
 impl Default for ReplicaConfig {
@@ -62,6 +72,9 @@ impl Default for ReplicaConfig {
             discovery_window: Duration::from_millis(500),
             drain_timeout: Duration::from_secs(10),
             admin_addr: None,
+            replica_sync: false,
+            no_kv_events: false,
+            router_ttl: kvrouter_indexer::approx::DEFAULT_TTL,
         }
     }
 }
@@ -82,6 +95,8 @@ pub enum ReplicaError {
         max_payload: usize,
         fits: usize,
     },
+    #[error("--router-ttl-secs must be above 0 (it is how long a routed request's blocks count as cached)")]
+    ZeroRouterTtl,
     #[error("invalid replica id {0:?}: use letters, digits, '-' and '_'")]
     ReplicaId(String),
     #[error(transparent)]
@@ -198,6 +213,9 @@ impl Replica {
                 fits,
             });
         }
+        if config.no_kv_events && config.router_ttl.is_zero() {
+            return Err(ReplicaError::ZeroRouterTtl);
+        }
         config
             .scheduler
             .validate()
@@ -211,6 +229,7 @@ impl Replica {
         }
 
         let metrics = Arc::new(Metrics::new());
+        let mut sync_tasks = Vec::new();
         let mut models = Vec::new();
         let mut shared_models = HashMap::new();
         for (i, name) in config.models.iter().enumerate() {
@@ -223,13 +242,28 @@ impl Replica {
             let mut sched_config = config.scheduler.clone();
             sched_config.block_size = block_size.unwrap_or(sched_config.block_size);
             sched_config.seed = sched_config.seed.wrapping_add(i as u64);
+            let sync = config.replica_sync.then(|| {
+                let (out, task) = sync_bus::spawn_publisher(
+                    bus.clone(),
+                    subjects.sync(),
+                    replica_id.clone(),
+                    name.clone(),
+                );
+                sync_tasks.push(task);
+                SyncLink {
+                    out,
+                    catch_up: true,
+                }
+            });
             let (scheduler, sched_join) = Actor::spawn(
                 None,
                 SchedulerActor,
                 SchedulerArgs {
                     model: name.clone(),
+                    replica_id: replica_id.clone(),
                     config: sched_config,
                     metrics: metrics.clone(),
+                    sync,
                 },
             )
             .await
@@ -238,7 +272,10 @@ impl Replica {
             let index = Arc::new(
                 ShardedIndex::start(ShardedIndexConfig {
                     shards: config.index_shards,
-                    approx: None,
+                    approx: config.no_kv_events.then(|| ApproxConfig {
+                        ttl: config.router_ttl,
+                        ..ApproxConfig::default()
+                    }),
                     recovery: Some(gap_tx),
                 })
                 .await
@@ -259,6 +296,7 @@ impl Replica {
                     replica_id: replica_id.clone(),
                     status: status.clone(),
                     metrics: metrics.clone(),
+                    no_kv_events: config.no_kv_events,
                 },
             )
             .await
@@ -280,6 +318,9 @@ impl Replica {
                     subjects: model_subjects,
                     status,
                     index: index.reader(),
+                    recorder: config
+                        .no_kv_events
+                        .then(|| DecisionRecorder::new(name, index.clone(), metrics.clone())),
                     scheduler: scheduler.clone(),
                     fleet: fleet.clone(),
                 }),
@@ -299,9 +340,16 @@ impl Replica {
             metrics,
             models: shared_models,
             draining: Default::default(),
+            replica_sync: config.replica_sync,
+            sync_caught_up: Default::default(),
         });
         let inflight = Arc::new(InFlight::default());
-        let mut back = Vec::new();
+        let mut back = sync_tasks;
+        if config.replica_sync {
+            let sub = subscribe(&bus, subjects.sync(), None).await?;
+            back.push(sync_bus::spawn_peer_listener(shared.clone(), sub));
+            back.push(sync_bus::spawn_catch_up(shared.clone(), subjects.clone()));
+        }
 
         // Worker-facing subscriptions, per model.
         for m in shared.models.values() {
@@ -330,14 +378,16 @@ impl Replica {
                     let _ = f.send_message(FleetMsg::Deregistration(d));
                 },
             ));
-            let f = m.fleet.clone();
-            back.push(forward(
-                subscribe(&bus, s.kv_events(), None).await?,
-                "KV event batch",
-                move |b: KvEventBatch| {
-                    let _ = f.send_message(FleetMsg::Events(b));
-                },
-            ));
+            if !config.no_kv_events {
+                let f = m.fleet.clone();
+                back.push(forward(
+                    subscribe(&bus, s.kv_events(), None).await?,
+                    "KV event batch",
+                    move |b: KvEventBatch| {
+                        let _ = f.send_message(FleetMsg::Events(b));
+                    },
+                ));
+            }
             let f = m.fleet.clone();
             back.push(forward(
                 subscribe(&bus, s.load(), None).await?,
@@ -408,6 +458,7 @@ impl Replica {
             namespace = %config.namespace,
             models = ?config.models,
             admin = ?admin_addr,
+            no_kv_events = config.no_kv_events,
             "replica started"
         );
         Ok(Self {

@@ -5,7 +5,10 @@
 //! the core's bounded queue with their reply channel and are answered when load drops.
 
 use crate::metrics::{KeyLabels, Metrics, ModelLabels};
-use kvrouter_protocol::{ErrorKind, ErrorReply, LoadReport, SequenceHash, WorkerId, WorkerKey};
+use crate::replica_sync::ReplicaSync;
+use kvrouter_protocol::{
+    ErrorKind, ErrorReply, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId, WorkerKey,
+};
 use kvrouter_scheduler::{
     PotentialLoad, Queued, ReportedLoad, RouteQuery, ScheduleError, Scheduler, SchedulerConfig,
     Selection,
@@ -18,12 +21,30 @@ use tokio::sync::oneshot;
 
 /// How often timed-out requests are swept and load gauges refreshed.
 const TICK: Duration = Duration::from_millis(500);
+/// How long this replica's active-sequence changes wait to be batched for peers.
+const SYNC_FLUSH: Duration = Duration::from_millis(5);
+/// Changes that make a batch go out at once.
+const SYNC_BATCH: usize = 64;
 
 pub type RouteReply = oneshot::Sender<Result<Selection, ErrorReply>>;
 
+/// What a queued request carries besides its data: where to answer, and (for replica sync)
+/// its id, to announce the decision once it is placed.
+pub struct RouteToken {
+    pub reply: RouteReply,
+    pub request_id: String,
+}
+
 /// A route request, hashed and scored against the index, with its reply channel: the same
 /// value waits in the core's queue when every worker is busy.
-pub type RouteJob = Queued<RouteReply>;
+pub type RouteJob = Queued<RouteToken>;
+
+/// Where replica sync sends this replica's changes (a task publishes them in order).
+pub struct SyncLink {
+    pub out: tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>,
+    /// Buffer peers' changes until the catch-up snapshot arrives.
+    pub catch_up: bool,
+}
 
 pub enum SchedulerMsg {
     Route(RouteJob),
@@ -45,7 +66,12 @@ pub enum SchedulerMsg {
     ReportedLoad(LoadReport),
     /// Answers every queued request with `Unavailable` (shutdown).
     RejectQueued,
+    /// Replica sync: a peer's changes, the catch-up snapshot, and a request for ours.
+    PeerBatch(SyncBatch),
+    PeerSnapshot(Vec<SeqChange>),
+    ExportActive(oneshot::Sender<Vec<SeqChange>>),
     Tick,
+    FlushSync,
 }
 
 /// Maps a scheduling failure to the error a client sees.
@@ -65,12 +91,18 @@ pub fn schedule_error_reply(e: &ScheduleError) -> ErrorReply {
 
 pub struct SchedulerArgs {
     pub model: String,
+    pub replica_id: String,
     pub config: SchedulerConfig,
     pub metrics: Arc<Metrics>,
+    pub sync: Option<SyncLink>,
 }
 
 pub struct SchedulerState {
-    core: Scheduler<RouteReply>,
+    core: Scheduler<RouteToken>,
+    /// Request ids in the core are global (`"{replica}:{request}"`), so peers' requests
+    /// never collide with ours.
+    ids: ReplicaSync,
+    sync_out: Option<tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>>,
     model: String,
     labels: ModelLabels,
     metrics: Arc<Metrics>,
@@ -79,7 +111,9 @@ pub struct SchedulerState {
 }
 
 impl SchedulerState {
-    fn route(&mut self, job: RouteJob, now: Instant) {
+    fn route(&mut self, mut job: RouteJob, now: Instant) {
+        job.request_id = self.ids.global_id(&job.request_id);
+        job.token.request_id.clone_from(&job.request_id);
         let result = self.core.route(
             &job.query(),
             &job.overlaps,
@@ -91,12 +125,33 @@ impl SchedulerState {
             Err(ScheduleError::AllBusy) => {
                 if let Err(full) = self.core.enqueue(job) {
                     let reply = schedule_error_reply(&full.error());
-                    let _ = full.into_token().send(Err(reply));
+                    let _ = full.into_token().reply.send(Err(reply));
                 }
             }
             other => {
-                let _ = job.token.send(other.map_err(|e| schedule_error_reply(&e)));
+                if other.is_ok() && job.update_states {
+                    self.announce(&job.request_id);
+                }
+                let _ = job
+                    .token
+                    .reply
+                    .send(other.map_err(|e| schedule_error_reply(&e)));
             }
+        }
+    }
+
+    /// Tells peers about a request the core just added (replica sync).
+    fn announce(&mut self, global_id: &str) {
+        if self.sync_out.is_none() {
+            return;
+        }
+        let found = self
+            .core
+            .active_sequences()
+            .find(|(id, ..)| id.as_str() == global_id)
+            .map(|(_, key, hashes, prefill)| (key, hashes.to_vec(), prefill));
+        if let Some((key, hashes, prefill)) = found {
+            self.ids.added_global(global_id, key, hashes, prefill);
         }
     }
 
@@ -105,8 +160,68 @@ impl SchedulerState {
         if self.core.queue_len() == 0 {
             return;
         }
-        for (reply, result) in self.core.drain_ready(now) {
-            let _ = reply.send(result.map_err(|e| schedule_error_reply(&e)));
+        for (token, result) in self.core.drain_ready(now) {
+            if result.is_ok() && self.core.contains_request(&token.request_id) {
+                self.announce(&token.request_id);
+            }
+            let _ = token
+                .reply
+                .send(result.map_err(|e| schedule_error_reply(&e)));
+        }
+    }
+
+    /// Applies peers' changes (idempotent: see `replica_sync`).
+    fn apply_peer(&mut self, changes: Vec<SeqChange>, now: Instant) {
+        for c in changes {
+            match c {
+                SeqChange::Add {
+                    request_id,
+                    key,
+                    sequence_hashes,
+                    prefill_tokens,
+                } => {
+                    if !self.core.contains_request(&request_id) {
+                        // A key this replica does not know (yet) is skipped: the sweep or
+                        // the peer's free would drop it anyway.
+                        let _ = self.core.add_request(
+                            request_id,
+                            key,
+                            &sequence_hashes,
+                            prefill_tokens,
+                            now,
+                        );
+                    }
+                }
+                SeqChange::Prefilled { request_id } => {
+                    self.core.mark_prefill(&request_id);
+                }
+                SeqChange::Free { request_id } => {
+                    self.core.free(&request_id);
+                }
+            }
+        }
+        self.drain(now);
+    }
+
+    fn export_active(&self) -> Vec<SeqChange> {
+        self.core
+            .active_sequences()
+            .map(|(id, key, hashes, prefill)| SeqChange::Add {
+                request_id: id.clone(),
+                key,
+                sequence_hashes: hashes.to_vec(),
+                prefill_tokens: prefill,
+            })
+            .collect()
+    }
+
+    /// Sends this replica's pending changes to the sync publisher.
+    fn flush_sync(&mut self) {
+        if let Some(out) = &self.sync_out {
+            let changes = self.ids.take_outgoing();
+            if !changes.is_empty() {
+                let _ = out.send(changes);
+            }
         }
     }
 
@@ -151,8 +266,14 @@ impl Actor for SchedulerActor {
     ) -> Result<SchedulerState, ActorProcessingErr> {
         let core = Scheduler::new(args.config)?;
         myself.send_interval(TICK, || SchedulerMsg::Tick);
+        let catch_up = args.sync.as_ref().is_some_and(|s| s.catch_up);
+        if args.sync.is_some() {
+            myself.send_interval(SYNC_FLUSH, || SchedulerMsg::FlushSync);
+        }
         Ok(SchedulerState {
             core,
+            ids: ReplicaSync::new(&args.replica_id, catch_up),
+            sync_out: args.sync.map(|s| s.out),
             labels: Metrics::model(&args.model),
             model: args.model,
             metrics: args.metrics,
@@ -170,11 +291,19 @@ impl Actor for SchedulerActor {
         match msg {
             SchedulerMsg::Route(job) => state.route(job, now),
             SchedulerMsg::MarkPrefill(id, reply) => {
-                let _ = reply.send(state.core.mark_prefill(&id));
+                let known = state.core.mark_prefill(&state.ids.global_id(&id));
+                if known && state.sync_out.is_some() {
+                    state.ids.prefilled(&id);
+                }
+                let _ = reply.send(known);
                 state.drain(now);
             }
             SchedulerMsg::Free(id, reply) => {
-                let _ = reply.send(state.core.free(&id));
+                let known = state.core.free(&state.ids.global_id(&id));
+                if known && state.sync_out.is_some() {
+                    state.ids.freed(&id);
+                }
+                let _ = reply.send(known);
                 state.drain(now);
             }
             SchedulerMsg::PotentialLoads {
@@ -224,9 +353,21 @@ impl Actor for SchedulerActor {
                 }
                 state.drain(now);
             }
+            SchedulerMsg::PeerBatch(batch) => {
+                let changes = state.ids.on_peer_batch(&batch.replica_id, batch.changes);
+                state.apply_peer(changes, now);
+            }
+            SchedulerMsg::PeerSnapshot(snapshot) => {
+                let changes = state.ids.on_snapshot(snapshot);
+                state.apply_peer(changes, now);
+            }
+            SchedulerMsg::ExportActive(reply) => {
+                let _ = reply.send(state.export_active());
+            }
+            SchedulerMsg::FlushSync => state.flush_sync(),
             SchedulerMsg::RejectQueued => {
                 for q in state.core.take_queued() {
-                    let _ = q.token.send(Err(ErrorReply::new(
+                    let _ = q.token.reply.send(Err(ErrorReply::new(
                         ErrorKind::Unavailable,
                         "the replica is shutting down; retry on another replica",
                     )));
@@ -237,6 +378,9 @@ impl Actor for SchedulerActor {
                 state.drain(now);
                 state.export_loads();
             }
+        }
+        if state.ids.pending() >= SYNC_BATCH {
+            state.flush_sync();
         }
         Ok(())
     }

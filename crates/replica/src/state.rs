@@ -1,5 +1,6 @@
 //! What a replica's tasks share without an actor hop: per-model read views and readiness.
 
+use crate::approx::DecisionRecorder;
 use crate::fleet::FleetMsg;
 use crate::metrics::Metrics;
 use crate::scheduler_actor::SchedulerMsg;
@@ -38,6 +39,8 @@ pub struct ModelShared {
     pub subjects: ModelSubjects,
     pub status: Arc<ModelStatus>,
     pub index: IndexReader,
+    /// `Some` in approximate mode: route decisions that update state feed the index.
+    pub recorder: Option<DecisionRecorder>,
     pub scheduler: ActorRef<SchedulerMsg>,
     pub fleet: ActorRef<FleetMsg>,
 }
@@ -48,6 +51,9 @@ pub struct ReplicaShared {
     pub metrics: Arc<Metrics>,
     pub models: HashMap<String, Arc<ModelShared>>,
     pub draining: AtomicBool,
+    /// Replica sync is on, and whether the catch-up from a peer has landed.
+    pub replica_sync: bool,
+    pub sync_caught_up: AtomicBool,
 }
 
 impl ReplicaShared {
@@ -74,6 +80,9 @@ impl ReplicaShared {
                     st.ranks.load(Ordering::Relaxed)
                 ));
             }
+        }
+        if self.replica_sync && !self.sync_caught_up.load(Ordering::Relaxed) {
+            waiting.push("replica sync: catching up from a peer".into());
         }
         if waiting.is_empty() {
             (true, "ready".into())

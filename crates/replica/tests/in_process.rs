@@ -256,3 +256,77 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     replica.shutdown().await;
     fleet.shutdown().await.unwrap();
 }
+
+/// Sum of one gauge over every worker rank, from a replica's metrics.
+fn gauge_sum(replica: &Replica, name: &str) -> i64 {
+    replica
+        .shared()
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<i64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(3, 1, 256))
+        .await
+        .unwrap();
+    let synced = || ReplicaConfig {
+        replica_sync: true,
+        ..replica_config(SchedulerConfig::default())
+    };
+    let a = Replica::start(synced(), bus.clone()).await.unwrap();
+    let b = Replica::start(synced(), bus.clone()).await.unwrap();
+    assert!(a.wait_ready(Duration::from_secs(5)).await);
+    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let mut decisions = Vec::new();
+    for i in 0..12u32 {
+        let req = RouteRequest {
+            model: MODEL.into(),
+            request_id: format!("q{i}"),
+            tokens: prompt(i, i, 4),
+            lora: None,
+            allowed_workers: None,
+            pin: None,
+            update_states: true,
+        };
+        decisions.push(client.route(&req).await.unwrap());
+    }
+    let by: std::collections::HashSet<_> = decisions.iter().map(|d| d.replica_id.clone()).collect();
+    assert_eq!(by.len(), 2, "both replicas decided some");
+    let settle = || tokio::time::sleep(Duration::from_millis(700));
+    settle().await;
+    for r in [&a, &b] {
+        assert_eq!(gauge_sum(r, "kvrouter_worker_active_requests"), 12);
+    }
+    // A replica started now catches up from a peer.
+    let c = Replica::start(synced(), bus.clone()).await.unwrap();
+    assert!(c.wait_ready(Duration::from_secs(5)).await);
+    settle().await;
+    assert_eq!(gauge_sum(&c, "kvrouter_worker_active_requests"), 12);
+    // Prefill done and free reach every replica.
+    for (i, d) in decisions.iter().enumerate() {
+        let id = format!("q{i}");
+        client
+            .mark_prefill(&d.replica_id, MODEL, &id)
+            .await
+            .unwrap();
+        if i % 2 == 0 {
+            client.free(&d.replica_id, MODEL, &id).await.unwrap();
+        }
+    }
+    settle().await;
+    for r in [&a, &b, &c] {
+        assert_eq!(gauge_sum(r, "kvrouter_worker_active_requests"), 6);
+        assert_eq!(gauge_sum(r, "kvrouter_worker_prefill_tokens"), 0);
+    }
+    for r in [a, b, c] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
+}

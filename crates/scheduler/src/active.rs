@@ -274,6 +274,14 @@ impl ActiveSequences {
         }
     }
 
+    /// Every active sequence: (id, slot, its distinct block hashes, prefill tokens still
+    /// counted).
+    pub fn requests(&self) -> impl Iterator<Item = (&RequestId, Slot, &[SequenceHash], u64)> + '_ {
+        self.requests
+            .iter()
+            .map(|(id, r)| (id, r.slot, &r.hashes[..], r.prefill_tokens))
+    }
+
     /// Adds an active sequence on `slot`.
     pub fn add(
         &mut self,

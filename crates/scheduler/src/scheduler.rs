@@ -262,6 +262,16 @@ impl<P> Scheduler<P> {
             .add(request_id, slot, sequence_hashes, prefill_tokens, now)
     }
 
+    /// Every active sequence (for a peer replica catching up): id, key, its distinct block
+    /// hashes, and the prefill tokens still counted (0 once marked).
+    pub fn active_sequences(
+        &self,
+    ) -> impl Iterator<Item = (&RequestId, WorkerKey, &[SequenceHash], u64)> + '_ {
+        self.active
+            .requests()
+            .map(|(id, slot, hashes, prefill)| (id, self.active.state(slot).key, hashes, prefill))
+    }
+
     /// The request finished prefill. False if unknown.
     pub fn mark_prefill(&mut self, request_id: &str) -> bool {
         self.active.mark_prefill(request_id)

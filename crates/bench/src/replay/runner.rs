@@ -46,6 +46,11 @@ pub struct ReplayConfig {
     pub sample_every: Duration,
     /// The replicas' scheduling parameters (policy and seed are set per run).
     pub scheduler: SchedulerConfig,
+    /// Approximate mode (`--no-kv-events`): the replicas feed their indexes from their own
+    /// routing decisions instead of KV events.
+    pub no_kv_events: bool,
+    /// Replicas share their active sequences (`--replica-sync`).
+    pub replica_sync: bool,
 }
 
 impl Default for ReplayConfig {
@@ -61,6 +66,8 @@ impl Default for ReplayConfig {
             seed: 1,
             sample_every: Duration::from_millis(250),
             scheduler: SchedulerConfig::default(),
+            no_kv_events: false,
+            replica_sync: false,
         }
     }
 }
@@ -171,8 +178,10 @@ pub async fn run_policy(
                     ..config.scheduler.clone()
                 },
                 discovery_window: Duration::from_millis(100),
+                no_kv_events: config.no_kv_events,
                 // Every prompt the bus can carry (the traces hold prompts over 128k tokens).
                 max_prompt_tokens: kvrouter_protocol::max_prompt_tokens_for(bus.max_payload()),
+                replica_sync: config.replica_sync,
                 ..ReplicaConfig::default()
             },
             bus.clone(),

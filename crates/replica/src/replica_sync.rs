@@ -1,0 +1,172 @@
+//! Replica sync (`--replica-sync`): every replica shares its active-sequence changes, so each
+//! routes on the whole fleet's load.
+//!
+//! A plain core per model. Outgoing: this replica's changes, with global request ids
+//! (`"{replica}:{request}"`), batched until the owner flushes them. Incoming: peers'
+//! changes in the order each peer made them; until the catch-up snapshot from a peer has
+//! landed they are buffered, then applied after it. Applying is idempotent (an `Add` of a
+//! known id and a `Free` of an unknown one change nothing), so a change that is both in the
+//! snapshot and in the buffer counts once, and order per origin keeps the result right.
+
+use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
+
+/// Peer changes buffered while catching up, before the oldest are dropped (then the
+/// request-timeout sweep bounds the damage).
+const MAX_BUFFERED: usize = 1 << 16;
+
+pub struct ReplicaSync {
+    replica_id: String,
+    outbox: Vec<SeqChange>,
+    /// `Some` until the catch-up snapshot is applied.
+    buffer: Option<Vec<SeqChange>>,
+    dropped: u64,
+}
+
+impl ReplicaSync {
+    /// `catch_up`: buffer peers' changes until [`ReplicaSync::on_snapshot`].
+    pub fn new(replica_id: &str, catch_up: bool) -> Self {
+        Self {
+            replica_id: replica_id.to_string(),
+            outbox: Vec::new(),
+            buffer: catch_up.then(Vec::new),
+            dropped: 0,
+        }
+    }
+
+    /// The id peers know one of this replica's requests by.
+    pub fn global_id(&self, request_id: &str) -> String {
+        format!("{}:{request_id}", self.replica_id)
+    }
+
+    pub fn is_caught_up(&self) -> bool {
+        self.buffer.is_none()
+    }
+
+    /// A request of ours was added, under its global id.
+    pub fn added_global(
+        &mut self,
+        global_id: &str,
+        key: WorkerKey,
+        sequence_hashes: Vec<SequenceHash>,
+        prefill_tokens: u64,
+    ) {
+        self.outbox.push(SeqChange::Add {
+            request_id: global_id.to_string(),
+            key,
+            sequence_hashes,
+            prefill_tokens,
+        });
+    }
+
+    pub fn prefilled(&mut self, request_id: &str) {
+        self.outbox.push(SeqChange::Prefilled {
+            request_id: self.global_id(request_id),
+        });
+    }
+
+    pub fn freed(&mut self, request_id: &str) {
+        self.outbox.push(SeqChange::Free {
+            request_id: self.global_id(request_id),
+        });
+    }
+
+    pub fn pending(&self) -> usize {
+        self.outbox.len()
+    }
+
+    /// This replica's changes since the last call, in order.
+    pub fn take_outgoing(&mut self) -> Vec<SeqChange> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// A peer's batch: the changes to apply now (none while catching up). Our own batches
+    /// (the bus echoes them) are ignored.
+    pub fn on_peer_batch(&mut self, from: &str, changes: Vec<SeqChange>) -> Vec<SeqChange> {
+        if from == self.replica_id {
+            return Vec::new();
+        }
+        match &mut self.buffer {
+            None => changes,
+            Some(buf) => {
+                if buf.len() + changes.len() > MAX_BUFFERED {
+                    self.dropped += buf.len() as u64;
+                    buf.clear();
+                }
+                buf.extend(changes);
+                Vec::new()
+            }
+        }
+    }
+
+    /// The catch-up snapshot (a peer's active sequences as `Add`s): the changes to apply,
+    /// snapshot first, then what was buffered meanwhile. Later snapshots are ignored.
+    pub fn on_snapshot(&mut self, snapshot: Vec<SeqChange>) -> Vec<SeqChange> {
+        match self.buffer.take() {
+            None => Vec::new(),
+            Some(buf) => {
+                let mut out = snapshot;
+                out.extend(buf);
+                out
+            }
+        }
+    }
+
+    /// Peer changes dropped because the catch-up buffer overflowed.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add(id: &str) -> SeqChange {
+        SeqChange::Add {
+            request_id: id.into(),
+            key: WorkerKey::new(1, 0),
+            sequence_hashes: vec![SequenceHash(1)],
+            prefill_tokens: 10,
+        }
+    }
+
+    #[test]
+    fn own_changes_go_out_with_global_ids() {
+        let mut s = ReplicaSync::new("r1", false);
+        let id = s.global_id("a");
+        s.added_global(&id, WorkerKey::new(1, 0), vec![SequenceHash(1)], 10);
+        s.prefilled("a");
+        s.freed("a");
+        assert_eq!(
+            s.take_outgoing(),
+            vec![
+                add("r1:a"),
+                SeqChange::Prefilled {
+                    request_id: "r1:a".into()
+                },
+                SeqChange::Free {
+                    request_id: "r1:a".into()
+                }
+            ]
+        );
+        assert!(s.take_outgoing().is_empty());
+        // Our own echo is ignored; a peer's batch applies at once.
+        assert!(s.on_peer_batch("r1", vec![add("r1:b")]).is_empty());
+        assert_eq!(s.on_peer_batch("r2", vec![add("r2:x")]), vec![add("r2:x")]);
+    }
+
+    #[test]
+    fn catching_up_buffers_until_the_snapshot() {
+        let mut s = ReplicaSync::new("r3", true);
+        assert!(!s.is_caught_up());
+        assert!(s.on_peer_batch("r2", vec![add("r2:y")]).is_empty());
+        let free = SeqChange::Free {
+            request_id: "r1:x".into(),
+        };
+        assert!(s.on_peer_batch("r1", vec![free.clone()]).is_empty());
+        let out = s.on_snapshot(vec![add("r1:x")]);
+        assert_eq!(out, vec![add("r1:x"), add("r2:y"), free]);
+        assert!(s.is_caught_up());
+        assert!(s.on_snapshot(vec![add("r9:z")]).is_empty());
+    }
+}

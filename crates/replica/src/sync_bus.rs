@@ -1,0 +1,212 @@
+//! Replica sync on the bus: publishing this replica's active-sequence changes, applying the
+//! peers', and the catch-up snapshot a joining replica asks a peer for.
+
+use crate::scheduler_actor::SchedulerMsg;
+use crate::state::ReplicaShared;
+use bytes::Bytes;
+use kvrouter_bus::{Bus, Subscription};
+use kvrouter_protocol::{
+    decode, encode, SeqChange, Subjects, SyncBatch, SyncStateRequest, ENCODED_EVENT_OVERHEAD,
+};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// Queue group of the catch-up responders (replicas already caught up).
+const SYNC_STATE_GROUP: &str = "kvrouter-sync";
+/// How long a catch-up stream may stay silent.
+const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Publishes one model's changes in the order the scheduler actor made them.
+pub fn spawn_publisher(
+    bus: Bus,
+    subject: String,
+    replica_id: String,
+    model: String,
+) -> (mpsc::UnboundedSender<Vec<SeqChange>>, JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<SeqChange>>();
+    let task = tokio::spawn(async move {
+        while let Some(changes) = rx.recv().await {
+            for chunk in chunks(changes, bus.max_payload()) {
+                let batch = SyncBatch {
+                    replica_id: replica_id.clone(),
+                    model: model.clone(),
+                    changes: chunk,
+                };
+                match encode(&batch) {
+                    Ok(b) => {
+                        if let Err(e) = bus.publish(&subject, Bytes::from(b)).await {
+                            tracing::warn!(error = %e, "cannot publish active-sequence changes to peers");
+                        }
+                    }
+                    Err(e) => tracing::error!(error = %e, "cannot encode a sync batch"),
+                }
+            }
+        }
+    });
+    (tx, task)
+}
+
+/// Splits changes into batches that fit the bus's payload limit.
+fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
+    let budget = max_payload / 2;
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut bytes = 0;
+    for c in changes {
+        let n = ENCODED_EVENT_OVERHEAD
+            + match &c {
+                SeqChange::Add {
+                    request_id,
+                    sequence_hashes,
+                    ..
+                } => request_id.len() + 8 * sequence_hashes.len(),
+                SeqChange::Prefilled { request_id } | SeqChange::Free { request_id } => {
+                    request_id.len()
+                }
+            };
+        if bytes + n > budget && !cur.is_empty() {
+            out.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        bytes += n;
+        cur.push(c);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Hands every peer batch to its model's scheduler actor.
+pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let batch: SyncBatch = match decode(&msg.payload) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::debug!(error = %e, "undecodable sync batch dropped");
+                    continue;
+                }
+            };
+            if batch.replica_id == shared.replica_id {
+                continue;
+            }
+            if let Some(m) = shared.models.get(&batch.model) {
+                let _ = m.scheduler.send_message(SchedulerMsg::PeerBatch(batch));
+            }
+        }
+    })
+}
+
+/// Once every model's ranks are synced, asks a peer for the active sequences it knows, then
+/// starts answering such requests itself.
+pub fn spawn_catch_up(shared: Arc<ReplicaShared>, subjects: Subjects) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let fleets_synced = shared.models.values().all(|m| {
+                m.status.discovered.load(Ordering::Relaxed)
+                    && m.status.unsynced.load(Ordering::Relaxed) == 0
+            });
+            if fleets_synced {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for m in shared.models.values() {
+            let snapshot = fetch_snapshot(&shared, &subjects, &m.name).await;
+            tracing::info!(model = %m.name, sequences = snapshot.len(), "replica sync caught up");
+            let _ = m
+                .scheduler
+                .send_message(SchedulerMsg::PeerSnapshot(snapshot));
+        }
+        shared.sync_caught_up.store(true, Ordering::Relaxed);
+        let mut sub = match shared
+            .bus
+            .queue_subscribe(&subjects.sync_state(), SYNC_STATE_GROUP)
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot serve replica-sync catch-ups");
+                return;
+            }
+        };
+        while let Some(msg) = sub.next().await {
+            let Some(reply) = msg.reply else { continue };
+            let Ok(req) = decode::<SyncStateRequest>(&msg.payload) else {
+                let _ = shared.bus.end_stream(&reply).await;
+                continue;
+            };
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let mut changes = Vec::new();
+                if let Some(m) = shared.models.get(&req.model) {
+                    let (tx, rx) = oneshot::channel();
+                    if m.scheduler
+                        .send_message(SchedulerMsg::ExportActive(tx))
+                        .is_ok()
+                    {
+                        changes = rx.await.unwrap_or_default();
+                    }
+                }
+                for chunk in chunks(changes, shared.bus.max_payload()) {
+                    let batch = SyncBatch {
+                        replica_id: shared.replica_id.clone(),
+                        model: req.model.clone(),
+                        changes: chunk,
+                    };
+                    if let Ok(b) = encode(&batch) {
+                        let _ = shared.bus.publish(&reply, Bytes::from(b)).await;
+                    }
+                }
+                let _ = shared.bus.end_stream(&reply).await;
+            });
+        }
+    })
+}
+
+async fn fetch_snapshot(
+    shared: &ReplicaShared,
+    subjects: &Subjects,
+    model: &str,
+) -> Vec<SeqChange> {
+    let req = SyncStateRequest {
+        replica_id: shared.replica_id.clone(),
+        model: model.to_string(),
+    };
+    let Ok(payload) = encode(&req) else {
+        return Vec::new();
+    };
+    let mut stream = match shared
+        .bus
+        .request_stream(
+            &subjects.sync_state(),
+            Bytes::from(payload),
+            CATCH_UP_TIMEOUT,
+        )
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::info!(model, reason = %e, "no peer to catch up from; starting from no active sequences");
+            return Vec::new();
+        }
+    };
+    let mut out = Vec::new();
+    while let Some(item) = stream.next().await {
+        match item
+            .map_err(|e| e.to_string())
+            .and_then(|b| decode::<SyncBatch>(&b).map_err(|e| e.to_string()))
+        {
+            Ok(batch) => out.extend(batch.changes),
+            Err(e) => {
+                tracing::warn!(model, error = %e, "replica-sync catch-up cut short; peers' later changes still apply");
+                break;
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,269 @@
+//! Approximate mode (`no_kv_events`) on the in-process bus with a mocker fleet: the replica
+//! turns ready without fetching worker state, consumes no KV events, and its index is fed by
+//! its own state-updating route decisions, which expire after the router TTL.
+
+use kvrouter_bus::{Bus, Subscription};
+use kvrouter_client::{GenerateParams, KvRouterClient};
+use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_protocol::{OverlapRequest, RouteDecision, RouteRequest, Subjects, WorkerKey};
+use kvrouter_replica::{Replica, ReplicaConfig};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "m";
+const BLOCK: u32 = 16;
+const WORKERS: u64 = 3;
+
+fn fleet_config() -> FleetConfig {
+    FleetConfig {
+        model: MODEL.into(),
+        workers: WORKERS as u32,
+        worker_id_start: 10,
+        engine: EngineConfig {
+            block_size: BLOCK as usize,
+            capacity_blocks: 256,
+            ..EngineConfig::default()
+        },
+        speedup: 1000.0,
+        heartbeat_interval: Duration::from_millis(200),
+        ..FleetConfig::default()
+    }
+}
+
+fn approx_config(ttl: Duration) -> ReplicaConfig {
+    ReplicaConfig {
+        models: vec![MODEL.into()],
+        discovery_window: Duration::from_millis(100),
+        no_kv_events: true,
+        router_ttl: ttl,
+        ..ReplicaConfig::default()
+    }
+}
+
+/// `blocks` full blocks of tokens unique to `id`, plus a partial block (never hashed).
+fn prompt(id: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK + BLOCK / 2)
+        .map(|t| id * 100_000 + t)
+        .collect()
+}
+
+fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
+    RouteRequest {
+        model: MODEL.into(),
+        request_id: id.into(),
+        tokens,
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states,
+    }
+}
+
+async fn overlaps(client: &KvRouterClient, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {
+    client
+        .overlap_scores(&OverlapRequest {
+            model: MODEL.into(),
+            tokens: tokens.to_vec(),
+            lora: None,
+        })
+        .await
+        .unwrap()
+        .scores
+}
+
+/// Polls the overlap scores until `done` holds or `timeout` passes; returns the last scores.
+async fn wait_overlaps(
+    client: &KvRouterClient,
+    tokens: &[u32],
+    timeout: Duration,
+    done: impl Fn(&[(WorkerKey, u32)]) -> bool,
+) -> Vec<(WorkerKey, u32)> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let scores = overlaps(client, tokens).await;
+        if done(&scores) || Instant::now() >= deadline {
+            return scores;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every worker's state subject, to see whether anyone asks for worker state.
+async fn watch_state_queries(bus: &Bus) -> Vec<Subscription> {
+    let subjects = Subjects::new("kvrouter").unwrap().model(MODEL).unwrap();
+    let mut subs = Vec::new();
+    for w in 10..10 + WORKERS {
+        subs.push(bus.subscribe(&subjects.state(w)).await.unwrap());
+    }
+    subs
+}
+
+async fn no_state_queries(subs: &mut [Subscription]) {
+    for sub in subs {
+        let got = tokio::time::timeout(Duration::from_millis(50), sub.next()).await;
+        assert!(
+            got.is_err(),
+            "a state query was sent in approximate mode: {got:?}"
+        );
+    }
+}
+
+/// The value of a `{model="m"}` series, 0 when absent.
+fn metric(replica: &Replica, name: &str) -> u64 {
+    let text = replica.shared().metrics.render();
+    let prefix = format!("{name}{{model=\"{MODEL}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
+        .unwrap_or(0)
+}
+
+async fn start(ttl: Duration) -> (Bus, MockerFleet, Replica, KvRouterClient, Vec<Subscription>) {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config())
+        .await
+        .unwrap();
+    let state_queries = watch_state_queries(&bus).await;
+    let replica = Replica::start(approx_config(ttl), bus.clone())
+        .await
+        .unwrap();
+    assert!(
+        replica.wait_ready(Duration::from_secs(5)).await,
+        "{}",
+        replica.shared().readiness().1
+    );
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    (bus, fleet, replica, client, state_queries)
+}
+
+fn key(d: &RouteDecision) -> WorkerKey {
+    WorkerKey::new(d.worker_id, d.dp_rank)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
+    let (_bus, fleet, replica, client, mut state_queries) = start(Duration::from_secs(120)).await;
+    // (1) Ready without any state fetch: every rank counts as synced once it joins.
+    let status = &replica.shared().models[MODEL].status;
+    assert_eq!(
+        status.ranks.load(std::sync::atomic::Ordering::Relaxed),
+        WORKERS as usize
+    );
+    assert_eq!(metric(&replica, "kvrouter_state_recoveries_total"), 0);
+    no_state_queries(&mut state_queries).await;
+
+    // (2) A state-updating decision is recorded on the chosen worker key...
+    let a = prompt(1, 4);
+    let first = client
+        .route(&route_req("a", a.clone(), true))
+        .await
+        .unwrap();
+    assert_eq!(first.overlap_blocks, 0, "nothing is cached yet");
+    let scores = wait_overlaps(&client, &a, Duration::from_secs(2), |s| !s.is_empty()).await;
+    assert_eq!(
+        scores,
+        vec![(key(&first), 4)],
+        "only full blocks are recorded"
+    );
+    // ...and once a's load is gone, a query for the same prompt goes there on overlap alone.
+    client
+        .mark_prefill(&first.replica_id, MODEL, "a")
+        .await
+        .unwrap();
+    client.free(&first.replica_id, MODEL, "a").await.unwrap();
+    for i in 0..5 {
+        let again = client
+            .route(&route_req(&format!("q{i}"), a.clone(), false))
+            .await
+            .unwrap();
+        assert_eq!(key(&again), key(&first));
+        assert_eq!(again.overlap_blocks, 4);
+    }
+
+    // (4) Decisions that do not update state are queries: they record nothing.
+    let b = prompt(2, 3);
+    let query = client
+        .route(&route_req("b", b.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!(query.overlap_blocks, 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(overlaps(&client, &b).await.is_empty());
+    let again = client
+        .route(&route_req("b2", b.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!(again.overlap_blocks, 0, "a query left nothing behind");
+    assert_eq!(
+        metric(&replica, "kvrouter_approx_decisions_recorded_total"),
+        1
+    );
+
+    // Workers that really run requests publish KV events; the replica does not consume them.
+    let out = client
+        .generate(&GenerateParams::new(MODEL, prompt(3, 2), 2))
+        .await
+        .unwrap();
+    assert!(out.output_tokens >= 1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(metric(&replica, "kvrouter_kv_events_applied_total"), 0);
+    assert_eq!(metric(&replica, "kvrouter_approx_record_failures_total"), 0);
+    // The generate's routing decision was recorded like any other.
+    let c = wait_overlaps(&client, &prompt(3, 2), Duration::from_secs(2), |s| {
+        !s.is_empty()
+    })
+    .await;
+    assert_eq!(c, vec![(key(&out.decision), 2)]);
+    no_state_queries(&mut state_queries).await;
+    assert_eq!(metric(&replica, "kvrouter_state_recoveries_total"), 0);
+
+    replica.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_decisions_expire_after_the_router_ttl() {
+    let ttl = Duration::from_secs(2);
+    let (_bus, fleet, replica, client, _state_queries) = start(ttl).await;
+    let a = prompt(7, 3);
+    let decision = client
+        .route(&route_req("a", a.clone(), true))
+        .await
+        .unwrap();
+    let recorded = Instant::now();
+    let scores = wait_overlaps(&client, &a, Duration::from_secs(2), |s| !s.is_empty()).await;
+    assert_eq!(scores, vec![(key(&decision), 3)]);
+    client
+        .mark_prefill(&decision.replica_id, MODEL, "a")
+        .await
+        .unwrap();
+    client.free(&decision.replica_id, MODEL, "a").await.unwrap();
+    // Still there well within the TTL (queries do not renew it)...
+    let q = client
+        .route(&route_req("q", a.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!((key(&q), q.overlap_blocks), (key(&decision), 3));
+    // ...gone after it (expiry runs about once a second).
+    let scores = wait_overlaps(&client, &a, ttl * 3, |s| s.is_empty()).await;
+    assert!(scores.is_empty(), "not expired: {scores:?}");
+    assert!(
+        recorded.elapsed() >= ttl - Duration::from_millis(100),
+        "expired after {:?}, before the TTL",
+        recorded.elapsed()
+    );
+    let q = client
+        .route(&route_req("q2", a.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!(q.overlap_blocks, 0);
+    replica.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_zero_router_ttl_is_refused() {
+    let mut config = approx_config(Duration::ZERO);
+    config.no_kv_events = true;
+    let err = Replica::start(config, Bus::local()).await.err().unwrap();
+    assert!(err.to_string().contains("--router-ttl-secs"), "{err}");
+}

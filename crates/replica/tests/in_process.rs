@@ -330,3 +330,96 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     }
     fleet.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
+    let bus = Bus::local();
+    // Two workers with ranks 4 and 5 each.
+    let fleet = MockerFleet::start(
+        bus.clone(),
+        FleetConfig {
+            dp_start_rank: 4,
+            ..fleet_config(2, 2, 256)
+        },
+    )
+    .await
+    .unwrap();
+    let replica = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
+        .await
+        .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let pinned = |w: u64, r: Option<u32>| RouteRequest {
+        model: MODEL.into(),
+        request_id: String::new(),
+        tokens: prompt(3, 3, 4),
+        lora: None,
+        allowed_workers: None,
+        pin: Some(kvrouter_protocol::Pin {
+            worker_id: w,
+            dp_rank: r,
+        }),
+        update_states: false,
+    };
+    for r in [4, 5] {
+        let d = client.route(&pinned(10, Some(r))).await.unwrap();
+        assert_eq!(d.key(), WorkerKey::new(10, r), "a pinned rank is honoured");
+    }
+    let err_kind = |r: Result<_, ClientError>| match r {
+        Err(ClientError::Router(e)) => Some(e.kind),
+        _ => None,
+    };
+    assert_eq!(
+        err_kind(client.route(&pinned(10, Some(3))).await),
+        Some(ErrorKind::InvalidRank),
+        "rank 3 is outside 4..6"
+    );
+    // An allowed-workers list is honoured with every rank of the allowed worker.
+    let mut allowed = pinned(0, None);
+    allowed.pin = None;
+    allowed.allowed_workers = Some(vec![11]);
+    for _ in 0..10 {
+        assert_eq!(client.route(&allowed).await.unwrap().worker_id, 11);
+    }
+
+    fleet.set_rank_live(10, 5, false).await.unwrap();
+    let gone = async {
+        loop {
+            if err_kind(client.route(&pinned(10, Some(5))).await) == Some(ErrorKind::InvalidRank) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), gone)
+        .await
+        .expect("the rank leaves with the next heartbeat");
+    // Only that rank: the worker's other rank and the other worker still route.
+    assert_eq!(
+        client.route(&pinned(10, Some(4))).await.unwrap().key(),
+        WorkerKey::new(10, 4)
+    );
+    assert_eq!(
+        client.route(&pinned(10, None)).await.unwrap().key(),
+        WorkerKey::new(10, 4)
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let metrics = replica.shared().metrics.render();
+    assert!(metrics.contains(r#"worker="10",dp_rank="4""#), "{metrics}");
+    assert!(!metrics.contains(r#"worker="10",dp_rank="5""#), "{metrics}");
+
+    fleet.set_rank_live(10, 5, true).await.unwrap();
+    let back = async {
+        loop {
+            if client.route(&pinned(10, Some(5))).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), back)
+        .await
+        .expect("the rank comes back");
+    replica.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}

@@ -44,6 +44,9 @@ pub struct GenerateArgs {
         default_value_t = 30_000
     )]
     pub idle_timeout_ms: u64,
+    /// Disaggregated: prefill on a prefill worker rank, then decode on a decode worker rank.
+    #[arg(long, env = "KVROUTER_DISAGG", conflicts_with = "pin")]
+    pub disagg: bool,
 }
 
 pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -61,6 +64,9 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         allowed_workers: args.allowed_workers,
         pin: args.pin,
     };
+    if args.disagg {
+        return run_disagg(&client, &params).await;
+    }
     let out = client.generate(&params).await?;
     for e in &out.bookkeeping_errors {
         eprintln!("warning: {e}");
@@ -83,6 +89,43 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 out.mean_itl_us().map(Value::from).unwrap_or(Value::Null)
             ),
             ("e2e_us", out.e2e_us.into()),
+            ("route_wall_us", out.route_wall_us.into()),
+            ("e2e_wall_us", out.e2e_wall_us.into()),
+        ])
+    );
+    Ok(())
+}
+
+async fn run_disagg(client: &KvRouterClient, params: &GenerateParams) -> anyhow::Result<()> {
+    let out = client.generate_disagg(params).await?;
+    for e in &out.bookkeeping_errors {
+        eprintln!("warning: {e}");
+    }
+    let d = &out.decision;
+    let stage = |k: &kvrouter_protocol::RouteDecision, s: &kvrouter_client::StageOutcome| {
+        serde_json::json!({
+            "worker_id": k.worker_id,
+            "dp_rank": k.dp_rank,
+            "overlap_blocks": k.overlap_blocks,
+            "ttft_us": s.ttft_us,
+            "cached_blocks": s.cached_blocks,
+            "output_tokens": s.output_tokens,
+            "e2e_us": s.e2e_us,
+        })
+    };
+    let mean_itl = (!out.decode.itl_us.is_empty()).then(|| {
+        out.decode.itl_us.iter().map(|&v| f64::from(v)).sum::<f64>()
+            / out.decode.itl_us.len() as f64
+    });
+    println!(
+        "{}",
+        json_line(&[
+            ("request_id", out.request_id.clone().into()),
+            ("prefill", stage(&d.prefill, &out.prefill)),
+            ("decode", stage(&d.decode, &out.decode)),
+            ("replica_id", d.replica_id.clone().into()),
+            ("output_tokens", out.decode.output_tokens.into()),
+            ("itl_us", mean_itl.map(Value::from).unwrap_or(Value::Null)),
             ("route_wall_us", out.route_wall_us.into()),
             ("e2e_wall_us", out.e2e_wall_us.into()),
         ])

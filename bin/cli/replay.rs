@@ -62,6 +62,14 @@ pub struct FleetArgs {
     /// routing decisions (expiring after 120 s of simulated time).
     #[arg(long, env = "KVROUTER_NO_KV_EVENTS")]
     no_kv_events: bool,
+    /// The first K replicas serve their index (--serve-indexer); the others keep none and ask
+    /// them (--use-remote-indexer).
+    #[arg(long, env = "KVROUTER_SERVE_INDEXER_REPLICAS", default_value_t = 0)]
+    serve_indexer_replicas: usize,
+    /// Remote indexers: the first replica (or --serve-indexer-replicas) serves the index, the
+    /// others ask it.
+    #[arg(long, env = "KVROUTER_REMOTE_INDEXER")]
+    remote_indexer: bool,
     /// Replay only the first N requests of the trace.
     #[arg(long, env = "KVROUTER_LIMIT")]
     limit: Option<usize>,
@@ -174,6 +182,8 @@ fn replay(
         },
         no_kv_events: fleet.no_kv_events,
         replica_sync: fleet.replica_sync,
+        serve_indexer_replicas: fleet.serve_indexer_replicas,
+        remote_indexer: fleet.remote_indexer,
         ..ReplayConfig::default()
     };
     config.validate()?;

@@ -36,6 +36,9 @@ pub struct RouteArgs {
     /// How long to wait for the replica's answer, in milliseconds.
     #[arg(long, env = "KVROUTER_TIMEOUT_MS", default_value_t = 2000)]
     pub timeout_ms: u64,
+    /// Disaggregated: pick a prefill worker rank and a decode worker rank (prints both).
+    #[arg(long, env = "KVROUTER_DISAGG", conflicts_with = "pin")]
+    pub disagg: bool,
 }
 
 /// Token ids from the command line (a newtype so clap does not split it into many values).
@@ -96,6 +99,19 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
     let client = KvRouterClient::new(bus, &args.nats.namespace)
         .context("bad --namespace")?
         .with_timeout(Duration::from_millis(args.timeout_ms.max(1)));
+    if args.disagg {
+        let req = kvrouter_protocol::DisaggRouteRequest {
+            model: args.model,
+            request_id: args.request_id.unwrap_or_else(new_request_id),
+            tokens: args.tokens.0,
+            lora: args.lora.filter(|l| !l.is_empty()),
+            allowed_workers: args.allowed_workers,
+            update_states: !args.no_update_states,
+        };
+        let d = client.route_disagg(&req).await?;
+        println!("{}", disagg_json(&req.request_id, &d));
+        return Ok(());
+    }
     let req = RouteRequest {
         model: args.model,
         request_id: args.request_id.unwrap_or_else(new_request_id),
@@ -116,6 +132,23 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         ])
     );
     Ok(())
+}
+
+/// A disaggregated decision as one JSON object: both worker keys.
+pub fn disagg_json(request_id: &str, d: &kvrouter_protocol::DisaggDecision) -> String {
+    let key = |r: &kvrouter_protocol::RouteDecision| {
+        serde_json::json!({
+            "worker_id": r.worker_id,
+            "dp_rank": r.dp_rank,
+            "overlap_blocks": r.overlap_blocks,
+        })
+    };
+    json_line(&[
+        ("request_id", request_id.into()),
+        ("prefill", key(&d.prefill)),
+        ("decode", key(&d.decode)),
+        ("replica_id", d.replica_id.clone().into()),
+    ])
 }
 
 #[cfg(test)]
@@ -152,6 +185,28 @@ mod tests {
         assert!(parse_pin("7:").is_err());
         assert!(parse_pin("x:1").is_err());
         assert!(parse_pin("1:2:3").is_err());
+    }
+
+    #[test]
+    fn disagg_json_names_both_keys() {
+        let d = |w, r| kvrouter_protocol::RouteDecision {
+            worker_id: w,
+            dp_rank: r,
+            overlap_blocks: 2,
+            replica_id: "x".into(),
+        };
+        let s = disagg_json(
+            "q",
+            &kvrouter_protocol::DisaggDecision {
+                prefill: d(1, 3),
+                decode: d(2, 1),
+                replica_id: "x".into(),
+            },
+        );
+        assert_eq!(
+            s,
+            r#"{"request_id":"q","prefill":{"dp_rank":3,"overlap_blocks":2,"worker_id":1},"decode":{"dp_rank":1,"overlap_blocks":2,"worker_id":2},"replica_id":"x"}"#
+        );
     }
 
     #[test]

@@ -81,6 +81,17 @@ pub struct ServeArgs {
     /// Approximate mode: how long a routed request's blocks count as cached.
     #[arg(long, env = "KVROUTER_ROUTER_TTL_SECS", default_value_t = 120.0)]
     router_ttl_secs: f64,
+    /// Answer other replicas' overlap queries from this replica's index (per model, once every
+    /// known worker rank is synced); with --no-kv-events, record the decisions they publish.
+    #[arg(long, env = "KVROUTER_SERVE_INDEXER")]
+    serve_indexer: bool,
+    /// Keep no index and consume no KV events: ask a serving indexer (--serve-indexer) for
+    /// each request's overlaps; when none answers in time, route on load alone.
+    #[arg(long, env = "KVROUTER_USE_REMOTE_INDEXER")]
+    use_remote_indexer: bool,
+    /// How long a route waits for a serving indexer before routing on load alone.
+    #[arg(long, env = "KVROUTER_REMOTE_INDEXER_TIMEOUT_MS", default_value_t = 50)]
+    remote_indexer_timeout_ms: u64,
     /// Seed of the scheduler's tie-breaks and sampling.
     #[arg(long, env = "KVROUTER_SEED")]
     seed: Option<u64>,
@@ -133,6 +144,9 @@ impl ServeArgs {
             no_kv_events: self.no_kv_events,
             router_ttl: secs("router-ttl-secs", self.router_ttl_secs)?,
             replica_sync: self.replica_sync,
+            serve_indexer: self.serve_indexer,
+            use_remote_indexer: self.use_remote_indexer,
+            remote_indexer_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),
             ..ReplicaConfig::default()
         })
     }

@@ -169,7 +169,7 @@ impl KvRouterClient {
     }
 
     /// Encodes `req`, checks it fits one bus message, sends it and decodes the `Reply<T>`.
-    async fn call<Req: Serialize, T: DeserializeOwned>(
+    pub(crate) async fn call<Req: Serialize, T: DeserializeOwned>(
         &self,
         subject: &str,
         req: &Req,

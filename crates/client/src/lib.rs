@@ -23,6 +23,7 @@
 //! ```
 
 mod client;
+mod disagg;
 mod error;
 mod generate;
 pub mod latency;
@@ -31,6 +32,7 @@ pub use client::{
     new_request_id, route_request, KvRouterClient, DEFAULT_GENERATE_IDLE_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
 };
+pub use disagg::{DisaggOutcome, StageOutcome};
 pub use error::{ClientError, WorkerFailure};
 pub use generate::{GenerateOutcome, GenerateParams};
 pub use kvrouter_bus::Bus;

@@ -59,7 +59,8 @@ pub struct FleetConfig {
     pub dp_size: u32,
     /// First rank of each worker (default 0).
     pub dp_start_rank: DpRank,
-    /// Tensor-parallel size, reported in registrations only (default 1).
+    /// Tensor-parallel size (default 1): in registrations, and prefill and decode workers
+    /// send one KV transfer report per tp rank.
     pub tp_size: u32,
     pub role: WorkerRole,
     /// Engine of every rank (block size, capacity per rank, batching limits, timing).
@@ -307,6 +308,7 @@ impl MockerFleet {
             info: info.clone(),
             ranks: ranks.clone(),
             publisher: pub_tx,
+            transfer_subject: self.subjects.kv_transfer(),
         };
         self.tasks
             .push(tokio::spawn(endpoints.run(subs, self.shutdown.subscribe())));

@@ -34,6 +34,7 @@
 //! ```
 
 pub mod config;
+mod disagg;
 pub mod engine;
 pub mod engine_hash;
 pub mod fleet;

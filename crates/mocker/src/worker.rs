@@ -343,6 +343,8 @@ pub(crate) struct Endpoints {
     pub info: Arc<WorkerInfo>,
     pub ranks: Vec<mpsc::UnboundedSender<RankCmd>>,
     pub publisher: mpsc::UnboundedSender<PubMsg>,
+    /// Where prefill and decode workers publish KV transfer reports.
+    pub transfer_subject: String,
 }
 
 impl Endpoints {
@@ -409,10 +411,18 @@ impl Endpoints {
             return;
         };
         let (tx, rx) = mpsc::unbounded_channel();
+        let rx = crate::disagg::hook(
+            &self.bus,
+            &self.transfer_subject,
+            &self.info,
+            req.dp_rank,
+            &req.request_id,
+            rx,
+        );
         let request = Request {
             request_id: req.request_id,
             tokens: req.tokens,
-            max_tokens: req.max_tokens,
+            max_tokens: crate::disagg::max_tokens_for(self.info.role, req.max_tokens),
         };
         let sent = self.ranks[index].send(RankCmd::Submit { request, out: tx });
         if sent.is_err() {

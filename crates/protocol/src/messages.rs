@@ -174,6 +174,56 @@ impl RouteDecision {
     }
 }
 
+/// Which prefill worker rank, and then which decode worker rank, should serve these tokens?
+/// (A model with a prefill pool and a decode pool; answered with a [`DisaggDecision`].)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisaggRouteRequest {
+    pub model: String,
+    pub request_id: String,
+    pub tokens: Vec<u32>,
+    pub lora: Option<String>,
+    /// Only these workers may be chosen, in either pool (`None`: any).
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    /// Track both halves as active load: the prefill half as [`prefill_request_id`], the
+    /// decode half as `request_id` (each then needs `mark_prefill`/`free`, or transfer
+    /// reports for the prefill half).
+    pub update_states: bool,
+}
+
+/// Both halves of a disaggregated decision, made by one replica. `decode.dp_rank` is the
+/// decode worker's `dp_start_rank + (prefill rank offset mod its dp_size)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisaggDecision {
+    pub prefill: RouteDecision,
+    pub decode: RouteDecision,
+    pub replica_id: String,
+}
+
+/// The id under which a replica tracks the prefill half of a disaggregated request.
+pub fn prefill_request_id(request_id: &str) -> String {
+    format!("{request_id}/prefill")
+}
+
+/// Which end of a KV transfer a tensor-parallel rank reports.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TransferSide {
+    /// A prefill tp rank finished sending these requests' KV.
+    Sent,
+    /// A decode tp rank finished receiving these requests' KV.
+    Received,
+}
+
+/// KV transfers one tensor-parallel rank of one worker rank finished.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferReport {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub tp_rank: u32,
+    pub side: TransferSide,
+    /// Request ids as the worker got them in `GenerateRequest`.
+    pub request_ids: Vec<String>,
+}
+
 /// How many leading blocks of these tokens each worker rank holds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OverlapRequest {
@@ -236,6 +286,25 @@ pub struct SyncBatch {
 pub struct SyncStateRequest {
     pub replica_id: String,
     pub model: String,
+}
+
+/// A remote-indexer replica asks a serving indexer (`--serve-indexer`) which worker ranks
+/// hold the leading blocks of a prompt (answered `Reply<OverlapScoresReply>`). The block size
+/// is the asker's: a serving indexer with another one refuses the query.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexerQuery {
+    pub block_size: u32,
+    pub local_hashes: Vec<crate::types::LocalBlockHash>,
+}
+
+/// A route decision recorded on every serving indexer in approximate mode (`--no-kv-events`):
+/// the request's blocks count as cached on `key`. `local_hashes` and `sequence_hashes` pair
+/// up one to one (vectors of different lengths are refused).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexerRecord {
+    pub key: WorkerKey,
+    pub local_hashes: Vec<crate::types::LocalBlockHash>,
+    pub sequence_hashes: Vec<crate::types::SequenceHash>,
 }
 
 /// Runs a request on one rank of a worker (answered as a stream of [`GenerateEvent`]).
@@ -487,6 +556,37 @@ mod tests {
             }],
         };
         assert!(encode(&batch).unwrap().len() < max_payload);
+    }
+
+    #[test]
+    fn disagg_messages_round_trip() {
+        let d = |w, r| RouteDecision {
+            worker_id: w,
+            dp_rank: r,
+            overlap_blocks: 1,
+            replica_id: "r".into(),
+        };
+        let ok: Reply<DisaggDecision> = Reply::Ok(DisaggDecision {
+            prefill: d(1, 2),
+            decode: d(3, 1),
+            replica_id: "r".into(),
+        });
+        assert_eq!(
+            decode::<Reply<DisaggDecision>>(&encode(&ok).unwrap()).unwrap(),
+            ok
+        );
+        let report = TransferReport {
+            worker_id: 1,
+            dp_rank: 2,
+            tp_rank: 1,
+            side: TransferSide::Received,
+            request_ids: vec!["a".into()],
+        };
+        assert_eq!(
+            decode::<TransferReport>(&encode(&report).unwrap()).unwrap(),
+            report
+        );
+        assert_eq!(prefill_request_id("a"), "a/prefill");
     }
 
     #[test]

@@ -10,6 +10,9 @@ use thiserror::Error;
 /// Queue group of the router endpoints: each request goes to one replica.
 pub const ROUTER_QUEUE_GROUP: &str = "kvrouter-replicas";
 
+/// Queue group of the serving indexers' find_matches: each query goes to one of them.
+pub const INDEXER_QUEUE_GROUP: &str = "kvrouter-indexers";
+
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum SubjectError {
     #[error("invalid namespace {0:?}: use letters, digits, '-' and '_', optionally in dot-separated parts")]
@@ -68,6 +71,11 @@ impl Subjects {
     /// `RouteRequest` → `Reply<RouteDecision>` (queue group).
     pub fn route(&self) -> String {
         format!("{}.router.route", self.ns)
+    }
+
+    /// `DisaggRouteRequest` → `Reply<DisaggDecision>` (queue group).
+    pub fn route_disagg(&self) -> String {
+        format!("{}.router.route_disagg", self.ns)
     }
 
     /// `OverlapRequest` → `Reply<OverlapScoresReply>` (queue group).
@@ -144,6 +152,12 @@ impl ModelSubjects {
         format!("{}.load", self.prefix)
     }
 
+    /// `TransferReport`, published by each tensor-parallel rank of prefill and decode
+    /// workers when KV transfers finish.
+    pub fn kv_transfer(&self) -> String {
+        format!("{}.kv_transfer", self.prefix)
+    }
+
     /// `GenerateRequest` → stream of `GenerateEvent`, served by one worker.
     pub fn generate(&self, worker_id: u64) -> String {
         format!("{}.worker.{worker_id}.generate", self.prefix)
@@ -152,6 +166,17 @@ impl ModelSubjects {
     /// `StateQuery` → stream of `Reply<StateChunk>`, served by one worker.
     pub fn state(&self, worker_id: u64) -> String {
         format!("{}.worker.{worker_id}.state", self.prefix)
+    }
+
+    /// `IndexerQuery` → `Reply<OverlapScoresReply>`, answered by one serving indexer (queue
+    /// group [`INDEXER_QUEUE_GROUP`]).
+    pub fn indexer_find_matches(&self) -> String {
+        format!("{}.indexer.find_matches", self.prefix)
+    }
+
+    /// `IndexerRecord`, published to every serving indexer (no queue group).
+    pub fn indexer_record(&self) -> String {
+        format!("{}.indexer.record", self.prefix)
     }
 
     /// Test hook: `u64` number of KV event batches the worker should drop (not publish).
@@ -170,6 +195,7 @@ pub fn fleet_subjects(
     let m = s.model(model)?;
     Ok(vec![
         ("route", s.route()),
+        ("route_disagg", s.route_disagg()),
         ("overlap_scores", s.overlap_scores()),
         ("potential_loads", s.potential_loads()),
         ("mark_prefill", s.mark_prefill("*")),
@@ -182,6 +208,9 @@ pub fn fleet_subjects(
         ("who_is_there", m.who_is_there()),
         ("kv_events", m.kv_events()),
         ("load", m.load()),
+        ("kv_transfer", m.kv_transfer()),
+        ("indexer_find_matches", m.indexer_find_matches()),
+        ("indexer_record", m.indexer_record()),
         ("generate", m.generate_wildcard()),
         ("state", m.state_wildcard()),
     ])

@@ -7,6 +7,7 @@
 //! is logged at debug and counted in `kvrouter_approx_record_failures_total`.
 
 use crate::metrics::{Metrics, ModelLabels};
+use crate::remote_indexer::DecisionPublisher;
 use kvrouter_indexer::ShardedIndex;
 use kvrouter_protocol::{LocalBlockHash, SequenceHash, WorkerKey};
 use std::sync::Arc;
@@ -17,6 +18,8 @@ pub struct DecisionRecorder {
     index: Arc<ShardedIndex>,
     metrics: Arc<Metrics>,
     labels: ModelLabels,
+    /// With a served or remote indexer: decisions go to every serving indexer instead.
+    publisher: Option<DecisionPublisher>,
 }
 
 impl DecisionRecorder {
@@ -25,7 +28,15 @@ impl DecisionRecorder {
             index,
             metrics,
             labels: Metrics::model(model),
+            publisher: None,
         }
+    }
+
+    /// Publishes decisions to every serving indexer (`--serve-indexer` or
+    /// `--use-remote-indexer`) instead of recording them in this replica's index.
+    pub fn publishing(mut self, publisher: DecisionPublisher) -> Self {
+        self.publisher = Some(publisher);
+        self
     }
 
     /// Records that a request with these blocks was routed to `key`, without waiting for the
@@ -36,11 +47,15 @@ impl DecisionRecorder {
         }
         let this = self.clone();
         tokio::spawn(async move {
-            match this
-                .index
-                .record_routing_decision(key, local, sequence)
-                .await
-            {
+            let result = match &this.publisher {
+                Some(p) => p.publish(key, local, sequence).await,
+                None => this
+                    .index
+                    .record_routing_decision(key, local, sequence)
+                    .await
+                    .map_err(|e| e.to_string()),
+            };
+            match result {
                 Ok(()) => {
                     this.metrics
                         .approx_records

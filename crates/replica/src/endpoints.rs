@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
+use tracing::Instrument;
 
 /// Requests being answered; shutdown waits for them.
 #[derive(Default)]
@@ -29,10 +30,10 @@ impl InFlight {
     }
 }
 
-struct InFlightGuard(Arc<InFlight>);
+pub(crate) struct InFlightGuard(Arc<InFlight>);
 
 impl InFlightGuard {
-    fn new(f: &Arc<InFlight>) -> Self {
+    pub(crate) fn new(f: &Arc<InFlight>) -> Self {
         f.0.fetch_add(1, Ordering::AcqRel);
         Self(f.clone())
     }
@@ -85,7 +86,7 @@ pub fn spawn_handler(
                 encode_reply(result.map(|(_, d)| d))
             }
             Endpoint::OverlapScores => {
-                encode_reply(overlap_scores(&shared, max_prompt_tokens, &msg.payload))
+                encode_reply(overlap_scores(&shared, max_prompt_tokens, &msg.payload).await)
             }
             Endpoint::PotentialLoads => {
                 encode_reply(potential_loads(&shared, max_prompt_tokens, &msg.payload).await)
@@ -100,7 +101,7 @@ pub fn spawn_handler(
     });
 }
 
-fn encode_reply<T: Serialize>(result: Result<T, ErrorReply>) -> Bytes {
+pub(crate) fn encode_reply<T: Serialize>(result: Result<T, ErrorReply>) -> Bytes {
     let reply: Reply<T> = result.into();
     match encode(&reply) {
         Ok(b) => Bytes::from(b),
@@ -130,20 +131,23 @@ fn observe_route(
     }
 }
 
-fn malformed(e: impl std::fmt::Display) -> ErrorReply {
+pub(crate) fn malformed(e: impl std::fmt::Display) -> ErrorReply {
     ErrorReply::new(
         ErrorKind::Malformed,
         format!("cannot decode the request: {e}"),
     )
 }
 
-fn error(shared: &ReplicaShared, model: &str, e: ErrorReply) -> ErrorReply {
+pub(crate) fn error(shared: &ReplicaShared, model: &str, e: ErrorReply) -> ErrorReply {
     shared.metrics.error(model, e.kind);
     tracing::debug!(model, kind = %e.kind, message = %e.message, "request refused");
     e
 }
 
-fn model<'a>(shared: &'a ReplicaShared, name: &str) -> Result<&'a Arc<ModelShared>, ErrorReply> {
+pub(crate) fn model<'a>(
+    shared: &'a ReplicaShared,
+    name: &str,
+) -> Result<&'a Arc<ModelShared>, ErrorReply> {
     shared.models.get(name).ok_or_else(|| {
         let mut served: Vec<&str> = shared.models.keys().map(String::as_str).collect();
         served.sort_unstable();
@@ -158,7 +162,7 @@ fn model<'a>(shared: &'a ReplicaShared, name: &str) -> Result<&'a Arc<ModelShare
 }
 
 /// The prompt's local and sequence hashes, after the checks every endpoint shares.
-fn hash_prompt(
+pub(crate) fn hash_prompt(
     model: &ModelShared,
     tokens: &[u32],
     lora: Option<&str>,
@@ -197,8 +201,8 @@ async fn route(
     payload: &[u8],
 ) -> Result<(String, RouteDecision), ErrorReply> {
     let req: RouteRequest = decode(payload).map_err(|e| error(shared, "", malformed(e)))?;
-    let _span =
-        tracing::debug_span!("route", model = %req.model, request_id = %req.request_id).entered();
+    // Not entered: the overlap query may await (an entered span is not Send).
+    let _span = tracing::debug_span!("route", model = %req.model, request_id = %req.request_id);
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
@@ -212,7 +216,7 @@ async fn route(
             ),
         ));
     }
-    let overlaps = m.index.find_matches(&local).scores;
+    let overlaps = m.find_overlaps(&local).instrument(_span.clone()).await;
     // Approximate mode: a decision that updates state feeds the index once it is made.
     let record = match &m.recorder {
         Some(r) if req.update_states => Some((r, local, seq.clone())),
@@ -234,9 +238,15 @@ async fn route(
         request_id: req.request_id,
         prompt_tokens: req.tokens.len(),
         sequence_hashes: seq,
-        allowed_workers: req.allowed_workers,
+        // Aggregated workers only, when the model also has prefill/decode ones.
+        allowed_workers: crate::disagg::aggregated_workers(
+            &m.status.layouts,
+            req.allowed_workers,
+            req.pin.is_some(),
+        ),
         pinned,
         pinned_worker,
+        allowed_keys: None,
         overlaps,
         update_states: req.update_states,
         enqueued_at: Instant::now(),
@@ -267,7 +277,7 @@ async fn route(
     ))
 }
 
-fn unavailable(shared: &ReplicaShared, model: &str) -> ErrorReply {
+pub(crate) fn unavailable(shared: &ReplicaShared, model: &str) -> ErrorReply {
     error(
         shared,
         model,
@@ -278,7 +288,7 @@ fn unavailable(shared: &ReplicaShared, model: &str) -> ErrorReply {
     )
 }
 
-fn overlap_scores(
+async fn overlap_scores(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
     payload: &[u8],
@@ -289,7 +299,11 @@ fn overlap_scores(
         .map_err(|e| error(shared, &req.model, e))?;
     Ok(OverlapScoresReply {
         block_size: m.status.block_size().unwrap_or(0),
-        scores: m.index.find_matches(&local).sorted().scores,
+        scores: {
+            let mut scores = m.find_overlaps(&local).await;
+            scores.sort_unstable();
+            scores
+        },
     })
 }
 
@@ -302,7 +316,7 @@ async fn potential_loads(
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
-    let overlaps = m.index.find_matches(&local).scores;
+    let overlaps = m.find_overlaps(&local).await;
     let (tx, rx) = oneshot::channel();
     m.scheduler
         .send_message(SchedulerMsg::PotentialLoads {

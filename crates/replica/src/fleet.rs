@@ -167,6 +167,7 @@ impl FleetState {
                 }
                 Change::WorkerRemoved { worker_id, reason } => {
                     tracing::info!(%model, worker = worker_id, reason, "worker left");
+                    self.args.status.layouts.remove(worker_id);
                     self.sync.remove_worker(worker_id);
                     self.retries.retain(|(k, _)| k.worker_id != worker_id);
                     let _ = self.args.index.remove_worker(worker_id);
@@ -349,6 +350,10 @@ impl Actor for FleetActor {
             FleetMsg::Registration(reg) => {
                 let changes = state.discovery.on_registration(&reg, now);
                 state.apply_changes(changes, &myself).await;
+                if state.discovery.instance(reg.worker_id) == Some(reg.instance_id) {
+                    let layout = crate::disagg::WorkerLayout::of(&reg);
+                    state.args.status.layouts.set(reg.worker_id, layout);
+                }
             }
             FleetMsg::Heartbeat(hb) => {
                 let changes = state.discovery.on_heartbeat(&hb, now);

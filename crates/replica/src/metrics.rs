@@ -70,9 +70,25 @@ pub struct Metrics {
     /// Approximate mode (`--no-kv-events`): route decisions recorded in the index.
     pub approx_records: Family<ModelLabels, Counter>,
     pub approx_record_failures: Family<ModelLabels, Counter>,
+    /// `--use-remote-indexer`: overlap queries answered by a serving indexer, and routes that
+    /// fell back to load alone because none answered.
+    pub remote_indexer_queries: Family<ModelLabels, Counter>,
+    pub remote_indexer_fallbacks: Family<ModelLabels, Counter>,
+    /// `--serve-indexer`: queries answered, queries refused (not synced yet, bad request), and
+    /// published decisions recorded.
+    pub served_indexer_queries: Family<ModelLabels, Counter>,
+    pub served_indexer_refusals: Family<ModelLabels, Counter>,
+    pub served_indexer_records: Family<ModelLabels, Counter>,
     pub active_blocks: Family<KeyLabels, Gauge>,
     pub prefill_tokens: Family<KeyLabels, Gauge>,
     pub active_requests: Family<KeyLabels, Gauge>,
+    /// Disaggregated prefill/decode: routes made, transfer reports that changed nothing
+    /// (unknown request, wrong worker or tp rank, duplicate), transfers overdue or dropped,
+    /// transfers pending.
+    pub disagg_routes: Family<ModelLabels, Counter>,
+    pub transfer_reports_dropped: Family<ModelLabels, Counter>,
+    pub transfers_overdue: Family<ModelLabels, Counter>,
+    pub transfers_pending: Family<ModelLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -165,6 +181,31 @@ impl Metrics {
                 "Route decisions the index could not record (approximate mode)",
                 Family::default()
             ),
+            remote_indexer_queries: reg!(
+                "remote_indexer_queries",
+                "Overlap queries answered by a serving indexer (--use-remote-indexer)",
+                Family::default()
+            ),
+            remote_indexer_fallbacks: reg!(
+                "remote_indexer_fallbacks",
+                "Overlap queries no serving indexer answered: routed on load alone (--use-remote-indexer)",
+                Family::default()
+            ),
+            served_indexer_queries: reg!(
+                "served_indexer_queries",
+                "Overlap queries this serving indexer answered (--serve-indexer)",
+                Family::default()
+            ),
+            served_indexer_refusals: reg!(
+                "served_indexer_refusals",
+                "Overlap queries this serving indexer refused: not synced, or malformed (--serve-indexer)",
+                Family::default()
+            ),
+            served_indexer_records: reg!(
+                "served_indexer_records",
+                "Published route decisions this serving indexer recorded (--serve-indexer --no-kv-events)",
+                Family::default()
+            ),
             active_blocks: reg!(
                 "worker_active_blocks",
                 "KV blocks of active requests routed to a worker rank",
@@ -178,6 +219,26 @@ impl Metrics {
             active_requests: reg!(
                 "worker_active_requests",
                 "Requests routed to a worker rank and not yet freed",
+                Family::default()
+            ),
+            disagg_routes: reg!(
+                "disagg_routes",
+                "Disaggregated route decisions made (a prefill and a decode worker rank)",
+                Family::default()
+            ),
+            transfer_reports_dropped: reg!(
+                "transfer_reports_dropped",
+                "KV transfer reports dropped: unknown request, wrong worker or tp rank, or duplicate",
+                Family::default()
+            ),
+            transfers_overdue: reg!(
+                "transfers_overdue",
+                "KV transfer sides still incomplete after the timeout (each counted once, and again if dropped)",
+                Family::default()
+            ),
+            transfers_pending: reg!(
+                "transfers_pending",
+                "Disaggregated requests waiting for KV transfer reports",
                 Family::default()
             ),
             registry,

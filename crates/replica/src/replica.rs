@@ -5,7 +5,9 @@ use crate::approx::DecisionRecorder;
 use crate::endpoints::{spawn_handler, Endpoint, InFlight};
 use crate::fleet::{ask_who_is_there, FleetActor, FleetArgs, FleetMsg};
 use crate::metrics::Metrics;
+use crate::remote_indexer::{DecisionPublisher, RemoteIndexer};
 use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg, SyncLink};
+use crate::served_indexer;
 use crate::state::{ModelShared, ModelStatus, ReplicaShared};
 use crate::sync_bus;
 use kvrouter_bus::{Bus, BusError, Subscription};
@@ -55,6 +57,12 @@ pub struct ReplicaConfig {
     /// Share active-sequence changes with peer replicas and apply theirs, so every replica
     /// routes on the whole fleet's load.
     pub replica_sync: bool,
+    /// Answer other replicas' overlap queries from this replica's index (`--serve-indexer`).
+    pub serve_indexer: bool,
+    /// Keep no index: ask a serving indexer for each request's overlaps, routing on load alone
+    /// when none answers within `remote_indexer_timeout` (`--use-remote-indexer`).
+    pub use_remote_indexer: bool,
+    pub remote_indexer_timeout: Duration,
 }
 
 impl Default for ReplicaConfig {
@@ -75,6 +83,9 @@ impl Default for ReplicaConfig {
             replica_sync: false,
             no_kv_events: false,
             router_ttl: kvrouter_indexer::approx::DEFAULT_TTL,
+            serve_indexer: false,
+            use_remote_indexer: false,
+            remote_indexer_timeout: crate::remote_indexer::DEFAULT_TIMEOUT,
         }
     }
 }
@@ -97,6 +108,12 @@ pub enum ReplicaError {
     },
     #[error("--router-ttl-secs must be above 0 (it is how long a routed request's blocks count as cached)")]
     ZeroRouterTtl,
+    #[error("--serve-indexer and --use-remote-indexer cannot be combined: a replica either serves its index or asks another replica's")]
+    ServeAndUseRemoteIndexer,
+    #[error("--serve-indexer with --overlap-credit 0: a serving indexer exists to share overlaps, which this replica would ignore (give --overlap-credit above 0)")]
+    ServeIndexerWithoutOverlap,
+    #[error("--remote-indexer-timeout-ms must be above 0 (it is how long a route waits for a serving indexer)")]
+    ZeroRemoteIndexerTimeout,
     #[error("invalid replica id {0:?}: use letters, digits, '-' and '_'")]
     ReplicaId(String),
     #[error(transparent)]
@@ -216,6 +233,15 @@ impl Replica {
         if config.no_kv_events && config.router_ttl.is_zero() {
             return Err(ReplicaError::ZeroRouterTtl);
         }
+        if config.serve_indexer && config.use_remote_indexer {
+            return Err(ReplicaError::ServeAndUseRemoteIndexer);
+        }
+        if config.serve_indexer && config.scheduler.overlap_credit == 0.0 {
+            return Err(ReplicaError::ServeIndexerWithoutOverlap);
+        }
+        if config.use_remote_indexer && config.remote_indexer_timeout.is_zero() {
+            return Err(ReplicaError::ZeroRemoteIndexerTimeout);
+        }
         config
             .scheduler
             .validate()
@@ -296,7 +322,8 @@ impl Replica {
                     replica_id: replica_id.clone(),
                     status: status.clone(),
                     metrics: metrics.clone(),
-                    no_kv_events: config.no_kv_events,
+                    // A remote-indexer replica keeps no index: no events, no state fetches.
+                    no_kv_events: config.no_kv_events || config.use_remote_indexer,
                 },
             )
             .await
@@ -311,6 +338,8 @@ impl Replica {
                 let _ = sched_join.await;
                 let _ = fleet_join.await;
             });
+            let indexer_find = model_subjects.indexer_find_matches();
+            let indexer_record = model_subjects.indexer_record();
             shared_models.insert(
                 name.clone(),
                 Arc::new(ModelShared {
@@ -318,9 +347,23 @@ impl Replica {
                     subjects: model_subjects,
                     status,
                     index: index.reader(),
-                    recorder: config
-                        .no_kv_events
-                        .then(|| DecisionRecorder::new(name, index.clone(), metrics.clone())),
+                    recorder: config.no_kv_events.then(|| {
+                        let r = DecisionRecorder::new(name, index.clone(), metrics.clone());
+                        if config.serve_indexer || config.use_remote_indexer {
+                            r.publishing(DecisionPublisher::new(bus.clone(), indexer_record))
+                        } else {
+                            r
+                        }
+                    }),
+                    remote_index: config.use_remote_indexer.then(|| {
+                        Arc::new(RemoteIndexer::new(
+                            bus.clone(),
+                            name,
+                            indexer_find,
+                            config.remote_indexer_timeout,
+                            metrics.clone(),
+                        ))
+                    }),
                     scheduler: scheduler.clone(),
                     fleet: fleet.clone(),
                 }),
@@ -345,6 +388,7 @@ impl Replica {
         });
         let inflight = Arc::new(InFlight::default());
         let mut back = sync_tasks;
+        let mut front = Vec::new();
         if config.replica_sync {
             let sub = subscribe(&bus, subjects.sync(), None).await?;
             back.push(sync_bus::spawn_peer_listener(shared.clone(), sub));
@@ -378,7 +422,7 @@ impl Replica {
                     let _ = f.send_message(FleetMsg::Deregistration(d));
                 },
             ));
-            if !config.no_kv_events {
+            if !config.no_kv_events && !config.use_remote_indexer {
                 let f = m.fleet.clone();
                 back.push(forward(
                     subscribe(&bus, s.kv_events(), None).await?,
@@ -398,10 +442,30 @@ impl Replica {
             ));
         }
 
+        // Served indexer: queries once synced; published decisions in approximate mode.
+        if config.serve_indexer {
+            for rt in &models {
+                let m = shared.models[&rt.name].clone();
+                if config.no_kv_events {
+                    let sub = subscribe(&bus, m.subjects.indexer_record(), None).await?;
+                    back.push(served_indexer::spawn_records(
+                        rt.name.clone(),
+                        sub,
+                        rt.index.clone(),
+                        shared.metrics.clone(),
+                    ));
+                }
+                front.push(served_indexer::spawn_queries(
+                    m,
+                    bus.clone(),
+                    shared.metrics.clone(),
+                ));
+            }
+        }
+
         // Router endpoints.
         let group = Some(kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP);
         let max_prompt = config.max_prompt_tokens;
-        let mut front = Vec::new();
         for (subject, endpoint, queue) in [
             (subjects.route(), Endpoint::Route, group),
             (subjects.overlap_scores(), Endpoint::OverlapScores, group),
@@ -426,6 +490,11 @@ impl Replica {
                 _ => front.push(task),
             }
         }
+        // Disaggregated prefill/decode: route_disagg and KV transfer reports.
+        let (disagg_front, disagg_back) =
+            crate::disagg::start(&shared, &inflight, max_prompt, &subjects).await?;
+        front.extend(disagg_front);
+        back.extend(disagg_back);
         if let Err(e) = bus.flush().await {
             tracing::warn!(error = %e, "cannot flush subscriptions");
         }
@@ -459,6 +528,8 @@ impl Replica {
             models = ?config.models,
             admin = ?admin_addr,
             no_kv_events = config.no_kv_events,
+            serve_indexer = config.serve_indexer,
+            use_remote_indexer = config.use_remote_indexer,
             "replica started"
         );
         Ok(Self {

@@ -22,6 +22,8 @@ pub struct ModelStatus {
     pub unsynced: AtomicUsize,
     /// The first roll call ("who is there") has had time to be answered.
     pub discovered: AtomicBool,
+    /// Each registered worker's role and data-parallel layout (disaggregation).
+    pub layouts: crate::disagg::Layouts,
 }
 
 impl ModelStatus {
@@ -41,6 +43,8 @@ pub struct ModelShared {
     pub index: IndexReader,
     /// `Some` in approximate mode: route decisions that update state feed the index.
     pub recorder: Option<DecisionRecorder>,
+    /// `Some` with `--use-remote-indexer`: overlaps come from a serving indexer.
+    pub remote_index: Option<Arc<crate::remote_indexer::RemoteIndexer>>,
     pub scheduler: ActorRef<SchedulerMsg>,
     pub fleet: ActorRef<FleetMsg>,
 }

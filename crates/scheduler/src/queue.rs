@@ -17,6 +17,7 @@ pub struct Queued<P> {
     pub allowed_workers: Option<Vec<WorkerId>>,
     pub pinned: Option<WorkerKey>,
     pub pinned_worker: Option<WorkerId>,
+    pub allowed_keys: Option<Vec<WorkerKey>>,
     /// Sparse overlaps (keys with overlap > 0) as seen when the request arrived.
     pub overlaps: Vec<(WorkerKey, u32)>,
     pub update_states: bool,
@@ -41,6 +42,7 @@ impl<P> Queued<P> {
             allowed_workers: query.allowed_workers.map(<[WorkerId]>::to_vec),
             pinned: query.pinned,
             pinned_worker: query.pinned_worker,
+            allowed_keys: query.allowed_keys.map(<[WorkerKey]>::to_vec),
             overlaps: overlaps.to_vec(),
             update_states,
             enqueued_at,
@@ -56,6 +58,7 @@ impl<P> Queued<P> {
             allowed_workers: self.allowed_workers.as_deref(),
             pinned: self.pinned,
             pinned_worker: self.pinned_worker,
+            allowed_keys: self.allowed_keys.as_deref(),
         }
     }
 }

@@ -22,6 +22,9 @@ pub struct RouteQuery<'a> {
     pub pinned: Option<WorkerKey>,
     /// Only this worker (any of its ranks) may serve it.
     pub pinned_worker: Option<WorkerId>,
+    /// Only these worker keys may serve it (None: any), on top of the other filters (e.g.
+    /// the decode ranks a disaggregated request may go to).
+    pub allowed_keys: Option<&'a [WorkerKey]>,
 }
 
 impl<'a> RouteQuery<'a> {
@@ -34,9 +37,12 @@ impl<'a> RouteQuery<'a> {
         }
     }
 
-    /// True if any filter (allowed, pinned key, pinned worker) is set.
+    /// True if any filter (allowed workers or keys, pinned key, pinned worker) is set.
     pub fn is_filtered(&self) -> bool {
-        self.allowed_workers.is_some() || self.pinned.is_some() || self.pinned_worker.is_some()
+        self.allowed_workers.is_some()
+            || self.pinned.is_some()
+            || self.pinned_worker.is_some()
+            || self.allowed_keys.is_some()
     }
 }
 
@@ -409,6 +415,14 @@ impl<P> Scheduler<P> {
         } else {
             self.candidates.extend(self.active.slots());
         }
+        if let Some(keys) = req.allowed_keys {
+            let active = &self.active;
+            self.candidates
+                .retain(|&s| keys.contains(&active.state(s).key));
+            if self.candidates.is_empty() {
+                return Err(ScheduleError::NoAllowedWorkers);
+            }
+        }
         Ok(())
     }
 
@@ -678,6 +692,47 @@ mod tests {
             seen[sel.key.dp_rank as usize] = true;
         }
         assert_eq!(seen, [true, true]);
+    }
+
+    #[test]
+    fn allowed_keys_narrow_the_other_filters_down_to_the_rank() {
+        let mut s = sched(|_| {});
+        let h = hs(&[1]);
+        let q = RouteQuery::new(4, &h);
+        // A worker with ranks 2..4 (dp_start_rank 2) and one with a single rank.
+        for key in [k(1, 2), k(1, 3), k(2, 0)] {
+            s.add_worker_key(key, 100);
+        }
+        let keys = [k(1, 3), k(9, 0)];
+        let q_keys = RouteQuery {
+            allowed_keys: Some(&keys),
+            ..q
+        };
+        assert!(q_keys.is_filtered());
+        for _ in 0..20 {
+            // Rank 3 wins even though rank 2 caches the whole prompt.
+            assert_eq!(s.select(&q_keys, &[(k(1, 2), 1)]).unwrap().key, k(1, 3));
+        }
+        let allowed = [2u64];
+        let q_both = RouteQuery {
+            allowed_workers: Some(&allowed),
+            ..q_keys
+        };
+        assert_eq!(s.select(&q_both, &[]), Err(ScheduleError::NoAllowedWorkers));
+        let none: [WorkerKey; 0] = [];
+        let q_none = RouteQuery {
+            allowed_keys: Some(&none),
+            ..q
+        };
+        assert_eq!(s.select(&q_none, &[]), Err(ScheduleError::NoAllowedWorkers));
+        // A pinned worker narrowed to one of its ranks.
+        let q_pin = RouteQuery {
+            pinned_worker: Some(1),
+            ..q_keys
+        };
+        for _ in 0..20 {
+            assert_eq!(s.select(&q_pin, &[]).unwrap().key, k(1, 3));
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ enum Filter {
     Pinned(WorkerKey),
     PinnedWorker(WorkerId),
     PinnedBoth(WorkerKey, WorkerId),
+    AllowedKeys(Vec<WorkerKey>),
 }
 
 #[derive(Clone, Debug)]
@@ -59,6 +60,7 @@ fn filter() -> impl Strategy<Value = Filter> {
         1 => key().prop_map(Filter::Pinned),
         1 => (0u64..=5).prop_map(Filter::PinnedWorker),
         1 => (key(), 1u64..=4).prop_map(|(k, w)| Filter::PinnedBoth(k, w)),
+        1 => prop::collection::vec(key(), 0..4).prop_map(Filter::AllowedKeys),
     ]
 }
 
@@ -238,6 +240,19 @@ impl Model {
                     .copied()
                     .collect())
             }
+            Filter::AllowedKeys(list) => {
+                let c: Vec<_> = self
+                    .keys
+                    .keys()
+                    .filter(|k| list.contains(k))
+                    .copied()
+                    .collect();
+                if c.is_empty() {
+                    Err(ScheduleError::NoAllowedWorkers)
+                } else {
+                    Ok(c)
+                }
+            }
             Filter::Allowed(list) => {
                 let c: Vec<_> = self
                     .keys
@@ -378,6 +393,7 @@ fn query<'a>(
     match filter {
         Filter::None => {}
         Filter::Allowed(list) => q.allowed_workers = Some(list),
+        Filter::AllowedKeys(list) => q.allowed_keys = Some(list),
         Filter::Pinned(k) => q.pinned = Some(*k),
         Filter::PinnedWorker(w) => q.pinned_worker = Some(*w),
         Filter::PinnedBoth(k, w) => {

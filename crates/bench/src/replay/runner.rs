@@ -51,6 +51,11 @@ pub struct ReplayConfig {
     pub no_kv_events: bool,
     /// Replicas share their active sequences (`--replica-sync`).
     pub replica_sync: bool,
+    /// The first K replicas serve their index (`--serve-indexer`), the others use it
+    /// remotely (`--use-remote-indexer`); 0: every replica keeps its own index.
+    pub serve_indexer_replicas: usize,
+    /// Remote indexers: with `serve_indexer_replicas` 0, the first replica serves.
+    pub remote_indexer: bool,
 }
 
 impl Default for ReplayConfig {
@@ -68,6 +73,8 @@ impl Default for ReplayConfig {
             scheduler: SchedulerConfig::default(),
             no_kv_events: false,
             replica_sync: false,
+            serve_indexer_replicas: 0,
+            remote_indexer: false,
         }
     }
 }
@@ -76,6 +83,14 @@ impl ReplayConfig {
     /// Blocks the whole fleet can cache (the pooled ideal's capacity).
     pub fn fleet_capacity_blocks(&self) -> usize {
         self.capacity_blocks * self.workers as usize * self.dp_size as usize
+    }
+
+    /// How many replicas serve their index (the first ones); 0 when none does.
+    pub fn serving_indexers(&self) -> usize {
+        match (self.serve_indexer_replicas, self.remote_indexer) {
+            (0, true) => 1,
+            (k, _) => k,
+        }
     }
 
     pub fn validate(&self) -> Result<(), RunError> {
@@ -87,6 +102,13 @@ impl ReplayConfig {
             return bad(format!(
                 "block size {} must divide 512 (a trace hash id stands for 512 tokens)",
                 self.block_size
+            ));
+        }
+        if self.serving_indexers() > self.replicas {
+            return bad(format!(
+                "{} serving indexers asked of {} replicas",
+                self.serving_indexers(),
+                self.replicas
             ));
         }
         if self.capacity_blocks == 0 {
@@ -182,6 +204,8 @@ pub async fn run_policy(
                 // Every prompt the bus can carry (the traces hold prompts over 128k tokens).
                 max_prompt_tokens: kvrouter_protocol::max_prompt_tokens_for(bus.max_payload()),
                 replica_sync: config.replica_sync,
+                serve_indexer: i < config.serving_indexers(),
+                use_remote_indexer: config.serving_indexers() > 0 && i >= config.serving_indexers(),
                 ..ReplicaConfig::default()
             },
             bus.clone(),
@@ -210,6 +234,26 @@ pub async fn run_policy(
     let subjects = Subjects::new(&namespace)
         .and_then(|s| s.model(REPLAY_MODEL))
         .map_err(|e| RunError::Config(e.to_string()))?;
+    if config.serving_indexers() > 0 {
+        // A serving indexer subscribes a moment after it turns ready: wait until one answers,
+        // so no remote replica routes the first requests on load alone.
+        let probe = kvrouter_protocol::encode(&kvrouter_protocol::IndexerQuery {
+            block_size: config.block_size as u32,
+            local_hashes: Vec::new(),
+        })
+        .map_err(|e| RunError::Config(e.to_string()))?;
+        let subject = subjects.indexer_find_matches();
+        while bus
+            .request(&subject, probe.clone().into(), Duration::from_secs(1))
+            .await
+            .is_err()
+        {
+            if Instant::now() > deadline {
+                return Err(RunError::NotReady(ready_within));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     let mut load_sub = bus.subscribe(&subjects.load()).await?;
     let loads: Arc<parking_lot::Mutex<FxHashMap<WorkerKey, u64>>> = Arc::default();
     let loads_w = loads.clone();

@@ -1,0 +1,374 @@
+//! The remote indexer client (`--use-remote-indexer`): the replica keeps no KV index of its
+//! own and asks a serving indexer (`--serve-indexer`, see [`crate::served_indexer`]) for the
+//! overlaps of each request, on the model's `indexer.find_matches` subject (a queue group, so
+//! any serving indexer may answer).
+//!
+//! Routing never fails for want of an index: when no serving indexer answers within the
+//! timeout (no responders, timeout, an error reply, a reply for another block size), the
+//! request is routed on load alone (every overlap zero) and counted in
+//! `kvrouter_remote_indexer_fallbacks_total`. An outage is logged once, a warning when it
+//! starts and an info line when a serving indexer answers again ([`Outage`]); overlap-aware
+//! routing then resumes by itself, as every request asks again.
+//!
+//! In approximate mode (`--no-kv-events`) with a served or remote indexer, route decisions are
+//! published on the model's `indexer.record` subject instead of being recorded locally
+//! ([`DecisionPublisher`]); every serving indexer subscribes without a queue group, so all of
+//! them record every decision and stay equal.
+
+use crate::metrics::{Metrics, ModelLabels};
+use crate::state::ModelShared;
+use bytes::Bytes;
+use kvrouter_bus::Bus;
+use kvrouter_protocol::{
+    decode, encode, IndexerQuery, IndexerRecord, LocalBlockHash, OverlapScoresReply, Reply,
+    SequenceHash, WorkerKey,
+};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Default of `--remote-indexer-timeout-ms`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// What changed in the outage state after a query.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OutageChange {
+    /// The first failure after a success (or since start): log a warning.
+    Started,
+    /// The first answer after failures: log how long it lasted and what it cost.
+    Ended { lasted: Duration, fallbacks: u64 },
+}
+
+/// Plain core: tracks whether the serving indexers are unreachable, so an outage is reported
+/// once when it starts and once when it ends, however many requests fall back in between.
+#[derive(Debug, Default)]
+pub struct Outage {
+    since: Option<Instant>,
+    fallbacks: u64,
+}
+
+impl Outage {
+    pub fn is_down(&self) -> bool {
+        self.since.is_some()
+    }
+
+    /// A query got no usable answer.
+    pub fn failed(&mut self, now: Instant) -> Option<OutageChange> {
+        self.fallbacks += 1;
+        if self.since.is_some() {
+            return None;
+        }
+        self.since = Some(now);
+        Some(OutageChange::Started)
+    }
+
+    /// A query was answered.
+    pub fn answered(&mut self, now: Instant) -> Option<OutageChange> {
+        let since = self.since.take()?;
+        let fallbacks = std::mem::take(&mut self.fallbacks);
+        Some(OutageChange::Ended {
+            lasted: now.saturating_duration_since(since),
+            fallbacks,
+        })
+    }
+}
+
+/// Asks serving indexers for one model's overlaps.
+pub struct RemoteIndexer {
+    bus: Bus,
+    model: String,
+    subject: String,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    labels: ModelLabels,
+    /// Mirrors `outage.is_down()`, so an answer in normal operation takes no lock.
+    down: AtomicBool,
+    outage: Mutex<Outage>,
+}
+
+impl RemoteIndexer {
+    pub fn new(
+        bus: Bus,
+        model: &str,
+        subject: String,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            bus,
+            model: model.to_string(),
+            subject,
+            timeout,
+            metrics,
+            labels: Metrics::model(model),
+            down: AtomicBool::new(false),
+            outage: Mutex::new(Outage::default()),
+        }
+    }
+
+    /// Whether the last query found no serving indexer.
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// The overlap of each worker rank holding a leading block of `local`, from a serving
+    /// indexer; empty (route on load alone) when none answers. Never fails.
+    pub async fn find_matches(
+        &self,
+        block_size: u32,
+        local: &[LocalBlockHash],
+    ) -> Vec<(WorkerKey, u32)> {
+        if local.is_empty() {
+            return Vec::new(); // no full block: nothing can overlap
+        }
+        match self.query(block_size, local).await {
+            Ok(scores) => {
+                self.metrics
+                    .remote_indexer_queries
+                    .get_or_create(&self.labels)
+                    .inc();
+                if self.down.load(Ordering::Relaxed) {
+                    let change = self.outage.lock().answered(Instant::now());
+                    self.down.store(false, Ordering::Relaxed);
+                    if let Some(OutageChange::Ended { lasted, fallbacks }) = change {
+                        tracing::info!(
+                            model = %self.model,
+                            lasted_ms = lasted.as_millis() as u64,
+                            fallbacks,
+                            "a serving indexer answers again: overlap-aware routing resumed"
+                        );
+                    }
+                }
+                scores
+            }
+            Err(reason) => {
+                self.metrics
+                    .remote_indexer_fallbacks
+                    .get_or_create(&self.labels)
+                    .inc();
+                let change = self.outage.lock().failed(Instant::now());
+                self.down.store(true, Ordering::Relaxed);
+                if change == Some(OutageChange::Started) {
+                    tracing::warn!(
+                        model = %self.model,
+                        subject = %self.subject,
+                        %reason,
+                        "no serving indexer answered: routing on load alone (overlap 0) until one does"
+                    );
+                } else {
+                    tracing::debug!(model = %self.model, %reason, "remote indexer fallback");
+                }
+                Vec::new()
+            }
+        }
+    }
+
+    async fn query(
+        &self,
+        block_size: u32,
+        local: &[LocalBlockHash],
+    ) -> Result<Vec<(WorkerKey, u32)>, String> {
+        let payload = encode(&IndexerQuery {
+            block_size,
+            local_hashes: local.to_vec(),
+        })
+        .map_err(|e| e.to_string())?;
+        let msg = self
+            .bus
+            .request(&self.subject, Bytes::from(payload), self.timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        let reply: Reply<OverlapScoresReply> =
+            decode(&msg.payload).map_err(|e| format!("undecodable answer: {e}"))?;
+        let reply = reply
+            .into_result()
+            .map_err(|e| format!("the serving indexer refused: {}: {}", e.kind, e.message))?;
+        if reply.block_size != block_size {
+            return Err(format!(
+                "the serving indexer uses block size {}, this replica {block_size}",
+                reply.block_size
+            ));
+        }
+        Ok(reply.scores)
+    }
+}
+
+/// Publishes route decisions to every serving indexer of a model (approximate mode).
+#[derive(Clone)]
+pub struct DecisionPublisher {
+    bus: Bus,
+    subject: String,
+}
+
+impl DecisionPublisher {
+    pub fn new(bus: Bus, subject: String) -> Self {
+        Self { bus, subject }
+    }
+
+    pub async fn publish(
+        &self,
+        key: WorkerKey,
+        local_hashes: Vec<LocalBlockHash>,
+        sequence_hashes: Vec<SequenceHash>,
+    ) -> Result<(), String> {
+        if local_hashes.len() != sequence_hashes.len() {
+            return Err(format!(
+                "{} local hashes against {} sequence hashes",
+                local_hashes.len(),
+                sequence_hashes.len()
+            ));
+        }
+        let payload = encode(&IndexerRecord {
+            key,
+            local_hashes,
+            sequence_hashes,
+        })
+        .map_err(|e| e.to_string())?;
+        self.bus
+            .publish(&self.subject, Bytes::from(payload))
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl ModelShared {
+    /// The overlaps of a request: from the local index, or from a serving indexer with
+    /// `--use-remote-indexer` (empty when none answers).
+    pub async fn find_overlaps(&self, local: &[LocalBlockHash]) -> Vec<(WorkerKey, u32)> {
+        match &self.remote_index {
+            Some(remote) => {
+                let block_size = self.status.block_size().unwrap_or(0);
+                remote.find_matches(block_size, local).await
+            }
+            None => self.index.find_matches(local).scores,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lh(v: &[u64]) -> Vec<LocalBlockHash> {
+        v.iter().map(|&h| LocalBlockHash(h)).collect()
+    }
+
+    fn sh(v: &[u64]) -> Vec<SequenceHash> {
+        v.iter().map(|&h| SequenceHash(h)).collect()
+    }
+
+    #[test]
+    fn an_outage_is_reported_once_when_it_starts_and_once_when_it_ends() {
+        let t0 = Instant::now();
+        let mut o = Outage::default();
+        assert_eq!(o.answered(t0), None, "no outage yet");
+        assert_eq!(o.failed(t0), Some(OutageChange::Started));
+        assert!(o.is_down());
+        for _ in 0..5 {
+            assert_eq!(o.failed(t0 + Duration::from_millis(10)), None);
+        }
+        assert_eq!(
+            o.answered(t0 + Duration::from_millis(300)),
+            Some(OutageChange::Ended {
+                lasted: Duration::from_millis(300),
+                fallbacks: 6
+            })
+        );
+        assert!(!o.is_down());
+        assert_eq!(o.answered(t0 + Duration::from_secs(1)), None);
+        // A second outage starts afresh.
+        assert_eq!(
+            o.failed(t0 + Duration::from_secs(2)),
+            Some(OutageChange::Started)
+        );
+        assert_eq!(
+            o.answered(t0 + Duration::from_secs(3)),
+            Some(OutageChange::Ended {
+                lasted: Duration::from_secs(1),
+                fallbacks: 1
+            })
+        );
+    }
+
+    fn remote(bus: &Bus, timeout: Duration) -> (RemoteIndexer, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        (
+            RemoteIndexer::new(
+                bus.clone(),
+                "m",
+                "ns.model.m.indexer.find_matches".into(),
+                timeout,
+                metrics.clone(),
+            ),
+            metrics,
+        )
+    }
+
+    #[tokio::test]
+    async fn no_responders_and_silence_fall_back_to_no_overlap() {
+        let bus = Bus::local();
+        let (r, metrics) = remote(&bus, Duration::from_millis(30));
+        assert!(r.find_matches(16, &lh(&[1, 2, 3])).await.is_empty());
+        assert!(r.is_down());
+        // A responder that never answers: a timeout, also a fallback.
+        let _silent = bus
+            .queue_subscribe("ns.model.m.indexer.find_matches", "g")
+            .await
+            .unwrap();
+        assert!(r.find_matches(16, &lh(&[1, 2, 3])).await.is_empty());
+        // No blocks: nothing asked, nothing counted.
+        assert!(r.find_matches(16, &[]).await.is_empty());
+        let text = metrics.render();
+        assert!(
+            text.contains(r#"kvrouter_remote_indexer_fallbacks_total{model="m"} 2"#),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn answers_are_used_and_end_an_outage() {
+        let bus = Bus::local();
+        let (r, metrics) = remote(&bus, Duration::from_secs(1));
+        assert!(r.find_matches(16, &lh(&[1, 2])).await.is_empty());
+        assert!(r.is_down());
+        let mut sub = bus
+            .queue_subscribe("ns.model.m.indexer.find_matches", "g")
+            .await
+            .unwrap();
+        let responder_bus = bus.clone();
+        tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let q: IndexerQuery = decode(&msg.payload).unwrap();
+                let reply: Reply<OverlapScoresReply> = Reply::Ok(OverlapScoresReply {
+                    block_size: q.block_size,
+                    scores: vec![(WorkerKey::new(7, 0), q.local_hashes.len() as u32)],
+                });
+                let _ = responder_bus
+                    .publish(&msg.reply.unwrap(), Bytes::from(encode(&reply).unwrap()))
+                    .await;
+            }
+        });
+        assert_eq!(
+            r.find_matches(16, &lh(&[1, 2])).await,
+            vec![(WorkerKey::new(7, 0), 2)]
+        );
+        assert!(!r.is_down());
+        let text = metrics.render();
+        assert!(text.contains(r#"kvrouter_remote_indexer_queries_total{model="m"} 1"#));
+        assert!(text.contains(r#"kvrouter_remote_indexer_fallbacks_total{model="m"} 1"#));
+    }
+
+    #[tokio::test]
+    async fn decisions_with_unpaired_hashes_are_not_published() {
+        let p = DecisionPublisher::new(Bus::local(), "ns.model.m.indexer.record".into());
+        assert!(p
+            .publish(WorkerKey::new(1, 0), lh(&[1, 2]), sh(&[1]))
+            .await
+            .is_err());
+        assert!(p
+            .publish(WorkerKey::new(1, 0), lh(&[1, 2]), sh(&[1, 9]))
+            .await
+            .is_ok());
+    }
+}

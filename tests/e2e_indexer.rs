@@ -5,74 +5,15 @@
 
 mod common;
 
-use common::{free_port, http_get, wait_until, NatsServer, Proc};
+use common::{
+    free_port, metrics, ready, serve, wait_until, NatsServer, E2E_BLOCK as BLOCK,
+    E2E_MODEL as MODEL,
+};
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
 use kvrouter_protocol::{RouteDecision, RouteRequest, WorkerKey};
 use std::collections::HashSet;
 use std::time::Duration;
-
-const MODEL: &str = "Qwen/Qwen3-0.6B";
-const BLOCK: usize = 16;
-
-fn serve(nats: &NatsServer, id: &str, admin: u16, extra: &[&str]) -> Proc {
-    let url = nats.url();
-    let addr = format!("127.0.0.1:{admin}");
-    let mut args = vec![
-        "serve",
-        "--nats",
-        &url,
-        "--model",
-        MODEL,
-        "--replica-id",
-        id,
-        "--admin-addr",
-        &addr,
-    ];
-    args.extend_from_slice(extra);
-    Proc::start(id, &args)
-}
-
-fn mocker(nats: &NatsServer, workers: u32, dp: u32) -> Proc {
-    let url = nats.url();
-    let (workers, dp) = (workers.to_string(), dp.to_string());
-    let block = BLOCK.to_string();
-    let mut p = Proc::start(
-        "mocker",
-        &[
-            "mocker",
-            "--nats",
-            &url,
-            "--model",
-            MODEL,
-            "--workers",
-            &workers,
-            "--dp-size",
-            &dp,
-            "--block-size",
-            &block,
-            "--capacity-blocks",
-            "512",
-            "--speedup",
-            "100",
-            "--worker-id-start",
-            "100",
-        ],
-    );
-    let line = p.first_line();
-    assert!(line.contains("worker_ids"), "mocker start line: {line:?}");
-    p
-}
-
-fn ready(port: u16) -> bool {
-    wait_until(Duration::from_secs(20), || {
-        http_get(port, "/readyz").0 == 200
-    })
-}
-
-fn metrics(port: u16) -> String {
-    http_get(port, "/metrics").1
-}
 
 /// The value of a counter series (0 when absent).
 fn counter(port: u16, series: &str) -> f64 {
@@ -169,7 +110,7 @@ const QUERIES: &str = r#"kvrouter_remote_indexer_queries_total{model="Qwen/Qwen3
 #[test]
 fn remote_replicas_route_like_one_and_survive_losing_serving_indexers() {
     let nats = NatsServer::start();
-    let _fleet = mocker(&nats, 2, 2);
+    let _fleet = common::mocker(&nats, 100, 2, 2, BLOCK);
     let (ps1, pr1, pr2, ps2, ps3) = (
         free_port(),
         free_port(),
@@ -260,7 +201,7 @@ fn remote_replicas_route_like_one_and_survive_losing_serving_indexers() {
 #[test]
 fn approximate_mode_decisions_reach_every_serving_indexer() {
     let nats = NatsServer::start();
-    let _fleet = mocker(&nats, 2, 1);
+    let _fleet = common::mocker(&nats, 100, 2, 1, BLOCK);
     let (ps1, ps2, pr1) = (free_port(), free_port(), free_port());
     let approx_serve = ["--serve-indexer", "--no-kv-events"];
     let s1 = serve(&nats, "s1", ps1, &approx_serve);

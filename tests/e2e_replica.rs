@@ -4,7 +4,10 @@
 mod common;
 
 use bytes::Bytes;
-use common::{free_port, http_get, kvrouter, wait_until, NatsServer, Proc};
+use common::{
+    free_port, http_get, kvrouter, metrics, ready, serve, wait_until, NatsServer, Proc,
+    E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
+};
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
 use kvrouter_protocol::{
@@ -15,75 +18,8 @@ use kvrouter_protocol::{
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-const MODEL: &str = "Qwen/Qwen3-0.6B";
-const BLOCK: usize = 16;
-
-fn serve(nats: &NatsServer, id: &str, admin: u16, extra: &[&str]) -> Proc {
-    let url = nats.url();
-    let addr = format!("127.0.0.1:{admin}");
-    let mut args = vec![
-        "serve",
-        "--nats",
-        &url,
-        "--model",
-        MODEL,
-        "--replica-id",
-        id,
-        "--admin-addr",
-        &addr,
-        "--worker-lease-secs",
-        "3",
-    ];
-    args.extend_from_slice(extra);
-    Proc::start(id, &args)
-}
-
-/// Starts a mocker fleet and waits for its start line.
 fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32) -> Proc {
-    mocker_with_block(nats, first_id, workers, dp, BLOCK)
-}
-
-fn mocker_with_block(
-    nats: &NatsServer,
-    first_id: u64,
-    workers: u32,
-    dp: u32,
-    block: usize,
-) -> Proc {
-    let url = nats.url();
-    let block = block.to_string();
-    let (first, workers, dp) = (first_id.to_string(), workers.to_string(), dp.to_string());
-    let mut p = Proc::start(
-        "mocker",
-        &[
-            "mocker",
-            "--nats",
-            &url,
-            "--model",
-            MODEL,
-            "--workers",
-            &workers,
-            "--dp-size",
-            &dp,
-            "--block-size",
-            &block,
-            "--capacity-blocks",
-            "512",
-            "--speedup",
-            "100",
-            "--worker-id-start",
-            &first,
-        ],
-    );
-    let line = p.first_line();
-    assert!(line.contains("worker_ids"), "mocker start line: {line:?}");
-    p
-}
-
-fn ready(port: u16) -> bool {
-    wait_until(Duration::from_secs(20), || {
-        http_get(port, "/readyz").0 == 200
-    })
+    common::mocker(nats, first_id, workers, dp, BLOCK)
 }
 
 fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
@@ -204,10 +140,6 @@ fn cached_prefix(cache: &HashSet<SequenceHash>, tokens: &[u32]) -> u32 {
         .iter()
         .take_while(|s| cache.contains(s))
         .count() as u32
-}
-
-fn metrics(port: u16) -> String {
-    http_get(port, "/metrics").1
 }
 
 #[test]
@@ -458,7 +390,7 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
     assert_eq!(d.key(), WorkerKey::new(7, 1));
 
     // A worker whose block size differs from the model's is refused, and logged.
-    let _odd = mocker_with_block(&nats, 8, 1, 1, 32);
+    let _odd = common::mocker(&nats, 8, 1, 1, 32);
     assert!(wait_until(Duration::from_secs(5), || metrics(port)
         .contains(
             r#"kvrouter_refused_registrations_total{model="Qwen/Qwen3-0.6B"}"#

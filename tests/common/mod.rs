@@ -206,3 +206,75 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The model the end-to-end fleets serve, and their block size.
+pub const E2E_MODEL: &str = "Qwen/Qwen3-0.6B";
+pub const E2E_BLOCK: usize = 16;
+
+/// `kvrouter serve` for [`E2E_MODEL`] with an admin port and a replica id.
+pub fn serve(nats: &NatsServer, id: &str, admin: u16, extra: &[&str]) -> Proc {
+    let url = nats.url();
+    let addr = format!("127.0.0.1:{admin}");
+    let mut args = vec![
+        "serve",
+        "--nats",
+        &url,
+        "--model",
+        E2E_MODEL,
+        "--replica-id",
+        id,
+        "--admin-addr",
+        &addr,
+    ];
+    args.extend_from_slice(extra);
+    Proc::start(id, &args)
+}
+
+/// `kvrouter mocker` for [`E2E_MODEL`] (512 blocks a rank, speedup 100); waits for its
+/// start line.
+pub fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32, block: usize) -> Proc {
+    let url = nats.url();
+    let (first, workers, dp, block) = (
+        first_id.to_string(),
+        workers.to_string(),
+        dp.to_string(),
+        block.to_string(),
+    );
+    let mut p = Proc::start(
+        "mocker",
+        &[
+            "mocker",
+            "--nats",
+            &url,
+            "--model",
+            E2E_MODEL,
+            "--workers",
+            &workers,
+            "--dp-size",
+            &dp,
+            "--block-size",
+            &block,
+            "--capacity-blocks",
+            "512",
+            "--speedup",
+            "100",
+            "--worker-id-start",
+            &first,
+        ],
+    );
+    let line = p.first_line();
+    assert!(line.contains("worker_ids"), "mocker start line: {line:?}");
+    p
+}
+
+/// Waits (up to 20 s) for `/readyz` to answer 200.
+pub fn ready(port: u16) -> bool {
+    wait_until(Duration::from_secs(20), || {
+        http_get(port, "/readyz").0 == 200
+    })
+}
+
+/// The admin `/metrics` text.
+pub fn metrics(port: u16) -> String {
+    http_get(port, "/metrics").1
+}

@@ -16,11 +16,11 @@
 //!   blocks released) once every prefill tp rank reported the request sent.
 
 use crate::endpoints::{self, InFlight};
-use crate::replica::ReplicaError;
+use crate::replica::{subscribe, ReplicaError};
 use crate::scheduler_actor::{RouteJob, RouteToken, SchedulerMsg};
 use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
-use kvrouter_bus::{Bus, Message, Subscription};
+use kvrouter_bus::Message;
 use kvrouter_protocol::{
     decode, prefill_request_id, DisaggDecision, DisaggRouteRequest, DpRank, ErrorKind, ErrorReply,
     Registration, RouteDecision, SequenceHash, Subjects, TransferReport, TransferSide, WorkerId,
@@ -240,18 +240,6 @@ pub async fn start(
         }
     });
     Ok((vec![front], back))
-}
-
-async fn subscribe(
-    bus: &Bus,
-    subject: String,
-    group: Option<&str>,
-) -> Result<Subscription, ReplicaError> {
-    let r = match group {
-        Some(g) => bus.queue_subscribe(&subject, g).await,
-        None => bus.subscribe(&subject).await,
-    };
-    r.map_err(|source| ReplicaError::Subscribe { subject, source })
 }
 
 fn spawn_route(

@@ -159,7 +159,8 @@ fn start_err(what: impl Into<String>, e: impl std::fmt::Display) -> ReplicaError
     }
 }
 
-async fn subscribe(
+/// Subscribes (in a queue group when given), naming the subject in the error.
+pub(crate) async fn subscribe(
     bus: &Bus,
     subject: String,
     group: Option<&str>,

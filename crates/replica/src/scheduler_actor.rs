@@ -21,10 +21,6 @@ use tokio::sync::oneshot;
 
 /// How often timed-out requests are swept and load gauges refreshed.
 const TICK: Duration = Duration::from_millis(500);
-/// How long this replica's active-sequence changes wait to be batched for peers.
-const SYNC_FLUSH: Duration = Duration::from_millis(5);
-/// Changes that make a batch go out at once.
-const SYNC_BATCH: usize = 64;
 
 pub type RouteReply = oneshot::Sender<Result<Selection, ErrorReply>>;
 
@@ -71,7 +67,6 @@ pub enum SchedulerMsg {
     PeerSnapshot(Vec<SeqChange>),
     ExportActive(oneshot::Sender<Vec<SeqChange>>),
     Tick,
-    FlushSync,
 }
 
 /// Maps a scheduling failure to the error a client sees.
@@ -267,9 +262,6 @@ impl Actor for SchedulerActor {
         let core = Scheduler::new(args.config)?;
         myself.send_interval(TICK, || SchedulerMsg::Tick);
         let catch_up = args.sync.as_ref().is_some_and(|s| s.catch_up);
-        if args.sync.is_some() {
-            myself.send_interval(SYNC_FLUSH, || SchedulerMsg::FlushSync);
-        }
         Ok(SchedulerState {
             core,
             ids: ReplicaSync::new(&args.replica_id, catch_up),
@@ -364,7 +356,6 @@ impl Actor for SchedulerActor {
             SchedulerMsg::ExportActive(reply) => {
                 let _ = reply.send(state.export_active());
             }
-            SchedulerMsg::FlushSync => state.flush_sync(),
             SchedulerMsg::RejectQueued => {
                 for q in state.core.take_queued() {
                     let _ = q.token.reply.send(Err(ErrorReply::new(
@@ -379,7 +370,10 @@ impl Actor for SchedulerActor {
                 state.export_loads();
             }
         }
-        if state.ids.pending() >= SYNC_BATCH {
+        // Peers see a change as soon as the message that made it is handled (a batch when
+        // one message makes several, e.g. a drained queue): waiting to fill batches let
+        // synced replicas pile bursts onto the same workers (docs/benchmarks.md).
+        if state.ids.pending() > 0 {
             state.flush_sync();
         }
         Ok(())

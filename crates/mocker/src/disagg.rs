@@ -4,8 +4,11 @@
 //!   request asks) and, once the prefill is done, each of its tensor-parallel ranks reports
 //!   the request's KV as sent (`TransferReport { side: Sent }` on `kv_transfer`).
 //! - A **decode** worker takes the request as its KV arriving: each tp rank reports it
-//!   received at once, then the rank runs it (the simulation still computes the prompt on
-//!   the decode rank: transferred KV is not modelled in the engine).
+//!   received at once, then the rank runs it with the prompt's KV transferred
+//!   ([`RankEngine::submit_transferred`](crate::engine::RankEngine::submit_transferred)):
+//!   the prompt's blocks are allocated and cached (published as `Stored`) without prefill
+//!   compute, and the first token comes after one decode step. The transfer takes no
+//!   simulated time.
 //!
 //! Reports go out one message per tp rank, as separate engines' ranks would send them.
 
@@ -48,6 +51,12 @@ pub(crate) fn max_tokens_for(role: WorkerRole, asked: u32) -> u32 {
         WorkerRole::Prefill => 0,
         WorkerRole::Aggregated | WorkerRole::Decode => asked,
     }
+}
+
+/// Whether a request on a worker of this role arrives with its prompt's KV computed
+/// elsewhere (a decode worker's): its rank then skips the prefill compute.
+pub(crate) fn kv_transferred(role: WorkerRole) -> bool {
+    matches!(role, WorkerRole::Decode)
 }
 
 /// Hooks a submitted request's output stream: a decode worker reports the KV received now;

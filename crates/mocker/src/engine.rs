@@ -13,6 +13,16 @@
 //! With chunked prefill on, a prompt longer than the remaining budget is split across steps;
 //! with it off, a prompt is prefilled whole in one step or waits.
 //!
+//! **Transferred KV** ([`RankEngine::submit_transferred`], what a decode worker of a
+//! disaggregated deployment does). The prompt's KV was computed elsewhere and arrives with
+//! the request. At admission its cached leading blocks are reused as usual and the rest of
+//! the prompt's blocks are allocated and filled at once: they are registered in the prefix
+//! cache (`Stored` events for the newly filled full blocks, as vLLM decode workers cache
+//! transferred blocks) but cost no prefill compute. The request is admitted like any other
+//! (same capacity reservation, 1 token of the step budget) and its first output token comes
+//! from that one step, costed as one decode over the prompt's context. The transfer itself
+//! takes no simulated time: the request is submitted once its KV has arrived.
+//!
 //! **Admission control.** A request is admitted only if the KV cache can hold everything it
 //! will ever need (`ceil((prompt + max_tokens - 1) / block_size)` blocks, minus reused ones)
 //! on top of what already running requests may still need. Running requests therefore never
@@ -149,6 +159,8 @@ struct Sequence {
     /// Tokens generated so far.
     generated: u32,
     last_token_at: SimTime,
+    /// The prompt's KV arrives with the request (see the module docs): no prefill compute.
+    kv_transferred: bool,
 }
 
 impl Sequence {
@@ -218,6 +230,27 @@ impl RankEngine {
     /// never fit the rank's KV cache, a prompt that cannot be prefilled in one step when
     /// chunked prefill is off, and an id already in flight.
     pub fn submit(&mut self, request: Request, now: SimTime) -> Result<(), SubmitError> {
+        self.submit_inner(request, now, false)
+    }
+
+    /// Like [`submit`](Self::submit), for a request whose prompt KV was computed elsewhere
+    /// and arrives with it (a decode worker's request): when admitted, its prompt's blocks
+    /// are allocated and cached without prefill compute, and its first token comes after one
+    /// decode-sized step. Same refusals as `submit`.
+    pub fn submit_transferred(
+        &mut self,
+        request: Request,
+        now: SimTime,
+    ) -> Result<(), SubmitError> {
+        self.submit_inner(request, now, true)
+    }
+
+    fn submit_inner(
+        &mut self,
+        request: Request,
+        now: SimTime,
+        kv_transferred: bool,
+    ) -> Result<(), SubmitError> {
         let Request {
             request_id,
             tokens,
@@ -261,6 +294,7 @@ impl RankEngine {
             computed: 0,
             generated: 0,
             last_token_at: now,
+            kv_transferred,
         });
         Ok(())
     }
@@ -330,7 +364,12 @@ impl RankEngine {
             if new_blocks + reserved > available {
                 break;
             }
-            let remaining = s.prompt_len - m.blocks * bs;
+            // A transferred prompt only has its last token left to run (as a decode).
+            let remaining = if s.kv_transferred {
+                1
+            } else {
+                s.prompt_len - m.blocks * bs
+            };
             let chunk = remaining.min(budget);
             if chunk < remaining && !self.config.enable_chunked_prefill {
                 break;
@@ -345,7 +384,11 @@ impl RankEngine {
                 .acquire_prefix(&mut s.table, &s.prompt.seq[..hit_len]);
             debug_assert_eq!(hit, m.blocks);
             s.cached_blocks = hit;
-            s.computed = hit * bs;
+            s.computed = if s.kv_transferred {
+                s.prompt_len - 1
+            } else {
+                hit * bs
+            };
             let need = (s.computed + chunk).div_ceil(bs).saturating_sub(hit);
             if self.cache.allocate(&mut s.table, need).is_err() {
                 // Unreachable by the check above; put the request back untouched.
@@ -357,7 +400,12 @@ impl RankEngine {
                 break;
             }
             budget -= chunk;
-            shape.add_prefill_chunk(s.computed, chunk);
+            if s.kv_transferred {
+                // Its KV is in place: the step samples its first token like a decode.
+                shape.add_decode(s.prompt_len);
+            } else {
+                shape.add_prefill_chunk(s.computed, chunk);
+            }
             reserved += s.future_blocks();
             work.push((self.running.len(), Work::Prefill { chunk }));
             self.running.push(s);
@@ -604,6 +652,93 @@ mod tests {
         let warm = prefill_done(&steps, "warm").2;
         assert!(cold > Duration::from_millis(400), "{cold:?}");
         assert!(warm * 10 < cold, "warm {warm:?} cold {cold:?}");
+    }
+
+    #[test]
+    fn transferred_prompt_skips_prefill_but_caches_its_blocks() {
+        let tokens: Vec<u32> = (0..8192).collect();
+        let mut cold = engine(EngineConfig::default());
+        cold.submit(req("cold", tokens.clone(), 3), Duration::ZERO)
+            .unwrap();
+        let (steps, _) = drain(&mut cold, Duration::ZERO);
+        let cold_ttft = prefill_done(&steps, "cold").2;
+        assert!(cold_ttft > Duration::from_millis(500), "{cold_ttft:?}");
+
+        let mut e = engine(EngineConfig::default());
+        e.submit_transferred(req("t", tokens.clone(), 3), Duration::ZERO)
+            .unwrap();
+        let (steps, now) = drain(&mut e, Duration::ZERO);
+        // One step to the first token, then two decode steps.
+        assert_eq!(steps.len(), 3);
+        let (cached, prompt_blocks, ttft) = prefill_done(&steps, "t");
+        assert_eq!((cached, prompt_blocks), (0, 128));
+        assert!(ttft < Duration::from_millis(20), "{ttft:?}");
+        assert!(
+            ttft * 20 < cold_ttft,
+            "transferred {ttft:?} cold {cold_ttft:?}"
+        );
+        assert_eq!(ttft, e.config().timing.decode_time(&[8192]));
+        assert!(matches!(
+            outputs_of(&steps, "t").last(),
+            Some(OutputKind::Finished {
+                output_tokens: 3,
+                ..
+            })
+        ));
+        // Every full block is stored, in one event chained from the root.
+        assert_eq!(steps[0].events.len(), 1);
+        let KvEventData::Stored { parent, blocks } = &steps[0].events[0].data else {
+            panic!()
+        };
+        assert_eq!((*parent, blocks.len()), (None, 128));
+        assert!(steps[1..].iter().all(|s| s.events.is_empty()));
+        assert_eq!(e.load().cached_blocks, 128);
+
+        // Another request with the same prefix reuses the blocks, as after a local prefill.
+        let mut longer = tokens.clone();
+        longer.extend(10_000..10_100);
+        e.submit_transferred(req("t2", longer, 1), now).unwrap();
+        let (steps, now) = drain(&mut e, now);
+        assert_eq!(prefill_done(&steps, "t2").0, 128);
+        let stored: usize = steps
+            .iter()
+            .flat_map(|s| &s.events)
+            .map(|ev| match &ev.data {
+                KvEventData::Stored { blocks, .. } => blocks.len(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(stored, 1, "only the one new full block");
+        e.submit(req("agg", tokens, 1), now).unwrap();
+        let (steps, _) = drain(&mut e, now);
+        assert_eq!(prefill_done(&steps, "agg").0, 127);
+    }
+
+    #[test]
+    fn transferred_prompt_still_waits_for_capacity() {
+        let mut e = engine(EngineConfig {
+            block_size: 4,
+            capacity_blocks: 10,
+            ..Default::default()
+        });
+        // Each needs ceil((16 + 8 - 1) / 4) = 6 blocks: only one fits at a time.
+        for i in 0..2u32 {
+            let tokens: Vec<u32> = (0..16).map(|t| t + 100 * i).collect();
+            e.submit_transferred(req(&format!("r{i}"), tokens, 8), Duration::ZERO)
+                .unwrap();
+        }
+        let first = e.step(Duration::ZERO).unwrap();
+        assert_eq!(e.load().running_requests, 1);
+        assert_eq!(e.load().waiting_requests, 1);
+        assert!(matches!(
+            first.outputs[0].kind,
+            OutputKind::PrefillDone {
+                prompt_blocks: 4,
+                ..
+            }
+        ));
+        drain(&mut e, first.duration);
+        assert!(e.is_idle());
     }
 
     #[test]

@@ -26,9 +26,11 @@ const MAX_SPAN: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// What a rank task is asked to do.
 pub(crate) enum RankCmd {
-    /// Queue a request; results go to `out`.
+    /// Queue a request; results go to `out`. With `kv_transferred` its prompt KV arrives
+    /// with it (a decode worker's request; see [`RankEngine::submit_transferred`]).
     Submit {
         request: Request,
+        kv_transferred: bool,
         out: mpsc::UnboundedSender<RankOut>,
     },
     /// The rank's cache as events plus its last event id.
@@ -186,10 +188,19 @@ impl RankTask {
 
     fn handle(&mut self, cmd: RankCmd) {
         match cmd {
-            RankCmd::Submit { request, out } => {
+            RankCmd::Submit {
+                request,
+                kv_transferred,
+                out,
+            } => {
                 let arrival = self.sim_at_now();
                 let id = request.request_id.clone();
-                match self.engine.submit(request, arrival) {
+                let submitted = if kv_transferred {
+                    self.engine.submit_transferred(request, arrival)
+                } else {
+                    self.engine.submit(request, arrival)
+                };
+                match submitted {
                     Ok(()) => {
                         self.requests.insert(id, out);
                         self.update_load();

@@ -424,7 +424,11 @@ impl Endpoints {
             tokens: req.tokens,
             max_tokens: crate::disagg::max_tokens_for(self.info.role, req.max_tokens),
         };
-        let sent = self.ranks[index].send(RankCmd::Submit { request, out: tx });
+        let sent = self.ranks[index].send(RankCmd::Submit {
+            request,
+            kv_transferred: crate::disagg::kv_transferred(self.info.role),
+            out: tx,
+        });
         if sent.is_err() {
             let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
             tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));

@@ -6,11 +6,10 @@
 mod common;
 
 use common::{
-    free_port, metrics, ready, serve, wait_until, NatsServer, E2E_BLOCK as BLOCK,
-    E2E_MODEL as MODEL,
+    e2e_tokens as tokens, free_port, metrics, ready, serve, wait_until, E2eClient as Client,
+    NatsServer, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
-use kvrouter_bus::{Bus, NatsOptions};
-use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
+use kvrouter_client::GenerateParams;
 use kvrouter_protocol::{RouteDecision, RouteRequest, WorkerKey};
 use std::collections::HashSet;
 use std::time::Duration;
@@ -23,31 +22,7 @@ fn counter(port: u16, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BLOCK) as u32)
-        .map(|i| seed * 100_000 + i)
-        .collect()
-}
-
-struct Client {
-    rt: tokio::runtime::Runtime,
-    client: KvRouterClient,
-}
-
 impl Client {
-    fn new(nats: &NatsServer) -> Self {
-        let rt = tokio::runtime::Runtime::new().expect("runtime");
-        let bus = rt
-            .block_on(Bus::connect(&NatsOptions::new(nats.url())))
-            .expect("connect");
-        let client = KvRouterClient::new(bus, "kvrouter").expect("client");
-        Self { rt, client }
-    }
-
-    fn route_req(&self, req: RouteRequest) -> Result<RouteDecision, ClientError> {
-        self.rt.block_on(self.client.route(&req))
-    }
-
     fn route(&self, tokens: &[u32]) -> RouteDecision {
         self.route_req(request(tokens, "")).expect("route")
     }

@@ -5,11 +5,10 @@ mod common;
 
 use bytes::Bytes;
 use common::{
-    free_port, http_get, kvrouter, metrics, ready, serve, wait_until, NatsServer, Proc,
-    E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
+    e2e_tokens as tokens, free_port, http_get, kvrouter, metrics, ready, serve, wait_until,
+    E2eClient as Client, NatsServer, Proc, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
-use kvrouter_bus::{Bus, NatsOptions};
-use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
+use kvrouter_client::{ClientError, GenerateParams};
 use kvrouter_protocol::{
     decode, encode, hashing::stored_sequence_hashes, local_block_hashes, sequence_hashes,
     ErrorKind, OverlapRequest, Pin, Reply, RouteDecision, RouteRequest, SequenceHash, StateChunk,
@@ -22,35 +21,7 @@ fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32) -> Proc {
     common::mocker(nats, first_id, workers, dp, BLOCK)
 }
 
-fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BLOCK) as u32)
-        .map(|i| seed * 100_000 + i)
-        .collect()
-}
-
-struct Client {
-    rt: tokio::runtime::Runtime,
-    client: KvRouterClient,
-}
-
 impl Client {
-    fn new(nats: &NatsServer) -> Self {
-        let rt = tokio::runtime::Runtime::new().expect("runtime");
-        let bus = rt
-            .block_on(Bus::connect(&NatsOptions::new(nats.url())))
-            .expect("connect");
-        let client = KvRouterClient::new(bus, "kvrouter").expect("client");
-        Self { rt, client }
-    }
-
-    fn bus(&self) -> &Bus {
-        self.client.bus()
-    }
-
-    fn route_req(&self, req: RouteRequest) -> Result<RouteDecision, ClientError> {
-        self.rt.block_on(self.client.route(&req))
-    }
-
     fn route(&self, tokens: &[u32]) -> RouteDecision {
         self.route_req(route_request(tokens, None)).expect("route")
     }

@@ -278,3 +278,41 @@ pub fn ready(port: u16) -> bool {
 pub fn metrics(port: u16) -> String {
     http_get(port, "/metrics").1
 }
+
+/// `blocks` full blocks of [`E2E_BLOCK`] tokens, distinct per `seed`.
+pub fn e2e_tokens(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * E2E_BLOCK) as u32)
+        .map(|i| seed * 100_000 + i)
+        .collect()
+}
+
+/// A `KvRouterClient` on its own runtime, for blocking test code; test files add the calls
+/// they need in their own `impl` blocks.
+pub struct E2eClient {
+    pub rt: tokio::runtime::Runtime,
+    pub client: kvrouter_client::KvRouterClient,
+}
+
+impl E2eClient {
+    pub fn new(nats: &NatsServer) -> Self {
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        let bus = rt
+            .block_on(kvrouter_bus::Bus::connect(&kvrouter_bus::NatsOptions::new(
+                nats.url(),
+            )))
+            .expect("connect");
+        let client = kvrouter_client::KvRouterClient::new(bus, "kvrouter").expect("client");
+        Self { rt, client }
+    }
+
+    pub fn bus(&self) -> &kvrouter_bus::Bus {
+        self.client.bus()
+    }
+
+    pub fn route_req(
+        &self,
+        req: kvrouter_protocol::RouteRequest,
+    ) -> Result<kvrouter_protocol::RouteDecision, kvrouter_client::ClientError> {
+        self.rt.block_on(self.client.route(&req))
+    }
+}

@@ -77,11 +77,7 @@ impl KvRouterClient {
         &self,
         params: &GenerateParams,
     ) -> Result<DisaggOutcome, ClientError> {
-        let request_id = params
-            .request_id
-            .clone()
-            .filter(|id| !id.is_empty())
-            .unwrap_or_else(new_request_id);
+        let request_id = params.request_id_or_new();
         let span = tracing::info_span!(
             "generate_disagg",
             model = %params.model,

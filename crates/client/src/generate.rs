@@ -23,6 +23,14 @@ pub struct GenerateParams {
 }
 
 impl GenerateParams {
+    /// The request id to use: the caller's, or a fresh uuid v4 when none (or empty).
+    pub fn request_id_or_new(&self) -> String {
+        self.request_id
+            .clone()
+            .filter(|id| !id.is_empty())
+            .unwrap_or_else(new_request_id)
+    }
+
     pub fn new(model: impl Into<String>, tokens: Vec<u32>, max_tokens: u32) -> Self {
         Self {
             model: model.into(),
@@ -85,11 +93,7 @@ impl KvRouterClient {
     /// `mark_prefill` on the deciding replica when the prefill is done and `free` when the
     /// request ends, whether it succeeded or not.
     pub async fn generate(&self, params: &GenerateParams) -> Result<GenerateOutcome, ClientError> {
-        let request_id = params
-            .request_id
-            .clone()
-            .filter(|id| !id.is_empty())
-            .unwrap_or_else(new_request_id);
+        let request_id = params.request_id_or_new();
         let span = tracing::info_span!(
             "generate",
             model = %params.model,

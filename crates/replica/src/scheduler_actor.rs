@@ -142,9 +142,8 @@ impl SchedulerState {
         }
         let found = self
             .core
-            .active_sequences()
-            .find(|(id, ..)| id.as_str() == global_id)
-            .map(|(_, key, hashes, prefill)| (key, hashes.to_vec(), prefill));
+            .active_sequence(global_id)
+            .map(|(key, hashes, prefill)| (key, hashes.to_vec(), prefill));
         if let Some((key, hashes, prefill)) = found {
             self.ids.added_global(global_id, key, hashes, prefill);
         }
@@ -156,7 +155,7 @@ impl SchedulerState {
             return;
         }
         for (token, result) in self.core.drain_ready(now) {
-            if result.is_ok() && self.core.contains_request(&token.request_id) {
+            if result.is_ok() {
                 self.announce(&token.request_id);
             }
             let _ = token

@@ -282,6 +282,13 @@ impl ActiveSequences {
             .map(|(id, r)| (id, r.slot, &r.hashes[..], r.prefill_tokens))
     }
 
+    /// One active sequence: its slot, distinct block hashes and prefill tokens still counted.
+    pub fn request(&self, request_id: &str) -> Option<(Slot, &[SequenceHash], u64)> {
+        self.requests
+            .get(request_id)
+            .map(|r| (r.slot, &r.hashes[..], r.prefill_tokens))
+    }
+
     /// Adds an active sequence on `slot`.
     pub fn add(
         &mut self,

@@ -278,6 +278,14 @@ impl<P> Scheduler<P> {
             .map(|(id, slot, hashes, prefill)| (id, self.active.state(slot).key, hashes, prefill))
     }
 
+    /// One active sequence by id: its key, distinct block hashes and prefill tokens still
+    /// counted.
+    pub fn active_sequence(&self, request_id: &str) -> Option<(WorkerKey, &[SequenceHash], u64)> {
+        self.active
+            .request(request_id)
+            .map(|(slot, hashes, prefill)| (self.active.state(slot).key, hashes, prefill))
+    }
+
     /// The request finished prefill. False if unknown.
     pub fn mark_prefill(&mut self, request_id: &str) -> bool {
         self.active.mark_prefill(request_id)

@@ -28,7 +28,8 @@ pub struct MockerArgs {
     /// First data-parallel rank of each worker.
     #[arg(long, env = "KVROUTER_DP_START_RANK", default_value_t = 0)]
     dp_start_rank: u32,
-    /// Tensor-parallel size (reported in registrations).
+    /// Tensor-parallel size (reported in registrations; each tp rank of a prefill or decode
+    /// worker transfers KV and reports it on its own).
     #[arg(long, env = "KVROUTER_TP_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     tp_size: u32,
     /// Worker role: aggregated, prefill or decode.
@@ -56,6 +57,18 @@ pub struct MockerArgs {
     /// Heartbeat period in milliseconds.
     #[arg(long, env = "KVROUTER_HEARTBEAT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     heartbeat_ms: u64,
+    /// Decode workers: simulated microseconds one tp rank takes to receive one prompt block
+    /// of KV; the request starts decoding once every tp rank received.
+    #[arg(long, env = "KVROUTER_KV_TRANSFER_US_PER_BLOCK", default_value_t = 100)]
+    kv_transfer_us_per_block: u64,
+    /// Decode workers: a request whose KV not every tp rank received within this many
+    /// seconds (wall time) fails.
+    #[arg(long, env = "KVROUTER_KV_RECEIVE_TIMEOUT_SECS", default_value_t = 30.0)]
+    kv_receive_timeout_secs: f64,
+    /// Test hook: this tp rank of every worker finishes no KV transfer (a prefill tp rank
+    /// never reports the KV sent, a decode tp rank never receives it).
+    #[arg(long, env = "KVROUTER_SILENCE_TP_RANK")]
+    silence_tp_rank: Option<u32>,
 }
 
 impl MockerArgs {
@@ -82,6 +95,12 @@ impl MockerArgs {
             },
             speedup: self.speedup,
             heartbeat_interval: Duration::from_millis(self.heartbeat_ms),
+            kv_transfer_per_block: Duration::from_micros(self.kv_transfer_us_per_block),
+            kv_receive_timeout: super::serve::secs(
+                "kv-receive-timeout-secs",
+                self.kv_receive_timeout_secs,
+            )?,
+            silence_tp_rank: self.silence_tp_rank,
             ..FleetConfig::default()
         };
         config.validate()?;

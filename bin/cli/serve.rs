@@ -92,6 +92,10 @@ pub struct ServeArgs {
     /// How long a route waits for a serving indexer before routing on load alone.
     #[arg(long, env = "KVROUTER_REMOTE_INDEXER_TIMEOUT_MS", default_value_t = 50)]
     remote_indexer_timeout_ms: u64,
+    /// Disaggregated requests: seconds a KV transfer may wait for every tp rank's report
+    /// before it is logged and counted as overdue (kvrouter_transfers_overdue_total).
+    #[arg(long, env = "KVROUTER_TRANSFER_TIMEOUT_SECS", default_value_t = 10.0)]
+    transfer_timeout_secs: f64,
     /// Seed of the scheduler's tie-breaks and sampling.
     #[arg(long, env = "KVROUTER_SEED")]
     seed: Option<u64>,
@@ -147,6 +151,7 @@ impl ServeArgs {
             serve_indexer: self.serve_indexer,
             use_remote_indexer: self.use_remote_indexer,
             remote_indexer_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),
+            transfer_timeout: secs("transfer-timeout-secs", self.transfer_timeout_secs)?,
             ..ReplicaConfig::default()
         })
     }

@@ -69,10 +69,10 @@ impl KvRouterClient {
 
     /// Routes the request to a prefill and a decode worker (`update_states` on), runs the
     /// prefill alone (`max_tokens` 0) on the prefill worker rank, then the decode on the
-    /// decode worker rank. `mark_prefill` of the prefill half follows its prefill; the
-    /// prefill half's blocks are released by the workers' transfer reports, or at the
-    /// latest (`free`, an unknown request then being fine) when the request ends; the decode
-    /// half is freed when the request ends. `params.pin` is not used.
+    /// decode worker rank. The prefill half (its prefill load and blocks) is released by the
+    /// workers' transfer reports once every prefill tp rank sent the KV, or at the latest
+    /// (`free`, an unknown request then being fine) when the request ends; the decode half
+    /// is freed when the request ends. `params.pin` is not used.
     pub async fn generate_disagg(
         &self,
         params: &GenerateParams,
@@ -122,14 +122,8 @@ impl KvRouterClient {
                     pre,
                 )
                 .await?;
-            if let Err(e) = self
-                .mark_prefill(&pre.replica_id, &params.model, &prefill_id)
-                .await
-            {
-                if !unknown_request(&e) {
-                    bookkeeping.push(e);
-                }
-            }
+            // No mark_prefill of the prefill half: its prefill load stays until every prefill
+            // tp rank reported the KV sent (the replica then frees it).
             let decode = self
                 .run_stage(
                     &model_subjects.generate(dec.worker_id),

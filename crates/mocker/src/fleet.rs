@@ -28,7 +28,7 @@
 use crate::config::{ConfigError, EngineConfig};
 use crate::engine::RankEngine;
 use crate::rank_task::{stopped, RankCmd, RankTask};
-use crate::worker::{publish_msg, EndpointSubs, Endpoints, Publisher, WorkerInfo};
+use crate::worker::{publish_msg, EndpointSubs, Endpoints, Publisher, TransferConfig, WorkerInfo};
 use kvrouter_bus::{Bus, BusError, Subscription};
 use kvrouter_protocol::{
     Deregistration, DpRank, EventId, ModelSubjects, SubjectError, Subjects, WorkerId, WorkerKey,
@@ -74,7 +74,22 @@ pub struct FleetConfig {
     /// Load reports go out this often when something changed (default 100 ms), and at most
     /// one `event_batch_interval` after a change.
     pub load_report_interval: Duration,
+    /// Simulated time one tp rank of a decode worker takes to receive one prompt block of KV
+    /// (default [`DEFAULT_KV_TRANSFER_PER_BLOCK`]).
+    pub kv_transfer_per_block: Duration,
+    /// A decode worker's request fails when not every tp rank received its KV within this
+    /// long (wall time, default 30 s).
+    pub kv_receive_timeout: Duration,
+    /// Test hook: this tp rank of every worker never finishes a transfer (a prefill tp rank
+    /// never reports its KV sent, a decode tp rank never receives). Change it at run time
+    /// with [`MockerFleet::silence_tp_rank`].
+    pub silence_tp_rank: Option<u32>,
 }
+
+/// One prompt block's KV (64 tokens of an 8B model, 8 MiB) over a link of about 80 GB/s.
+pub const DEFAULT_KV_TRANSFER_PER_BLOCK: Duration = Duration::from_micros(100);
+/// How long a decode worker waits for every tp rank to receive a request's KV.
+pub const DEFAULT_KV_RECEIVE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Default for FleetConfig {
     fn default() -> Self {
@@ -92,6 +107,9 @@ impl Default for FleetConfig {
             heartbeat_interval: Duration::from_secs(1),
             event_batch_interval: Duration::from_millis(5),
             load_report_interval: Duration::from_millis(100),
+            kv_transfer_per_block: DEFAULT_KV_TRANSFER_PER_BLOCK,
+            kv_receive_timeout: DEFAULT_KV_RECEIVE_TIMEOUT,
+            silence_tp_rank: None,
         }
     }
 }
@@ -153,6 +171,15 @@ impl FleetConfig {
         if self.load_report_interval.is_zero() {
             return bad("load_report_interval must be positive".into());
         }
+        if self.kv_receive_timeout.is_zero() {
+            return bad("kv_receive_timeout must be positive".into());
+        }
+        if let Some(tp) = self.silence_tp_rank.filter(|&tp| tp >= self.tp_size) {
+            return bad(format!(
+                "silence_tp_rank {tp} is not a tp rank (tp_size {})",
+                self.tp_size
+            ));
+        }
         Ok(())
     }
 }
@@ -174,6 +201,12 @@ pub enum FleetError {
     InvalidRank {
         worker_id: WorkerId,
         dp_rank: DpRank,
+    },
+    #[error("tp rank {tp_rank} is not a tp rank of worker {worker_id} (tp_size {tp_size})")]
+    InvalidTpRank {
+        worker_id: WorkerId,
+        tp_rank: u32,
+        tp_size: u32,
     },
     #[error("the fleet is shutting down")]
     Stopped,
@@ -263,7 +296,13 @@ impl MockerFleet {
             c.tp_size,
             c.engine.capacity_blocks as u64,
             u32::try_from(c.heartbeat_interval.as_millis()).unwrap_or(u32::MAX),
+            TransferConfig {
+                per_block: c.kv_transfer_per_block,
+                receive_timeout: c.kv_receive_timeout,
+                speedup: c.speedup,
+            },
         ));
+        info.set_silenced_tp_rank(c.silence_tp_rank);
         let subs = EndpointSubs {
             generate: self
                 .bus
@@ -378,6 +417,28 @@ impl MockerFleet {
             publish_msg(&self.bus, &self.subjects.register(), &w.info.registration()).await;
             publish_msg(&self.bus, &self.subjects.heartbeat(), &w.info.heartbeat()).await;
         }
+        Ok(())
+    }
+
+    /// Test hook: silences one tp rank of a worker (`None`: none). A silenced prefill tp
+    /// rank never reports a transfer sent; a silenced decode tp rank never receives, so
+    /// requests arriving meanwhile fail after the receive timeout. Transfers under way see
+    /// the change when their tp rank would finish.
+    pub fn silence_tp_rank(
+        &self,
+        worker_id: WorkerId,
+        tp_rank: Option<u32>,
+    ) -> Result<(), FleetError> {
+        let w = self.worker(worker_id)?;
+        if let Some(tp) = tp_rank.filter(|&tp| tp >= w.info.tp_size) {
+            return Err(FleetError::InvalidTpRank {
+                worker_id,
+                tp_rank: tp,
+                tp_size: w.info.tp_size,
+            });
+        }
+        tracing::info!(worker_id, ?tp_rank, "silenced tp rank set (test hook)");
+        w.info.set_silenced_tp_rank(tp_rank);
         Ok(())
     }
 

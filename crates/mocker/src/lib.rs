@@ -47,5 +47,7 @@ pub use engine::{
     LoadReport, Output, OutputKind, RankEngine, Request, SimTime, StepOutcome, SubmitError,
 };
 pub use engine_hash::{engine_block_hash, engine_block_hashes, DEFAULT_ENGINE_HASH_SEED};
-pub use fleet::{FleetConfig, FleetError, MockerFleet};
+pub use fleet::{
+    FleetConfig, FleetError, MockerFleet, DEFAULT_KV_RECEIVE_TIMEOUT, DEFAULT_KV_TRANSFER_PER_BLOCK,
+};
 pub use kv_cache::{BlockTable, CacheFull, CachedBlock, KvCache, PrefixMatch, PromptBlocks};

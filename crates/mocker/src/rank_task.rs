@@ -14,7 +14,7 @@
 
 use crate::engine::{OutputKind, RankEngine, Request, SimTime, StepOutcome, SubmitError};
 use crate::worker::{PubMsg, WorkerInfo};
-use kvrouter_protocol::{EventId, KvEvent, RankLoad};
+use kvrouter_protocol::{ErrorReply, EventId, KvEvent, RankLoad};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,11 +26,13 @@ const MAX_SPAN: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// What a rank task is asked to do.
 pub(crate) enum RankCmd {
-    /// Queue a request; results go to `out`. With `kv_transferred` its prompt KV arrives
-    /// with it (a decode worker's request; see [`RankEngine::submit_transferred`]).
+    /// Queue a request; results go to `out`. With `transferred` its prompt KV arrived by a
+    /// transfer that took that long in simulated time (a decode worker's request; see
+    /// [`RankEngine::submit_transferred`]): the request counts as having arrived that much
+    /// earlier, so its TTFT includes the transfer.
     Submit {
         request: Request,
-        kv_transferred: bool,
+        transferred: Option<Duration>,
         out: mpsc::UnboundedSender<RankOut>,
     },
     /// The rank's cache as events plus its last event id.
@@ -46,6 +48,8 @@ pub(crate) enum RankCmd {
 #[derive(Debug)]
 pub(crate) enum RankOut {
     Rejected(SubmitError),
+    /// The request failed before reaching the engine (e.g. its KV never arrived).
+    Failed(ErrorReply),
     Output(OutputKind),
 }
 
@@ -190,15 +194,16 @@ impl RankTask {
         match cmd {
             RankCmd::Submit {
                 request,
-                kv_transferred,
+                transferred,
                 out,
             } => {
-                let arrival = self.sim_at_now();
+                let now = self.sim_at_now();
                 let id = request.request_id.clone();
-                let submitted = if kv_transferred {
-                    self.engine.submit_transferred(request, arrival)
-                } else {
-                    self.engine.submit(request, arrival)
+                let submitted = match transferred {
+                    Some(took) => self
+                        .engine
+                        .submit_transferred(request, now.saturating_sub(took)),
+                    None => self.engine.submit(request, now),
                 };
                 match submitted {
                     Ok(()) => {

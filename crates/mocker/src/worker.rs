@@ -11,7 +11,7 @@ use kvrouter_protocol::{
     Registration, Reply, StateChunk, StateQuery, WorkerId, WorkerKey, WorkerRole,
 };
 use serde::Serialize;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -25,6 +25,20 @@ pub(crate) const TOKEN_BATCH_WAIT: Duration = Duration::from_millis(20);
 /// Without changes, a load report still goes out this often.
 const LOAD_KEEPALIVE: Duration = Duration::from_secs(1);
 
+/// How a prefill or decode worker's KV transfers behave.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct TransferConfig {
+    /// Simulated time one tp rank takes to receive one prompt block.
+    pub per_block: Duration,
+    /// Wall time a decode worker waits for every tp rank to receive.
+    pub receive_timeout: Duration,
+    /// The fleet's speedup (simulated time / wall time).
+    pub speedup: f64,
+}
+
+/// No tp rank silenced.
+const NOT_SILENCED: u32 = u32::MAX;
+
 /// What every task of one worker shares: identity, registration fields, live ranks, loads.
 pub(crate) struct WorkerInfo {
     pub worker_id: WorkerId,
@@ -37,6 +51,9 @@ pub(crate) struct WorkerInfo {
     pub tp_size: u32,
     pub capacity_blocks: u64,
     pub heartbeat_interval_ms: u32,
+    pub transfer: TransferConfig,
+    /// The silenced tp rank (test hook), or [`NOT_SILENCED`].
+    silenced_tp_rank: AtomicU32,
     live: Vec<AtomicBool>,
     loads: Mutex<Vec<RankLoad>>,
     load_dirty: AtomicBool,
@@ -55,6 +72,7 @@ impl WorkerInfo {
         tp_size: u32,
         capacity_blocks: u64,
         heartbeat_interval_ms: u32,
+        transfer: TransferConfig,
     ) -> Self {
         Self {
             worker_id,
@@ -67,6 +85,8 @@ impl WorkerInfo {
             tp_size,
             capacity_blocks,
             heartbeat_interval_ms,
+            transfer,
+            silenced_tp_rank: AtomicU32::new(NOT_SILENCED),
             live: (0..dp_size).map(|_| AtomicBool::new(true)).collect(),
             loads: Mutex::new(
                 (0..dp_size)
@@ -80,6 +100,16 @@ impl WorkerInfo {
             load_dirty: AtomicBool::new(true),
             load_changed: Notify::new(),
         }
+    }
+
+    /// The tp rank that finishes no transfer (test hook).
+    pub(crate) fn silenced_tp_rank(&self) -> Option<u32> {
+        Some(self.silenced_tp_rank.load(Ordering::Acquire)).filter(|&tp| tp != NOT_SILENCED)
+    }
+
+    pub(crate) fn set_silenced_tp_rank(&self, tp_rank: Option<u32>) {
+        self.silenced_tp_rank
+            .store(tp_rank.unwrap_or(NOT_SILENCED), Ordering::Release);
     }
 
     /// Index of `rank` among this worker's ranks, if it is one of them.
@@ -354,7 +384,7 @@ impl Endpoints {
                 biased;
                 _ = stopped(&mut shutdown) => break,
                 msg = subs.generate.next() => match msg {
-                    Some(msg) => self.on_generate(msg),
+                    Some(msg) => self.on_generate(msg, &shutdown),
                     None => break,
                 },
                 msg = subs.state.next() => match msg {
@@ -387,7 +417,7 @@ impl Endpoints {
         ErrorReply::new(ErrorKind::InvalidRank, message)
     }
 
-    fn on_generate(&self, msg: Message) {
+    fn on_generate(&self, msg: Message, shutdown: &watch::Receiver<bool>) {
         let Some(reply) = msg.reply else {
             tracing::debug!(
                 worker_id = self.info.worker_id,
@@ -424,15 +454,29 @@ impl Endpoints {
             tokens: req.tokens,
             max_tokens: crate::disagg::max_tokens_for(self.info.role, req.max_tokens),
         };
-        let sent = self.ranks[index].send(RankCmd::Submit {
-            request,
-            kv_transferred: crate::disagg::kv_transferred(self.info.role),
-            out: tx,
-        });
-        if sent.is_err() {
-            let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-            tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
-            return;
+        if crate::disagg::kv_transferred(self.info.role) {
+            // The rank gets the request once every tp rank has received its KV.
+            let receive = crate::disagg::Receive {
+                bus: self.bus.clone(),
+                subject: self.transfer_subject.clone(),
+                info: self.info.clone(),
+                dp_rank: req.dp_rank,
+                request,
+                rank: self.ranks[index].clone(),
+                out: tx,
+            };
+            tokio::spawn(receive.run(shutdown.clone()));
+        } else {
+            let sent = self.ranks[index].send(RankCmd::Submit {
+                request,
+                transferred: None,
+                out: tx,
+            });
+            if sent.is_err() {
+                let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
+                tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+                return;
+            }
         }
         tokio::spawn(stream_generate(bus, reply, rx));
     }
@@ -577,6 +621,7 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
                 "the worker stopped before the request finished",
             )),
             Some(RankOut::Rejected(e)) => GenerateEvent::Error(submit_error(&e)),
+            Some(RankOut::Failed(e)) => GenerateEvent::Error(e),
             Some(RankOut::Output(OutputKind::PrefillDone {
                 cached_blocks,
                 prompt_blocks,

@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// How long a disaggregated request may wait for its transfer reports before it is logged
-/// and counted as overdue.
+/// and counted as overdue, by default ([`crate::ReplicaConfig::transfer_timeout`]).
 pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 /// When an incomplete transfer is dropped from tracking altogether.
 pub const TRANSFER_MAX_AGE: Duration = Duration::from_secs(300);
@@ -178,9 +178,14 @@ pub async fn start(
     shared: &Arc<ReplicaShared>,
     inflight: &Arc<InFlight>,
     max_prompt_tokens: usize,
+    transfer_timeout: Duration,
     subjects: &Subjects,
 ) -> Result<(Vec<JoinHandle<()>>, Vec<JoinHandle<()>>), ReplicaError> {
     let bus = &shared.bus;
+    // Overdue transfers are found at most a quarter of the timeout late (a short timeout is
+    // for tests), at most every 500 ms.
+    let tick_every =
+        (transfer_timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(500));
     let mut back = Vec::new();
     let mut models = FxHashMap::default();
     for m in shared.models.values() {
@@ -188,6 +193,7 @@ pub async fn start(
         back.push(tokio::spawn(run_transfers(
             m.clone(),
             shared.metrics.clone(),
+            transfer_timeout,
             rx,
         )));
         let mut sub = subscribe(bus, m.subjects.kv_transfer(), None).await?;
@@ -204,7 +210,7 @@ pub async fn start(
         }));
         let tick = tx.clone();
         back.push(tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_millis(500));
+            let mut every = tokio::time::interval(tick_every);
             loop {
                 every.tick().await;
                 if tick.send(TransferMsg::Tick).is_err() {
@@ -462,9 +468,10 @@ async fn route_disagg(
 async fn run_transfers(
     m: Arc<ModelShared>,
     metrics: Arc<crate::metrics::Metrics>,
+    timeout: Duration,
     mut rx: mpsc::UnboundedReceiver<TransferMsg>,
 ) {
-    let mut t = TransferTracker::new(TRANSFER_TIMEOUT, TRANSFER_MAX_AGE);
+    let mut t = TransferTracker::new(timeout, TRANSFER_MAX_AGE);
     let model = m.name.clone();
     let labels = crate::metrics::Metrics::model(&model);
     let mut seen = crate::transfer::TransferCounters::default();

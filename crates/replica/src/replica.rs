@@ -63,6 +63,9 @@ pub struct ReplicaConfig {
     /// when none answers within `remote_indexer_timeout` (`--use-remote-indexer`).
     pub use_remote_indexer: bool,
     pub remote_indexer_timeout: Duration,
+    /// How long a disaggregated request may wait for its KV transfer reports before it is
+    /// logged and counted as overdue (`--transfer-timeout-secs`).
+    pub transfer_timeout: Duration,
 }
 
 impl Default for ReplicaConfig {
@@ -86,6 +89,7 @@ impl Default for ReplicaConfig {
             serve_indexer: false,
             use_remote_indexer: false,
             remote_indexer_timeout: crate::remote_indexer::DEFAULT_TIMEOUT,
+            transfer_timeout: crate::disagg::TRANSFER_TIMEOUT,
         }
     }
 }
@@ -108,6 +112,8 @@ pub enum ReplicaError {
     },
     #[error("--router-ttl-secs must be above 0 (it is how long a routed request's blocks count as cached)")]
     ZeroRouterTtl,
+    #[error("--transfer-timeout-secs must be above 0 (it is how long a KV transfer may take before it is reported overdue)")]
+    ZeroTransferTimeout,
     #[error("--serve-indexer and --use-remote-indexer cannot be combined: a replica either serves its index or asks another replica's")]
     ServeAndUseRemoteIndexer,
     #[error("--serve-indexer with --overlap-credit 0: a serving indexer exists to share overlaps, which this replica would ignore (give --overlap-credit above 0)")]
@@ -233,6 +239,9 @@ impl Replica {
         }
         if config.no_kv_events && config.router_ttl.is_zero() {
             return Err(ReplicaError::ZeroRouterTtl);
+        }
+        if config.transfer_timeout.is_zero() {
+            return Err(ReplicaError::ZeroTransferTimeout);
         }
         if config.serve_indexer && config.use_remote_indexer {
             return Err(ReplicaError::ServeAndUseRemoteIndexer);
@@ -492,8 +501,14 @@ impl Replica {
             }
         }
         // Disaggregated prefill/decode: route_disagg and KV transfer reports.
-        let (disagg_front, disagg_back) =
-            crate::disagg::start(&shared, &inflight, max_prompt, &subjects).await?;
+        let (disagg_front, disagg_back) = crate::disagg::start(
+            &shared,
+            &inflight,
+            max_prompt,
+            config.transfer_timeout,
+            &subjects,
+        )
+        .await?;
         front.extend(disagg_front);
         back.extend(disagg_back);
         if let Err(e) = bus.flush().await {

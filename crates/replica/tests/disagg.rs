@@ -260,3 +260,171 @@ async fn a_model_without_pools_refuses_disagg_and_routes_aggregated_over_all() {
     replica.shutdown().await;
     prefill.shutdown().await.unwrap();
 }
+
+/// One worker of `role` (tp 2, one rank), optionally with a silenced tp rank.
+fn one(role: WorkerRole, id: u64, silence_tp_rank: Option<u32>) -> FleetConfig {
+    FleetConfig {
+        workers: 1,
+        silence_tp_rank,
+        ..pool(role, id, 1, 0)
+    }
+}
+
+/// (prefill blocks, decode blocks) that a fresh one-block prompt would see on `worker`'s
+/// rank 0: the load the replica counts there, plus the prompt's own block.
+async fn load_on(client: &KvRouterClient, worker: u64, seed: u32) -> (f64, u64) {
+    let req = kvrouter_protocol::OverlapRequest {
+        model: MODEL.into(),
+        tokens: prompt(seed, 1),
+        lora: None,
+    };
+    let loads = client.potential_loads(&req).await.unwrap();
+    let l = loads
+        .iter()
+        .find(|l| l.key == kvrouter_protocol::WorkerKey::new(worker, 0))
+        .expect("the worker rank is known");
+    (l.prefill_blocks, l.decode_blocks)
+}
+
+/// Runs a request on a worker rank to its end (a stream that ends without `Done` fails).
+async fn run_on(bus: &Bus, worker: u64, request_id: &str, tokens: Vec<u32>) {
+    let subject = Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .generate(worker);
+    let run = GenerateRequest {
+        request_id: request_id.into(),
+        tokens,
+        max_tokens: 2,
+        dp_rank: 0,
+    };
+    let mut stream = bus
+        .request_stream(
+            &subject,
+            Bytes::from(encode(&run).unwrap()),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let mut done = false;
+    while let Some(ev) = stream.next().await {
+        let ev: kvrouter_protocol::GenerateEvent = kvrouter_protocol::decode(&ev.unwrap()).unwrap();
+        assert!(
+            !matches!(ev, kvrouter_protocol::GenerateEvent::Error(_)),
+            "{ev:?}"
+        );
+        done |= matches!(ev, kvrouter_protocol::GenerateEvent::Done { .. });
+    }
+    assert!(done, "{request_id} on worker {worker} ran to its end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_one_is_overdue() {
+    let bus = Bus::local();
+    // Worker 100's tp rank 1 never reports its KV sent; worker 110's both do.
+    let silenced = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 100, Some(1)))
+        .await
+        .unwrap();
+    let healthy = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 110, None))
+        .await
+        .unwrap();
+    let decode = MockerFleet::start(bus.clone(), one(WorkerRole::Decode, 200, None))
+        .await
+        .unwrap();
+    let timeout = Duration::from_millis(400);
+    let replica = Replica::start(
+        ReplicaConfig {
+            models: vec![MODEL.into()],
+            discovery_window: Duration::from_millis(100),
+            transfer_timeout: timeout,
+            // The scheduler counts prefill tokens in blocks of this size.
+            block_sizes: [(MODEL.to_string(), 16)].into(),
+            ..ReplicaConfig::default()
+        },
+        bus.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let overdue = || {
+        replica
+            .shared()
+            .metrics
+            .transfers_overdue
+            .get_or_create(&kvrouter_replica::metrics::Metrics::model(MODEL))
+            .get()
+    };
+
+    // One disaggregated request through `prefill` and worker 200; returns its id once both
+    // stages ran (so every decode tp rank has received).
+    let run = |prefill: u64, seed: u32| {
+        let (client, bus) = (&client, &bus);
+        async move {
+            let mut req = disagg_request(prompt(seed, 4), true);
+            req.allowed_workers = Some(vec![prefill, 200]);
+            let d = client.route_disagg(&req).await.unwrap();
+            assert_eq!((d.prefill.worker_id, d.decode.worker_id), (prefill, 200));
+            run_on(bus, prefill, &req.request_id, req.tokens.clone()).await;
+            run_on(bus, 200, &req.request_id, req.tokens.clone()).await;
+            req.request_id
+        }
+    };
+
+    // Silenced: the prefill half keeps its prefill load (4 blocks of prompt) and its blocks.
+    let base = load_on(&client, 100, 90).await;
+    let started = tokio::time::Instant::now();
+    let id = run(100, 1).await;
+    let kept = (base.0 + 4.0, base.1 + 4);
+    assert_eq!(load_on(&client, 100, 90).await, kept);
+    assert_eq!(overdue(), 0, "not overdue before the timeout");
+    let reported = async {
+        while overdue() == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), reported)
+        .await
+        .expect("the missing Sent report is counted overdue");
+    assert!(started.elapsed() >= timeout);
+    // Reported once (the decode side is complete), and the load is still held.
+    tokio::time::sleep(timeout).await;
+    assert_eq!(overdue(), 1, "only the Sent side, only once");
+    assert_eq!(load_on(&client, 100, 90).await, kept);
+    let prefill_id = prefill_request_id(&id);
+    client
+        .mark_prefill(replica.replica_id(), MODEL, &prefill_id)
+        .await
+        .expect("the prefill half is still tracked");
+
+    // Not silenced: once both prefill tp ranks reported, the prefill half is released.
+    let base = load_on(&client, 110, 91).await;
+    let id2 = run(110, 2).await;
+    let released = async {
+        while load_on(&client, 110, 91).await != base {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), released)
+        .await
+        .expect("the prefill load is released on all-sent");
+    assert_eq!(
+        kind(
+            client
+                .mark_prefill(replica.replica_id(), MODEL, &prefill_request_id(&id2))
+                .await
+        ),
+        Some(ErrorKind::UnknownRequest)
+    );
+    tokio::time::sleep(timeout * 2).await;
+    assert_eq!(overdue(), 1, "a complete transfer is never overdue");
+
+    for half in [prefill_id, id, id2] {
+        let _ = client.free(replica.replica_id(), MODEL, &half).await;
+    }
+    replica.shutdown().await;
+    for f in [silenced, healthy, decode] {
+        f.shutdown().await.unwrap();
+    }
+}

@@ -4,11 +4,22 @@
 
 mod common;
 
-use common::{free_port, kvrouter, ready, serve, NatsServer, Proc, E2E_MODEL as MODEL};
+use common::{
+    free_port, kvrouter, metrics, ready, serve, E2eClient, NatsServer, Proc, E2E_MODEL as MODEL,
+};
+use kvrouter_protocol::{DisaggRouteRequest, GenerateEvent, GenerateRequest};
 use serde_json::Value;
+use std::time::Duration;
 
-/// A mocker pool of one role (block size 16, speedup 100); waits for its start line.
-fn pool(nats: &NatsServer, role: &str, first_id: u64, workers: u32, dp: u32, start: u32) -> Proc {
+/// A mocker pool of one role (tp 2, block size 16, speedup 100) with extra flags; waits for
+/// its start line.
+fn pool_with(
+    nats: &NatsServer,
+    role: &str,
+    first_id: u64,
+    (workers, dp, start): (u32, u32, u32),
+    extra: &[&str],
+) -> Proc {
     let url = nats.url();
     let (first, workers, dp, start) = (
         first_id.to_string(),
@@ -16,40 +27,44 @@ fn pool(nats: &NatsServer, role: &str, first_id: u64, workers: u32, dp: u32, sta
         dp.to_string(),
         start.to_string(),
     );
-    let mut p = Proc::start(
+    let mut args = vec![
+        "mocker",
+        "--nats",
+        &url,
+        "--model",
+        MODEL,
+        "--role",
         role,
-        &[
-            "mocker",
-            "--nats",
-            &url,
-            "--model",
-            MODEL,
-            "--role",
-            role,
-            "--workers",
-            &workers,
-            "--dp-size",
-            &dp,
-            "--dp-start-rank",
-            &start,
-            "--tp-size",
-            "2",
-            "--block-size",
-            "16",
-            "--capacity-blocks",
-            "512",
-            "--speedup",
-            "100",
-            "--worker-id-start",
-            &first,
-        ],
-    );
+        "--workers",
+        &workers,
+        "--dp-size",
+        &dp,
+        "--dp-start-rank",
+        &start,
+        "--tp-size",
+        "2",
+        "--block-size",
+        "16",
+        "--capacity-blocks",
+        "512",
+        "--speedup",
+        "100",
+        "--worker-id-start",
+        &first,
+    ];
+    args.extend_from_slice(extra);
+    let mut p = Proc::start(role, &args);
     let line = p.first_line();
     assert!(
         line.contains("worker_ids"),
         "{role} pool start line: {line:?}"
     );
     p
+}
+
+/// A mocker pool of one role (tp 2, block size 16, speedup 100); waits for its start line.
+fn pool(nats: &NatsServer, role: &str, first_id: u64, workers: u32, dp: u32, start: u32) -> Proc {
+    pool_with(nats, role, first_id, (workers, dp, start), &[])
 }
 
 fn json_of(args: &[&str]) -> Value {
@@ -133,4 +148,116 @@ fn prefill_and_decode_pools_through_the_cli() {
     args.push("--no-update-states");
     let plain = json_of(&args);
     assert!(plain["worker_id"].as_u64().is_some(), "{plain}");
+}
+
+/// The value of the first `/metrics` sample whose line starts with `series`, 0 if none.
+fn sample(port: u16, series: &str) -> f64 {
+    metrics(port)
+        .lines()
+        .find_map(|l| l.strip_prefix(series))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+impl E2eClient {
+    /// Routes a disaggregated request (update_states) to `prefill` and decode worker 20, then
+    /// runs it on both to its end; returns its request id.
+    fn disagg_run(&self, prefill: u64, tokens: Vec<u32>) -> String {
+        let req = DisaggRouteRequest {
+            model: MODEL.into(),
+            request_id: kvrouter_client::new_request_id(),
+            tokens,
+            lora: None,
+            allowed_workers: Some(vec![prefill, 20]),
+            update_states: true,
+        };
+        let d = self
+            .rt
+            .block_on(self.client.route_disagg(&req))
+            .expect("route_disagg");
+        assert_eq!((d.prefill.worker_id, d.decode.worker_id), (prefill, 20));
+        for w in [d.prefill, d.decode] {
+            let subject = self
+                .client
+                .subjects()
+                .model(MODEL)
+                .unwrap()
+                .generate(w.worker_id);
+            let run = GenerateRequest {
+                request_id: req.request_id.clone(),
+                tokens: req.tokens.clone(),
+                max_tokens: 2,
+                dp_rank: w.dp_rank,
+            };
+            let payload = kvrouter_protocol::encode(&run).unwrap();
+            let done = self.rt.block_on(async {
+                let mut s = self
+                    .bus()
+                    .request_stream(&subject, payload.into(), Duration::from_secs(5))
+                    .await
+                    .expect("generate");
+                let mut done = false;
+                while let Some(ev) = s.next().await {
+                    let ev: GenerateEvent = kvrouter_protocol::decode(&ev.expect("event")).unwrap();
+                    done |= matches!(ev, GenerateEvent::Done { .. });
+                }
+                done
+            });
+            assert!(done, "the request ran on worker {}", w.worker_id);
+        }
+        req.request_id
+    }
+}
+
+#[test]
+fn a_silenced_prefill_tp_rank_holds_the_prefill_load_and_is_overdue() {
+    let nats = NatsServer::start();
+    // Worker 10's tp rank 1 never reports a KV sent; worker 11 is healthy.
+    let _silenced = pool_with(&nats, "prefill", 10, (1, 1, 0), &["--silence-tp-rank", "1"]);
+    let _healthy = pool(&nats, "prefill", 11, 1, 1, 0);
+    let _decode = pool(&nats, "decode", 20, 1, 1, 0);
+    let port = free_port();
+    let _replica = serve(&nats, "r1", port, &["--transfer-timeout-secs", "0.5"]);
+    assert!(ready(port));
+    let client = E2eClient::new(&nats);
+    let series = |worker: u64, what: &str| {
+        format!(r#"kvrouter_worker_{what}{{model="{MODEL}",worker="{worker}",dp_rank="0"}}"#)
+    };
+    let overdue = format!(r#"kvrouter_transfers_overdue_total{{model="{MODEL}"}}"#);
+
+    client.disagg_run(10, common::e2e_tokens(1, 4));
+    // Load gauges are refreshed periodically.
+    let held = || {
+        sample(port, &series(10, "active_blocks")) == 4.0
+            && sample(port, &series(10, "prefill_tokens")) == 64.0
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(3), held),
+        "the prefill half is held:\n{}",
+        metrics(port)
+    );
+    assert!(
+        common::wait_until(Duration::from_secs(5), || sample(port, &overdue) == 1.0),
+        "the missing Sent report is counted overdue:\n{}",
+        metrics(port)
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(sample(port, &overdue), 1.0, "reported once");
+    assert!(held(), "the prefill half is still held");
+
+    client.disagg_run(11, common::e2e_tokens(2, 4));
+    assert!(
+        common::wait_until(Duration::from_secs(5), || {
+            sample(port, &series(11, "active_blocks")) == 0.0
+                && sample(port, &series(11, "prefill_tokens")) == 0.0
+        }),
+        "all-sent releases the prefill half:\n{}",
+        metrics(port)
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(
+        sample(port, &overdue),
+        1.0,
+        "a complete transfer is not overdue"
+    );
 }

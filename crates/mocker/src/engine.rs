@@ -21,7 +21,8 @@
 //! transferred blocks) but cost no prefill compute. The request is admitted like any other
 //! (same capacity reservation, 1 token of the step budget) and its first output token comes
 //! from that one step, costed as one decode over the prompt's context. The transfer itself
-//! takes no simulated time: the request is submitted once its KV has arrived.
+//! is not simulated here: the worker submits the request once every tp rank received its KV
+//! (see `disagg`), with an arrival time that counts the transfer.
 //!
 //! **Admission control.** A request is admitted only if the KV cache can hold everything it
 //! will ever need (`ceil((prompt + max_tokens - 1) / block_size)` blocks, minus reused ones)

@@ -59,8 +59,8 @@ pub struct FleetConfig {
     pub dp_size: u32,
     /// First rank of each worker (default 0).
     pub dp_start_rank: DpRank,
-    /// Tensor-parallel size (default 1): in registrations, and prefill and decode workers
-    /// send one KV transfer report per tp rank.
+    /// Tensor-parallel size (default 1): in registrations, and each tp rank of a prefill or
+    /// decode worker transfers KV and sends its own transfer report (see `disagg`).
     pub tp_size: u32,
     pub role: WorkerRole,
     /// Engine of every rank (block size, capacity per rank, batching limits, timing).

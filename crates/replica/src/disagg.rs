@@ -13,7 +13,10 @@
 //!   uncached prompt tokens as prefill load, the decode half as `{request_id}` with no
 //!   prefill load (its KV arrives by transfer).
 //! - Transfer reports ([`crate::transfer`]): the prefill half is freed (its prefill load and
-//!   blocks released) once every prefill tp rank reported the request sent.
+//!   blocks released) once every prefill tp rank reported the request sent, and not before.
+//!   A side still incomplete after `ReplicaConfig::transfer_timeout` is logged once and
+//!   counted (`transfers_overdue`); the prefill half then stays until its client frees it or
+//!   the scheduler's request timeout sweeps it.
 
 use crate::endpoints::{self, InFlight};
 use crate::replica::{subscribe, ReplicaError};

@@ -92,6 +92,22 @@ pub struct ServeArgs {
     /// How long a route waits for a serving indexer before routing on load alone.
     #[arg(long, env = "KVROUTER_REMOTE_INDEXER_TIMEOUT_MS", default_value_t = 50)]
     remote_indexer_timeout_ms: u64,
+    /// Remote lookups failing in a row (timeouts, no answer, refusals) after which routes skip
+    /// them (overlap 0) until a probe is answered; 0 turns this breaker off.
+    #[arg(
+        long,
+        env = "KVROUTER_REMOTE_INDEXER_BREAKER_FAILURES",
+        default_value_t = 3
+    )]
+    remote_indexer_breaker_failures: u32,
+    /// How long routes skip remote lookups once the breaker opens, before one probe; each
+    /// failed probe doubles it, up to four times this.
+    #[arg(
+        long,
+        env = "KVROUTER_REMOTE_INDEXER_BREAKER_COOLDOWN_MS",
+        default_value_t = 1000
+    )]
+    remote_indexer_breaker_cooldown_ms: u64,
     /// Seed of the scheduler's tie-breaks and sampling.
     #[arg(long, env = "KVROUTER_SEED")]
     seed: Option<u64>,
@@ -147,6 +163,10 @@ impl ServeArgs {
             serve_indexer: self.serve_indexer,
             use_remote_indexer: self.use_remote_indexer,
             remote_indexer_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),
+            remote_indexer_breaker_failures: self.remote_indexer_breaker_failures,
+            remote_indexer_breaker_cooldown: Duration::from_millis(
+                self.remote_indexer_breaker_cooldown_ms,
+            ),
             ..ReplicaConfig::default()
         })
     }

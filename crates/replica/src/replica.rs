@@ -2,6 +2,7 @@
 
 use crate::admin;
 use crate::approx::DecisionRecorder;
+use crate::breaker::BreakerConfig;
 use crate::endpoints::{spawn_handler, Endpoint, InFlight};
 use crate::fleet::{ask_who_is_there, FleetActor, FleetArgs, FleetMsg};
 use crate::metrics::Metrics;
@@ -63,6 +64,11 @@ pub struct ReplicaConfig {
     /// when none answers within `remote_indexer_timeout` (`--use-remote-indexer`).
     pub use_remote_indexer: bool,
     pub remote_indexer_timeout: Duration,
+    /// Consecutive remote lookup failures that open the breaker (0: never open it).
+    pub remote_indexer_breaker_failures: u32,
+    /// How long an open breaker skips remote lookups before probing (doubled by each failed
+    /// probe, up to four times this).
+    pub remote_indexer_breaker_cooldown: Duration,
 }
 
 impl Default for ReplicaConfig {
@@ -86,6 +92,8 @@ impl Default for ReplicaConfig {
             serve_indexer: false,
             use_remote_indexer: false,
             remote_indexer_timeout: crate::remote_indexer::DEFAULT_TIMEOUT,
+            remote_indexer_breaker_failures: crate::breaker::DEFAULT_FAILURES,
+            remote_indexer_breaker_cooldown: crate::breaker::DEFAULT_COOLDOWN,
         }
     }
 }
@@ -114,6 +122,8 @@ pub enum ReplicaError {
     ServeIndexerWithoutOverlap,
     #[error("--remote-indexer-timeout-ms must be above 0 (it is how long a route waits for a serving indexer)")]
     ZeroRemoteIndexerTimeout,
+    #[error("--remote-indexer-breaker-cooldown-ms must be above 0 (give --remote-indexer-breaker-failures 0 to turn the breaker off)")]
+    ZeroBreakerCooldown,
     #[error("invalid replica id {0:?}: use letters, digits, '-' and '_'")]
     ReplicaId(String),
     #[error(transparent)]
@@ -243,6 +253,12 @@ impl Replica {
         if config.use_remote_indexer && config.remote_indexer_timeout.is_zero() {
             return Err(ReplicaError::ZeroRemoteIndexerTimeout);
         }
+        if config.use_remote_indexer
+            && config.remote_indexer_breaker_failures > 0
+            && config.remote_indexer_breaker_cooldown.is_zero()
+        {
+            return Err(ReplicaError::ZeroBreakerCooldown);
+        }
         config
             .scheduler
             .validate()
@@ -362,6 +378,11 @@ impl Replica {
                             name,
                             indexer_find,
                             config.remote_indexer_timeout,
+                            BreakerConfig::new(
+                                config.remote_indexer_breaker_failures,
+                                config.remote_indexer_breaker_cooldown,
+                                config.remote_indexer_timeout,
+                            ),
                             metrics.clone(),
                         ))
                     }),

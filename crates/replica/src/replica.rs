@@ -469,12 +469,26 @@ impl Replica {
             for rt in &models {
                 let m = shared.models[&rt.name].clone();
                 if config.no_kv_events {
-                    let sub = subscribe(&bus, m.subjects.indexer_record(), None).await?;
-                    back.push(served_indexer::spawn_records(
-                        rt.name.clone(),
-                        sub,
+                    let records = subscribe(&bus, m.subjects.indexer_record(), None).await?;
+                    // The record subscription must reach the server before the dump request.
+                    if let Err(e) = bus.flush().await {
+                        tracing::warn!(error = %e, "cannot flush subscriptions");
+                    }
+                    back.push(served_indexer::spawn_approx(
+                        served_indexer::ApproxServing {
+                            model: m.clone(),
+                            records,
+                            index: rt.index.clone(),
+                            bus: bus.clone(),
+                            metrics: shared.metrics.clone(),
+                            replica_id: replica_id.clone(),
+                            fetch_timeout: config.state_fetch_timeout,
+                        },
+                    ));
+                    back.push(served_indexer::spawn_dumps(
+                        m.clone(),
                         rt.index.clone(),
-                        shared.metrics.clone(),
+                        bus.clone(),
                     ));
                 }
                 front.push(served_indexer::spawn_queries(

@@ -30,6 +30,7 @@ async fn refused(config: ReplicaConfig) -> String {
                 ReplicaError::ServeAndUseRemoteIndexer
                     | ReplicaError::ServeIndexerWithoutOverlap
                     | ReplicaError::ZeroRemoteIndexerTimeout
+                    | ReplicaError::ZeroBreakerCooldown
             ));
             e.to_string()
         }
@@ -59,6 +60,11 @@ async fn conflicting_indexer_settings_are_refused() {
     c.remote_indexer_timeout = Duration::ZERO;
     let e = refused(c).await;
     assert!(e.contains("--remote-indexer-timeout-ms"), "{e}");
+    let mut c = config("a");
+    c.use_remote_indexer = true;
+    c.remote_indexer_breaker_cooldown = Duration::ZERO;
+    let e = refused(c).await;
+    assert!(e.contains("--remote-indexer-breaker-cooldown-ms"), "{e}");
 }
 
 fn route_req(tokens: Vec<u32>) -> RouteRequest {

@@ -180,7 +180,7 @@ fn approximate_mode_decisions_reach_every_serving_indexer() {
     let (ps1, ps2, pr1) = (free_port(), free_port(), free_port());
     let approx_serve = ["--serve-indexer", "--no-kv-events"];
     let s1 = serve(&nats, "s1", ps1, &approx_serve);
-    let _s2 = serve(&nats, "s2", ps2, &approx_serve);
+    let s2 = serve(&nats, "s2", ps2, &approx_serve);
     let _r1 = serve(
         &nats,
         "r1",
@@ -215,6 +215,17 @@ fn approximate_mode_decisions_reach_every_serving_indexer() {
     let_nats_notice();
     let by = routes_like_one_replica(&c, &prompt, 20, holder, 6);
     assert!(by.is_subset(&set(&["s2", "r1"])), "{by:?}");
+    assert_eq!(counter(pr1, FALLBACKS), fallbacks, "no query fell back");
+
+    // A serving indexer started now loads s2's entries (it saw no decision itself), so the
+    // decision survives losing s2 too.
+    let ps3 = free_port();
+    let _s3 = serve(&nats, "s3", ps3, &approx_serve);
+    assert!(ready(ps3));
+    s2.kill();
+    let_nats_notice();
+    let by = routes_like_one_replica(&c, &prompt, 20, holder, 6);
+    assert!(by.is_subset(&set(&["s3", "r1"])), "{by:?}");
     assert_eq!(counter(pr1, FALLBACKS), fallbacks, "no query fell back");
 }
 

@@ -96,6 +96,22 @@ pub struct ServeArgs {
     /// before it is logged and counted as overdue (kvrouter_transfers_overdue_total).
     #[arg(long, env = "KVROUTER_TRANSFER_TIMEOUT_SECS", default_value_t = 10.0)]
     transfer_timeout_secs: f64,
+    /// Remote lookups failing in a row (timeouts, no answer, refusals) after which routes skip
+    /// them (overlap 0) until a probe is answered; 0 turns this breaker off.
+    #[arg(
+        long,
+        env = "KVROUTER_REMOTE_INDEXER_BREAKER_FAILURES",
+        default_value_t = 3
+    )]
+    remote_indexer_breaker_failures: u32,
+    /// How long routes skip remote lookups once the breaker opens, before one probe; each
+    /// failed probe doubles it, up to four times this.
+    #[arg(
+        long,
+        env = "KVROUTER_REMOTE_INDEXER_BREAKER_COOLDOWN_MS",
+        default_value_t = 1000
+    )]
+    remote_indexer_breaker_cooldown_ms: u64,
     /// Seed of the scheduler's tie-breaks and sampling.
     #[arg(long, env = "KVROUTER_SEED")]
     seed: Option<u64>,
@@ -152,6 +168,10 @@ impl ServeArgs {
             use_remote_indexer: self.use_remote_indexer,
             remote_indexer_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),
             transfer_timeout: secs("transfer-timeout-secs", self.transfer_timeout_secs)?,
+            remote_indexer_breaker_failures: self.remote_indexer_breaker_failures,
+            remote_indexer_breaker_cooldown: Duration::from_millis(
+                self.remote_indexer_breaker_cooldown_ms,
+            ),
             ..ReplicaConfig::default()
         })
     }

@@ -12,7 +12,7 @@ pub mod overlap;
 pub mod prefix;
 pub mod sharded;
 
-pub use approx::{ApproxConfig, ApproxTracker};
+pub use approx::{ApproxConfig, ApproxTracker, Imported};
 pub use error::IndexError;
 pub use index::{block_limit_for_capacity, Applied, Index, IndexCounters, IndexStats, RankDump};
 pub use overlap::OverlapScores;

@@ -7,12 +7,12 @@
 //! an [`IndexReader`] read-locks each core in turn. An actor acknowledges a batch only after
 //! releasing the write lock, so a lookup issued after the acknowledgement sees the batch.
 
-use crate::approx::{ApproxConfig, ApproxTracker};
+use crate::approx::{ApproxConfig, ApproxTracker, Imported};
 use crate::error::IndexError;
 use crate::index::{Index, IndexStats, RankDump};
 use crate::overlap::OverlapScores;
 use crate::prefix::PrefixChain;
-use kvrouter_protocol::{KvEvent, LocalBlockHash, SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{ApproxEntry, KvEvent, LocalBlockHash, SequenceHash, WorkerId, WorkerKey};
 use parking_lot::{Mutex, RwLock};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rustc_hash::FxHashMap;
@@ -86,6 +86,10 @@ pub enum ShardMsg {
     Dump(WorkerKey, RpcReplyPort<Option<RankDump>>),
     Load(RankDump, RpcReplyPort<Result<(), IndexError>>),
     Expire,
+    /// Approximate mode: every tracked block with its time left (see [`ApproxTracker::export`]).
+    ExportApprox(RpcReplyPort<Vec<ApproxEntry>>),
+    /// Approximate mode: loads a peer's export (see [`ApproxTracker::import`]).
+    ImportApprox(Vec<ApproxEntry>, RpcReplyPort<Imported>),
     /// Replies once every earlier message has been applied.
     Flush(RpcReplyPort<()>),
 }
@@ -210,6 +214,27 @@ impl Actor for ShardActor {
                     t.expire(&mut core.index, approx_now());
                 }
                 state.after_write(core);
+            }
+            ShardMsg::ExportApprox(reply) => {
+                let core = core_lock.read();
+                let entries = core
+                    .approx
+                    .as_ref()
+                    .map(|t| t.export(&core.index, approx_now()))
+                    .unwrap_or_default();
+                drop(core);
+                let _ = reply.send(entries);
+            }
+            ShardMsg::ImportApprox(entries, reply) => {
+                let mut guard = core_lock.write();
+                let core = &mut *guard;
+                let imported = match core.approx.as_mut() {
+                    Some(t) => t.import(&mut core.index, &entries, approx_now()),
+                    None => Imported::default(),
+                };
+                state.after_write(core);
+                drop(guard);
+                let _ = reply.send(imported);
             }
             ShardMsg::Flush(reply) => {
                 let _ = reply.send(());
@@ -443,6 +468,52 @@ impl ShardedIndex {
             .map_err(|_| ShardError::ShardDown(shard))?
             .success_or(ShardError::ShardDown(shard))?;
         Ok(result?)
+    }
+
+    /// Approximate mode: every tracked block of every shard with its time left, each rank's
+    /// blocks parents first (for a peer's [`import_approx`](Self::import_approx)).
+    pub async fn export_approx(&self) -> Result<Vec<ApproxEntry>, ShardError> {
+        if !self.approx {
+            return Err(ShardError::NotApproximate);
+        }
+        let mut out = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            let entries = shard
+                .actor
+                .call(ShardMsg::ExportApprox, None)
+                .await
+                .map_err(|_| ShardError::ShardDown(i))?
+                .success_or(ShardError::ShardDown(i))?;
+            out.extend(entries);
+        }
+        Ok(out)
+    }
+
+    /// Approximate mode: loads a peer's export, each worker's entries to its shard in order.
+    pub async fn import_approx(&self, entries: Vec<ApproxEntry>) -> Result<Imported, ShardError> {
+        if !self.approx {
+            return Err(ShardError::NotApproximate);
+        }
+        let mut per_shard: Vec<Vec<ApproxEntry>> = vec![Vec::new(); self.shards.len()];
+        for e in entries {
+            per_shard[self.shard_of(e.key.worker_id)].push(e);
+        }
+        let mut total = Imported::default();
+        for (i, batch) in per_shard.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            let got = self.shards[i]
+                .actor
+                .call(|reply| ShardMsg::ImportApprox(batch, reply), None)
+                .await
+                .map_err(|_| ShardError::ShardDown(i))?
+                .success_or(ShardError::ShardDown(i))?;
+            total.added += got.added;
+            total.kept += got.kept;
+            total.refused += got.refused;
+        }
+        Ok(total)
     }
 
     /// Refuses `Stored` events beyond `limit` blocks per rank of `worker_id`.

@@ -179,3 +179,47 @@ async fn gaps_are_reported_for_recovery() {
     assert_eq!(index.stats().counters.gaps, 1);
     index.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approximate_export_loads_into_an_index_with_other_shards() {
+    let approx = |shards| ShardedIndexConfig {
+        shards,
+        approx: Some(ApproxConfig {
+            ttl: Duration::from_secs(60),
+            capacity_blocks: 10_000,
+        }),
+        recovery: None,
+    };
+    let a = ShardedIndex::start(approx(3)).await.unwrap();
+    let mut prompts = Vec::new();
+    for w in 0..6u64 {
+        let tokens: Vec<u32> = (0..16 * (w as u32 + 2)).map(|t| t + 7 * w as u32).collect();
+        let local = local_block_hashes(&tokens, 16, None).unwrap();
+        let seq = sequence_hashes(&local);
+        a.record_routing_decision(WorkerKey::new(w, (w % 2) as u32), local.clone(), seq)
+            .await
+            .unwrap();
+        prompts.push(local);
+    }
+    let dump = a.export_approx().await.unwrap();
+    assert_eq!(dump.len(), a.stats().live_pairs);
+    let b = ShardedIndex::start(approx(2)).await.unwrap();
+    let got = b.import_approx(dump.clone()).await.unwrap();
+    assert_eq!((got.added, got.kept, got.refused), (dump.len(), 0, 0));
+    for p in &prompts {
+        let (mut x, mut y) = (b.find_matches(p).scores, a.find_matches(p).scores);
+        x.sort_unstable();
+        y.sort_unstable();
+        assert!(!y.is_empty());
+        assert_eq!(x, y);
+    }
+    // Not approximate: nothing to export or load.
+    let plain = ShardedIndex::start(ShardedIndexConfig::default())
+        .await
+        .unwrap();
+    assert!(plain.export_approx().await.is_err());
+    assert!(plain.import_approx(dump).await.is_err());
+    a.stop().await;
+    b.stop().await;
+    plain.stop().await;
+}

@@ -307,6 +307,37 @@ pub struct IndexerRecord {
     pub sequence_hashes: Vec<crate::types::SequenceHash>,
 }
 
+/// A serving indexer starting in approximate mode asks a peer serving indexer for its
+/// approximate index (answered as a stream of `Reply<IndexerDumpChunk>`, ended by the
+/// end-of-stream marker), so that it does not start empty.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexerDumpRequest {
+    /// The asker, for the answerer's logs.
+    pub replica_id: String,
+}
+
+/// One assumed-cached block of an approximate index. Within a dump, a block comes after its
+/// parent (the block before it in the prompt, on the same worker rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApproxEntry {
+    pub key: WorkerKey,
+    /// The sequence hash of the previous block; `None` for a prompt's first block.
+    pub parent: Option<crate::types::SequenceHash>,
+    pub sequence_hash: crate::types::SequenceHash,
+    pub local_hash: crate::types::LocalBlockHash,
+    /// Milliseconds the block has left before it expires on the peer.
+    pub expires_in_ms: u64,
+}
+
+/// One piece of a peer's approximate index.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexerDumpChunk {
+    /// The peer's block size for the model (`None` before its first worker registered): an
+    /// asker with another one must not load the entries.
+    pub block_size: Option<u32>,
+    pub entries: Vec<ApproxEntry>,
+}
+
 /// Runs a request on one rank of a worker (answered as a stream of [`GenerateEvent`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenerateRequest {
@@ -460,6 +491,24 @@ pub fn chunk_events(events: Vec<KvEvent>, max_payload: usize) -> Vec<Vec<KvEvent
     out
 }
 
+/// Upper bound on the encoded size of one [`ApproxEntry`] (varint hashes, key, expiry).
+pub const ENCODED_APPROX_ENTRY_BYTES: usize = 64;
+
+/// Splits an approximate index dump into chunks whose encoding stays under `max_payload`
+/// (with room to spare for the chunk's own fields), in order.
+pub fn chunk_approx_entries(
+    entries: Vec<ApproxEntry>,
+    max_payload: usize,
+) -> Vec<Vec<ApproxEntry>> {
+    let per_chunk = (max_payload / 2 / ENCODED_APPROX_ENTRY_BYTES).max(1);
+    let mut out = Vec::with_capacity(entries.len().div_ceil(per_chunk));
+    let mut rest = entries.into_iter().peekable();
+    while rest.peek().is_some() {
+        out.push(rest.by_ref().take(per_chunk).collect());
+    }
+    out
+}
+
 /// Upper bound on the encoded size of an event apart from its blocks (key, id, variant,
 /// parent, lengths).
 pub const ENCODED_EVENT_OVERHEAD: usize = 64;
@@ -504,6 +553,36 @@ mod tests {
             back.into_result().unwrap_err().kind,
             ErrorKind::UnknownModel
         );
+    }
+
+    #[test]
+    fn approx_dump_chunks_fit_the_payload_and_keep_order() {
+        use crate::types::SequenceHash;
+        let entries: Vec<ApproxEntry> = (0..5000u64)
+            .map(|i| ApproxEntry {
+                key: WorkerKey::new(u64::MAX - i, u32::MAX),
+                parent: Some(SequenceHash(u64::MAX - i)),
+                sequence_hash: SequenceHash(u64::MAX - 2 * i),
+                local_hash: LocalBlockHash(u64::MAX / 3 + i),
+                expires_in_ms: u64::MAX - i,
+            })
+            .collect();
+        let max = 64 << 10;
+        let chunks = chunk_approx_entries(entries.clone(), max);
+        assert!(chunks.len() > 1);
+        for c in &chunks {
+            let chunk = IndexerDumpChunk {
+                block_size: Some(u32::MAX),
+                entries: c.clone(),
+            };
+            let reply: Reply<IndexerDumpChunk> = Reply::Ok(chunk);
+            let bytes = encode(&reply).unwrap();
+            assert!(bytes.len() <= max, "{} bytes", bytes.len());
+            assert_eq!(decode::<Reply<IndexerDumpChunk>>(&bytes).unwrap(), reply);
+        }
+        assert_eq!(chunks.concat(), entries);
+        assert!(chunk_approx_entries(Vec::new(), max).is_empty());
+        assert_eq!(chunk_approx_entries(entries[..3].to_vec(), 1).len(), 3);
     }
 
     #[test]

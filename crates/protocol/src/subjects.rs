@@ -179,6 +179,12 @@ impl ModelSubjects {
         format!("{}.indexer.record", self.prefix)
     }
 
+    /// `IndexerDumpRequest` → stream of `Reply<IndexerDumpChunk>`: a serving indexer starting in
+    /// approximate mode asks a peer (queue group [`INDEXER_QUEUE_GROUP`]) for its entries.
+    pub fn indexer_dump(&self) -> String {
+        format!("{}.indexer.dump", self.prefix)
+    }
+
     /// Test hook: `u64` number of KV event batches the worker should drop (not publish).
     pub fn drop_events(&self, worker_id: u64) -> String {
         format!("{}.worker.{worker_id}.drop_events", self.prefix)
@@ -211,6 +217,7 @@ pub fn fleet_subjects(
         ("kv_transfer", m.kv_transfer()),
         ("indexer_find_matches", m.indexer_find_matches()),
         ("indexer_record", m.indexer_record()),
+        ("indexer_dump", m.indexer_dump()),
         ("generate", m.generate_wildcard()),
         ("state", m.state_wildcard()),
     ])

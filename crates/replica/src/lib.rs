@@ -12,13 +12,15 @@
 //! - [`admin`] and [`metrics`]: `/healthz`, `/readyz`, `/metrics`.
 //! - [`approx`]: approximate mode (`--no-kv-events`), route decisions feeding the index.
 //! - [`served_indexer`] and [`remote_indexer`]: `--serve-indexer` answers other replicas'
-//!   overlap queries; `--use-remote-indexer` asks them instead of keeping an index.
+//!   overlap queries; `--use-remote-indexer` asks them instead of keeping an index, through
+//!   the circuit breaker of [`breaker`].
 //! - [`disagg`] and [`transfer`]: disaggregated prefill/decode routing (`route_disagg`) and
 //!   KV transfer tracking across tensor-parallel ranks.
 //! - [`replica`]: starting, wiring and draining it all.
 
 pub mod admin;
 pub mod approx;
+pub mod breaker;
 pub mod disagg;
 pub mod discovery;
 pub mod endpoints;

@@ -74,6 +74,10 @@ pub struct Metrics {
     /// fell back to load alone because none answered.
     pub remote_indexer_queries: Family<ModelLabels, Counter>,
     pub remote_indexer_fallbacks: Family<ModelLabels, Counter>,
+    /// Of those fallbacks, lookups not even asked because the breaker was open; and whether it
+    /// is open (1) or closed (0).
+    pub remote_indexer_skipped: Family<ModelLabels, Counter>,
+    pub remote_indexer_breaker_open: Family<ModelLabels, Gauge>,
     /// `--serve-indexer`: queries answered, queries refused (not synced yet, bad request), and
     /// published decisions recorded.
     pub served_indexer_queries: Family<ModelLabels, Counter>,
@@ -189,6 +193,16 @@ impl Metrics {
             remote_indexer_fallbacks: reg!(
                 "remote_indexer_fallbacks",
                 "Overlap queries no serving indexer answered: routed on load alone (--use-remote-indexer)",
+                Family::default()
+            ),
+            remote_indexer_skipped: reg!(
+                "remote_indexer_skipped",
+                "Overlap queries not asked because the remote-indexer breaker was open: routed on load alone (also counted in remote_indexer_fallbacks)",
+                Family::default()
+            ),
+            remote_indexer_breaker_open: reg!(
+                "remote_indexer_breaker_open",
+                "1 while the remote-indexer breaker is open (serving indexers failing: lookups skipped), else 0",
                 Family::default()
             ),
             served_indexer_queries: reg!(

@@ -10,11 +10,17 @@
 //! starts and an info line when a serving indexer answers again ([`Outage`]); overlap-aware
 //! routing then resumes by itself, as every request asks again.
 //!
+//! A hung serving indexer (it takes queries and never answers) would cost every route the
+//! whole timeout, so lookups go through a circuit breaker ([`crate::breaker`]): after a few
+//! failures in a row, routes skip the lookup (counted in `kvrouter_remote_indexer_skipped_total`
+//! as well as in the fallbacks) until a probe is answered again.
+//!
 //! In approximate mode (`--no-kv-events`) with a served or remote indexer, route decisions are
 //! published on the model's `indexer.record` subject instead of being recorded locally
 //! ([`DecisionPublisher`]); every serving indexer subscribes without a queue group, so all of
 //! them record every decision and stay equal.
 
+use crate::breaker::{Admit, Breaker, BreakerConfig, Transition};
 use crate::metrics::{Metrics, ModelLabels};
 use crate::state::ModelShared;
 use bytes::Bytes;
@@ -30,6 +36,12 @@ use std::time::{Duration, Instant};
 
 /// Default of `--remote-indexer-timeout-ms`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// Tokio's clock, so that timeouts and the breaker's cooldown follow a paused clock in tests;
+/// the same as `Instant::now()` otherwise.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
 
 /// What changed in the outage state after a query.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,6 +97,8 @@ pub struct RemoteIndexer {
     /// Mirrors `outage.is_down()`, so an answer in normal operation takes no lock.
     down: AtomicBool,
     outage: Mutex<Outage>,
+    /// Held for a few field updates per lookup, never across the query.
+    breaker: Mutex<Breaker>,
 }
 
 impl RemoteIndexer {
@@ -93,6 +107,7 @@ impl RemoteIndexer {
         model: &str,
         subject: String,
         timeout: Duration,
+        breaker: BreakerConfig,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
@@ -104,7 +119,13 @@ impl RemoteIndexer {
             labels: Metrics::model(model),
             down: AtomicBool::new(false),
             outage: Mutex::new(Outage::default()),
+            breaker: Mutex::new(Breaker::new(breaker)),
         }
+    }
+
+    /// Whether the breaker skips lookups (open, or half-open with its probe out).
+    pub fn breaker_open(&self) -> bool {
+        self.breaker.lock().is_open()
     }
 
     /// Whether the last query found no serving indexer.
@@ -122,14 +143,34 @@ impl RemoteIndexer {
         if local.is_empty() {
             return Vec::new(); // no full block: nothing can overlap
         }
-        match self.query(block_size, local).await {
+        let admitted = self.breaker.lock().admit(now());
+        let ticket = match admitted {
+            Admit::Ask(t) => t,
+            Admit::Skip => {
+                self.metrics
+                    .remote_indexer_skipped
+                    .get_or_create(&self.labels)
+                    .inc();
+                self.fell_back("the breaker is open after repeated failures");
+                return Vec::new();
+            }
+        };
+        let result = self.query(block_size, local).await;
+        let change = match &result {
+            Ok(_) => self.breaker.lock().succeeded(ticket, now()),
+            Err(_) => self.breaker.lock().failed(ticket, now()),
+        };
+        if let Some(change) = change {
+            self.log_breaker(change);
+        }
+        match result {
             Ok(scores) => {
                 self.metrics
                     .remote_indexer_queries
                     .get_or_create(&self.labels)
                     .inc();
                 if self.down.load(Ordering::Relaxed) {
-                    let change = self.outage.lock().answered(Instant::now());
+                    let change = self.outage.lock().answered(now());
                     self.down.store(false, Ordering::Relaxed);
                     if let Some(OutageChange::Ended { lasted, fallbacks }) = change {
                         tracing::info!(
@@ -143,23 +184,62 @@ impl RemoteIndexer {
                 scores
             }
             Err(reason) => {
-                self.metrics
-                    .remote_indexer_fallbacks
-                    .get_or_create(&self.labels)
-                    .inc();
-                let change = self.outage.lock().failed(Instant::now());
-                self.down.store(true, Ordering::Relaxed);
-                if change == Some(OutageChange::Started) {
-                    tracing::warn!(
-                        model = %self.model,
-                        subject = %self.subject,
-                        %reason,
-                        "no serving indexer answered: routing on load alone (overlap 0) until one does"
-                    );
-                } else {
-                    tracing::debug!(model = %self.model, %reason, "remote indexer fallback");
-                }
+                self.fell_back(&reason);
                 Vec::new()
+            }
+        }
+    }
+
+    /// Counts a route on load alone and reports the outage once.
+    fn fell_back(&self, reason: &str) {
+        self.metrics
+            .remote_indexer_fallbacks
+            .get_or_create(&self.labels)
+            .inc();
+        let change = self.outage.lock().failed(now());
+        self.down.store(true, Ordering::Relaxed);
+        if change == Some(OutageChange::Started) {
+            tracing::warn!(
+                model = %self.model,
+                subject = %self.subject,
+                %reason,
+                "no serving indexer answered: routing on load alone (overlap 0) until one does"
+            );
+        } else {
+            tracing::debug!(model = %self.model, %reason, "remote indexer fallback");
+        }
+    }
+
+    fn log_breaker(&self, change: Transition) {
+        let gauge = self
+            .metrics
+            .remote_indexer_breaker_open
+            .get_or_create(&self.labels);
+        match change {
+            Transition::Opened { failures, cooldown } => {
+                gauge.set(1);
+                tracing::warn!(
+                    model = %self.model,
+                    failures,
+                    cooldown_ms = cooldown.as_millis() as u64,
+                    "serving indexers failed {failures} times in a row: breaker open, routes skip the remote lookup (overlap 0) until a probe is answered"
+                );
+            }
+            Transition::Reopened { cooldown } => {
+                tracing::debug!(
+                    model = %self.model,
+                    cooldown_ms = cooldown.as_millis() as u64,
+                    "breaker probe failed: open again"
+                );
+            }
+            Transition::Closed { open_for, skipped } => {
+                gauge.set(0);
+                tracing::info!(
+                    model = %self.model,
+                    open_ms = open_for.as_millis() as u64,
+                    skipped,
+                    "breaker probe answered: breaker closed, remote lookups resume"
+                );
             }
         }
     }
@@ -299,6 +379,7 @@ mod tests {
                 "m",
                 "ns.model.m.indexer.find_matches".into(),
                 timeout,
+                BreakerConfig::new(3, Duration::from_secs(1), timeout),
                 metrics.clone(),
             ),
             metrics,
@@ -332,23 +413,11 @@ mod tests {
         let (r, metrics) = remote(&bus, Duration::from_secs(1));
         assert!(r.find_matches(16, &lh(&[1, 2])).await.is_empty());
         assert!(r.is_down());
-        let mut sub = bus
+        let sub = bus
             .queue_subscribe("ns.model.m.indexer.find_matches", "g")
             .await
             .unwrap();
-        let responder_bus = bus.clone();
-        tokio::spawn(async move {
-            while let Some(msg) = sub.next().await {
-                let q: IndexerQuery = decode(&msg.payload).unwrap();
-                let reply: Reply<OverlapScoresReply> = Reply::Ok(OverlapScoresReply {
-                    block_size: q.block_size,
-                    scores: vec![(WorkerKey::new(7, 0), q.local_hashes.len() as u32)],
-                });
-                let _ = responder_bus
-                    .publish(&msg.reply.unwrap(), Bytes::from(encode(&reply).unwrap()))
-                    .await;
-            }
-        });
+        answering_indexer(&bus, sub);
         assert_eq!(
             r.find_matches(16, &lh(&[1, 2])).await,
             vec![(WorkerKey::new(7, 0), 2)]
@@ -357,6 +426,125 @@ mod tests {
         let text = metrics.render();
         assert!(text.contains(r#"kvrouter_remote_indexer_queries_total{model="m"} 1"#));
         assert!(text.contains(r#"kvrouter_remote_indexer_fallbacks_total{model="m"} 1"#));
+    }
+
+    /// A queue-group member on the find_matches subject that takes queries and never
+    /// answers; counts them.
+    async fn hung_indexer(
+        bus: &Bus,
+    ) -> (
+        Arc<std::sync::atomic::AtomicUsize>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let mut sub = bus
+            .queue_subscribe("ns.model.m.indexer.find_matches", "g")
+            .await
+            .unwrap();
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let n = asked.clone();
+        let task = tokio::spawn(async move {
+            while sub.next().await.is_some() {
+                n.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        (asked, task)
+    }
+
+    fn answering_indexer(bus: &Bus, mut sub: kvrouter_bus::Subscription) {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let q: IndexerQuery = decode(&msg.payload).unwrap();
+                let reply: Reply<OverlapScoresReply> = Reply::Ok(OverlapScoresReply {
+                    block_size: q.block_size,
+                    scores: vec![(WorkerKey::new(7, 0), q.local_hashes.len() as u32)],
+                });
+                let _ = bus
+                    .publish(&msg.reply.unwrap(), Bytes::from(encode(&reply).unwrap()))
+                    .await;
+            }
+        });
+    }
+
+    fn series(metrics: &Metrics, name: &str) -> u64 {
+        let text = metrics.render();
+        let prefix = format!("{name}{{model=\"m\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |v| v.trim().parse::<f64>().unwrap() as u64)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_serving_indexer_opens_the_breaker_and_an_answer_closes_it() {
+        let bus = Bus::local();
+        let (r, metrics) = remote(&bus, Duration::from_millis(50));
+        let (asked, hung) = hung_indexer(&bus).await;
+        // Three timeouts open the breaker; the other routes do not ask (nor wait).
+        for _ in 0..20 {
+            assert!(r.find_matches(16, &lh(&[1, 2])).await.is_empty());
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 3);
+        assert!(r.breaker_open());
+        assert_eq!(
+            series(&metrics, "kvrouter_remote_indexer_fallbacks_total"),
+            20
+        );
+        assert_eq!(
+            series(&metrics, "kvrouter_remote_indexer_skipped_total"),
+            17
+        );
+        assert_eq!(series(&metrics, "kvrouter_remote_indexer_breaker_open"), 1);
+
+        // After the cooldown one probe asks; still hung, so it is open again (for 2 s).
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for _ in 0..10 {
+            assert!(r.find_matches(16, &lh(&[1, 2])).await.is_empty());
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 4, "one probe");
+        assert!(r.breaker_open());
+
+        // The hung indexer goes, an answering one comes: the next probe closes the breaker.
+        hung.abort();
+        let _ = hung.await;
+        let sub = bus
+            .queue_subscribe("ns.model.m.indexer.find_matches", "g")
+            .await
+            .unwrap();
+        answering_indexer(&bus, sub);
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(
+            r.find_matches(16, &lh(&[1, 2])).await.is_empty(),
+            "still open"
+        );
+        tokio::time::advance(Duration::from_millis(1600)).await;
+        assert_eq!(
+            r.find_matches(16, &lh(&[1, 2])).await,
+            vec![(WorkerKey::new(7, 0), 2)]
+        );
+        assert!(!r.breaker_open() && !r.is_down());
+        assert_eq!(series(&metrics, "kvrouter_remote_indexer_breaker_open"), 0);
+        assert_eq!(series(&metrics, "kvrouter_remote_indexer_queries_total"), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_breaker_can_be_turned_off() {
+        let bus = Bus::local();
+        let metrics = Arc::new(Metrics::new());
+        let r = RemoteIndexer::new(
+            bus.clone(),
+            "m",
+            "ns.model.m.indexer.find_matches".into(),
+            Duration::from_millis(50),
+            BreakerConfig::new(0, Duration::from_secs(1), Duration::from_millis(50)),
+            metrics.clone(),
+        );
+        let (asked, _hung) = hung_indexer(&bus).await;
+        for _ in 0..10 {
+            assert!(r.find_matches(16, &lh(&[1])).await.is_empty());
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 10);
+        assert!(!r.breaker_open());
+        assert_eq!(series(&metrics, "kvrouter_remote_indexer_skipped_total"), 0);
     }
 
     #[tokio::test]

@@ -2,6 +2,7 @@
 
 use crate::admin;
 use crate::approx::DecisionRecorder;
+use crate::breaker::BreakerConfig;
 use crate::endpoints::{spawn_handler, Endpoint, InFlight};
 use crate::fleet::{ask_who_is_there, FleetActor, FleetArgs, FleetMsg};
 use crate::metrics::Metrics;
@@ -66,6 +67,11 @@ pub struct ReplicaConfig {
     /// How long a disaggregated request may wait for its KV transfer reports before it is
     /// logged and counted as overdue (`--transfer-timeout-secs`).
     pub transfer_timeout: Duration,
+    /// Consecutive remote lookup failures that open the breaker (0: never open it).
+    pub remote_indexer_breaker_failures: u32,
+    /// How long an open breaker skips remote lookups before probing (doubled by each failed
+    /// probe, up to four times this).
+    pub remote_indexer_breaker_cooldown: Duration,
 }
 
 impl Default for ReplicaConfig {
@@ -90,6 +96,8 @@ impl Default for ReplicaConfig {
             use_remote_indexer: false,
             remote_indexer_timeout: crate::remote_indexer::DEFAULT_TIMEOUT,
             transfer_timeout: crate::disagg::TRANSFER_TIMEOUT,
+            remote_indexer_breaker_failures: crate::breaker::DEFAULT_FAILURES,
+            remote_indexer_breaker_cooldown: crate::breaker::DEFAULT_COOLDOWN,
         }
     }
 }
@@ -120,6 +128,8 @@ pub enum ReplicaError {
     ServeIndexerWithoutOverlap,
     #[error("--remote-indexer-timeout-ms must be above 0 (it is how long a route waits for a serving indexer)")]
     ZeroRemoteIndexerTimeout,
+    #[error("--remote-indexer-breaker-cooldown-ms must be above 0 (give --remote-indexer-breaker-failures 0 to turn the breaker off)")]
+    ZeroBreakerCooldown,
     #[error("invalid replica id {0:?}: use letters, digits, '-' and '_'")]
     ReplicaId(String),
     #[error(transparent)]
@@ -252,6 +262,12 @@ impl Replica {
         if config.use_remote_indexer && config.remote_indexer_timeout.is_zero() {
             return Err(ReplicaError::ZeroRemoteIndexerTimeout);
         }
+        if config.use_remote_indexer
+            && config.remote_indexer_breaker_failures > 0
+            && config.remote_indexer_breaker_cooldown.is_zero()
+        {
+            return Err(ReplicaError::ZeroBreakerCooldown);
+        }
         config
             .scheduler
             .validate()
@@ -371,6 +387,11 @@ impl Replica {
                             name,
                             indexer_find,
                             config.remote_indexer_timeout,
+                            BreakerConfig::new(
+                                config.remote_indexer_breaker_failures,
+                                config.remote_indexer_breaker_cooldown,
+                                config.remote_indexer_timeout,
+                            ),
                             metrics.clone(),
                         ))
                     }),
@@ -457,12 +478,26 @@ impl Replica {
             for rt in &models {
                 let m = shared.models[&rt.name].clone();
                 if config.no_kv_events {
-                    let sub = subscribe(&bus, m.subjects.indexer_record(), None).await?;
-                    back.push(served_indexer::spawn_records(
-                        rt.name.clone(),
-                        sub,
+                    let records = subscribe(&bus, m.subjects.indexer_record(), None).await?;
+                    // The record subscription must reach the server before the dump request.
+                    if let Err(e) = bus.flush().await {
+                        tracing::warn!(error = %e, "cannot flush subscriptions");
+                    }
+                    back.push(served_indexer::spawn_approx(
+                        served_indexer::ApproxServing {
+                            model: m.clone(),
+                            records,
+                            index: rt.index.clone(),
+                            bus: bus.clone(),
+                            metrics: shared.metrics.clone(),
+                            replica_id: replica_id.clone(),
+                            fetch_timeout: config.state_fetch_timeout,
+                        },
+                    ));
+                    back.push(served_indexer::spawn_dumps(
+                        m.clone(),
                         rt.index.clone(),
-                        shared.metrics.clone(),
+                        bus.clone(),
                     ));
                 }
                 front.push(served_indexer::spawn_queries(

@@ -22,6 +22,9 @@ pub struct ModelStatus {
     pub unsynced: AtomicUsize,
     /// The first roll call ("who is there") has had time to be answered.
     pub discovered: AtomicBool,
+    /// A serving indexer in approximate mode is loading a peer's entries (see
+    /// `served_indexer::spawn_approx`): it must not answer from a half-loaded index.
+    pub index_catching_up: AtomicBool,
     /// Each registered worker's role and data-parallel layout (disaggregation).
     pub layouts: crate::disagg::Layouts,
 }
@@ -82,6 +85,12 @@ impl ReplicaShared {
                     "{}: {unsynced} of {} ranks still syncing",
                     m.name,
                     st.ranks.load(Ordering::Relaxed)
+                ));
+            }
+            if st.index_catching_up.load(Ordering::Relaxed) {
+                waiting.push(format!(
+                    "{}: loading the approximate index from a peer serving indexer",
+                    m.name
                 ));
             }
         }

@@ -267,3 +267,91 @@ async fn a_zero_router_ttl_is_refused() {
     let err = Replica::start(config, Bus::local()).await.err().unwrap();
     assert!(err.to_string().contains("--router-ttl-secs"), "{err}");
 }
+
+/// The overlaps a replica's own index gives a prompt, sorted.
+fn index_overlaps(replica: &Replica, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {
+    let local = kvrouter_protocol::local_block_hashes(tokens, BLOCK as usize, None).unwrap();
+    let mut scores = replica.shared().models[MODEL]
+        .index
+        .find_matches(&local)
+        .scores;
+    scores.sort_unstable();
+    scores
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
+    // A small payload limit, so that the dump travels in several chunks.
+    let bus = Bus::from(kvrouter_bus::LocalBus::with_max_payload(80 << 10));
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config())
+        .await
+        .unwrap();
+    let serving = |id: &str| ReplicaConfig {
+        replica_id: Some(id.into()),
+        serve_indexer: true,
+        max_prompt_tokens: 4096,
+        ..approx_config(Duration::from_secs(120))
+    };
+    let s1 = Replica::start(serving("s1"), bus.clone()).await.unwrap();
+    assert!(s1.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+
+    // s1 learns 16 decisions of 64 blocks each (1,024 entries: more than one chunk).
+    const PROMPTS: u32 = 16;
+    let prompts: Vec<Vec<u32>> = (0..PROMPTS).map(|i| prompt(100 + i, 64)).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        client
+            .route(&route_req(&format!("r{i}"), p.clone(), true))
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&s1, "kvrouter_served_indexer_records_total") < PROMPTS as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "s1 did not record every decision"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // s2 starts later: once ready, its index answers like s1's.
+    let s2 = Replica::start(serving("s2"), bus.clone()).await.unwrap();
+    assert!(
+        s2.wait_ready(Duration::from_secs(5)).await,
+        "{}",
+        s2.shared().readiness().1
+    );
+    for p in &prompts {
+        let want = index_overlaps(&s1, p);
+        assert_eq!(want.len(), 1, "{want:?}");
+        assert_eq!(want[0].1, 64);
+        assert_eq!(index_overlaps(&s2, p), want);
+    }
+    assert_eq!(metric(&s2, "kvrouter_approx_record_failures_total"), 0);
+
+    // Later decisions reach both, as before.
+    let late = prompt(999, 5);
+    client
+        .route(&route_req("late", late.clone(), true))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (a, b) = (index_overlaps(&s1, &late), index_overlaps(&s2, &late));
+        if !a.is_empty() && a == b {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{a:?} against {b:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A third one loads from either of them.
+    let s3 = Replica::start(serving("s3"), bus.clone()).await.unwrap();
+    assert!(s3.wait_ready(Duration::from_secs(5)).await);
+    for p in prompts.iter().chain([&late]) {
+        assert_eq!(index_overlaps(&s3, p), index_overlaps(&s1, p));
+    }
+    s3.shutdown().await;
+    s2.shutdown().await;
+    s1.shutdown().await;
+}

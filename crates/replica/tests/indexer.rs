@@ -30,6 +30,7 @@ async fn refused(config: ReplicaConfig) -> String {
                 ReplicaError::ServeAndUseRemoteIndexer
                     | ReplicaError::ServeIndexerWithoutOverlap
                     | ReplicaError::ZeroRemoteIndexerTimeout
+                    | ReplicaError::ZeroBreakerCooldown
             ));
             e.to_string()
         }
@@ -59,6 +60,11 @@ async fn conflicting_indexer_settings_are_refused() {
     c.remote_indexer_timeout = Duration::ZERO;
     let e = refused(c).await;
     assert!(e.contains("--remote-indexer-timeout-ms"), "{e}");
+    let mut c = config("a");
+    c.use_remote_indexer = true;
+    c.remote_indexer_breaker_cooldown = Duration::ZERO;
+    let e = refused(c).await;
+    assert!(e.contains("--remote-indexer-breaker-cooldown-ms"), "{e}");
 }
 
 fn route_req(tokens: Vec<u32>) -> RouteRequest {
@@ -135,6 +141,125 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(!remote_index.is_down());
+    serving.shutdown().await;
+    remote.shutdown().await;
+}
+
+/// The value of a `{model="m"}` series, 0 when absent.
+fn metric(replica: &Replica, name: &str) -> u64 {
+    let text = replica.shared().metrics.render();
+    let prefix = format!("{name}{{model=\"{MODEL}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |v| v.trim().parse::<f64>().unwrap() as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let bus = Bus::local();
+    let _fleet = MockerFleet::start(
+        bus.clone(),
+        FleetConfig {
+            model: MODEL.into(),
+            workers: 2,
+            worker_id_start: 10,
+            engine: EngineConfig {
+                block_size: BLOCK as usize,
+                capacity_blocks: 256,
+                ..EngineConfig::default()
+            },
+            speedup: 1000.0,
+            heartbeat_interval: Duration::from_millis(200),
+            ..FleetConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    // A "serving indexer" that takes every query and never answers.
+    let subject = kvrouter_protocol::Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .indexer_find_matches();
+    let mut hung_sub = bus
+        .queue_subscribe(&subject, kvrouter_protocol::subjects::INDEXER_QUEUE_GROUP)
+        .await
+        .unwrap();
+    let asked = Arc::new(AtomicUsize::new(0));
+    let n = asked.clone();
+    let hung = tokio::spawn(async move {
+        while hung_sub.next().await.is_some() {
+            n.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+
+    let cooldown = Duration::from_millis(800);
+    let mut c = config("remote");
+    c.use_remote_indexer = true;
+    c.remote_indexer_timeout = Duration::from_millis(200);
+    c.remote_indexer_breaker_failures = 3;
+    c.remote_indexer_breaker_cooldown = cooldown;
+    let remote = Replica::start(c, bus.clone()).await.unwrap();
+    assert!(remote.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let tokens: Vec<u32> = (0..6 * BLOCK).collect();
+
+    // Only the first few routes wait for the timeout; then the breaker skips the lookup.
+    const ROUTES: usize = 30;
+    let started = Instant::now();
+    for _ in 0..ROUTES {
+        let d = client.route(&route_req(tokens.clone())).await.unwrap();
+        assert_eq!(d.overlap_blocks, 0);
+    }
+    // Three failures, plus at most one probe per cooldown that passed (the margins absorb a
+    // slow machine; no wall-clock bound is asserted).
+    let probes = (started.elapsed().as_millis() / cooldown.as_millis()) as usize + 1;
+    let hits = asked.load(Ordering::SeqCst);
+    assert!(hits >= 3, "{hits} lookups reached the hung indexer");
+    assert!(
+        hits <= 3 + probes && hits < ROUTES / 2,
+        "{hits} of {ROUTES} lookups reached the hung indexer ({probes} probes allowed)"
+    );
+    assert_eq!(
+        metric(&remote, "kvrouter_remote_indexer_fallbacks_total"),
+        ROUTES as u64
+    );
+    assert_eq!(
+        metric(&remote, "kvrouter_remote_indexer_skipped_total"),
+        (ROUTES - hits) as u64
+    );
+    assert_eq!(metric(&remote, "kvrouter_remote_indexer_breaker_open"), 1);
+
+    // The hung indexer is replaced by a real one: a probe is answered and overlap returns.
+    hung.abort();
+    let _ = hung.await;
+    let done = client
+        .generate(&GenerateParams::new(MODEL, tokens.clone(), 2))
+        .await
+        .unwrap();
+    let holder = done.decision.key();
+    let mut s = config("serving");
+    s.serve_indexer = true;
+    let serving = Replica::start(s, bus.clone()).await.unwrap();
+    assert!(serving.wait_ready(Duration::from_secs(5)).await);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = client.route(&route_req(tokens.clone())).await.unwrap();
+        // The serving replica routes too, from its own index: wait for the remote's answer.
+        if d.replica_id == "remote" && (d.key(), d.overlap_blocks) == (holder, 6) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "overlap never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(metric(&remote, "kvrouter_remote_indexer_breaker_open"), 0);
+    assert!(!remote.shared().models[MODEL]
+        .remote_index
+        .as_ref()
+        .unwrap()
+        .breaker_open());
     serving.shutdown().await;
     remote.shutdown().await;
 }

@@ -58,6 +58,10 @@ pub struct FleetArgs {
     /// The replicas share their active sequences, so each routes on the whole load.
     #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
     replica_sync: bool,
+    /// Replica sync: how long the picks peers would make at the same moment count as load
+    /// (the replicas' --replica-sync-echo-ms; 0: off).
+    #[arg(long, env = "KVROUTER_REPLICA_SYNC_ECHO_MS", default_value_t = 1.0)]
+    replica_sync_echo_ms: f64,
     /// Approximate mode: the replicas consume no KV events; each feeds its index from its own
     /// routing decisions (expiring after 120 s of simulated time).
     #[arg(long, env = "KVROUTER_NO_KV_EVENTS")]
@@ -182,6 +186,10 @@ fn replay(
         },
         no_kv_events: fleet.no_kv_events,
         replica_sync: fleet.replica_sync,
+        replica_sync_echo: crate::cli::serve::millis(
+            "replica-sync-echo-ms",
+            fleet.replica_sync_echo_ms,
+        )?,
         serve_indexer_replicas: fleet.serve_indexer_replicas,
         remote_indexer: fleet.remote_indexer,
         ..ReplayConfig::default()

@@ -74,6 +74,11 @@ pub struct ServeArgs {
     /// replica routes on the whole fleet's load; a late replica catches up from a peer.
     #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
     replica_sync: bool,
+    /// Replica sync: for this long after each decision, the picks the live peers would make
+    /// for a like request at the same moment count as load, so replicas routing one burst
+    /// spread it instead of piling onto the same workers (0: off).
+    #[arg(long, env = "KVROUTER_REPLICA_SYNC_ECHO_MS", default_value_t = 1.0)]
+    replica_sync_echo_ms: f64,
     /// Approximate mode: consume no KV events and fetch no worker state; a routed request's
     /// blocks count as cached on the chosen worker rank until --router-ttl-secs pass.
     #[arg(long, env = "KVROUTER_NO_KV_EVENTS")]
@@ -134,6 +139,11 @@ pub fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(v).with_context(|| format!("--{name} {v} is not a valid duration"))
 }
 
+pub fn millis(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v / 1000.0)
+        .with_context(|| format!("--{name} {v} is not a valid duration"))
+}
+
 impl ServeArgs {
     fn config(&self) -> anyhow::Result<ReplicaConfig> {
         let scheduler = SchedulerConfig {
@@ -164,6 +174,7 @@ impl ServeArgs {
             no_kv_events: self.no_kv_events,
             router_ttl: secs("router-ttl-secs", self.router_ttl_secs)?,
             replica_sync: self.replica_sync,
+            replica_sync_echo: millis("replica-sync-echo-ms", self.replica_sync_echo_ms)?,
             serve_indexer: self.serve_indexer,
             use_remote_indexer: self.use_remote_indexer,
             remote_indexer_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),

@@ -36,4 +36,4 @@ pub mod state;
 pub mod sync_bus;
 pub mod transfer;
 
-pub use replica::{Replica, ReplicaConfig, ReplicaError};
+pub use replica::{Replica, ReplicaConfig, ReplicaError, DEFAULT_SYNC_ECHO};

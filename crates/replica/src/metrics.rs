@@ -66,6 +66,9 @@ pub struct Metrics {
     pub unsynced_ranks: Family<ModelLabels, Gauge>,
     pub refused_workers: Family<ModelLabels, Counter>,
     pub queued_requests: Family<ModelLabels, Gauge>,
+    /// `--replica-sync`: live peer replicas, and peers dropped as silent past their lease.
+    pub sync_peers: Family<ModelLabels, Gauge>,
+    pub sync_peers_lost: Family<ModelLabels, Counter>,
     pub index_blocks: Family<ModelLabels, Gauge>,
     /// Approximate mode (`--no-kv-events`): route decisions recorded in the index.
     pub approx_records: Family<ModelLabels, Counter>,
@@ -168,6 +171,16 @@ impl Metrics {
             queued_requests: reg!(
                 "queued_requests",
                 "Route requests waiting for a worker that is not busy",
+                Family::default()
+            ),
+            sync_peers: reg!(
+                "replica_sync_peers",
+                "Live peer replicas this replica shares active sequences with (--replica-sync)",
+                Family::default()
+            ),
+            sync_peers_lost: reg!(
+                "replica_sync_peers_lost",
+                "Peer replicas dropped, with their active sequences, after going silent past the lease (--replica-sync)",
                 Family::default()
             ),
             index_blocks: reg!(

@@ -58,6 +58,10 @@ pub struct ReplicaConfig {
     /// Share active-sequence changes with peer replicas and apply theirs, so every replica
     /// routes on the whole fleet's load.
     pub replica_sync: bool,
+    /// Replica sync: how long this replica's guesses of its peers' simultaneous decisions
+    /// count as load (the scheduler's peer echo; zero turns it off). About the time a
+    /// decision takes to reach the peers.
+    pub replica_sync_echo: Duration,
     /// Answer other replicas' overlap queries from this replica's index (`--serve-indexer`).
     pub serve_indexer: bool,
     /// Keep no index: ask a serving indexer for each request's overlaps, routing on load alone
@@ -73,6 +77,10 @@ pub struct ReplicaConfig {
     /// probe, up to four times this).
     pub remote_indexer_breaker_cooldown: Duration,
 }
+
+/// Default of [`ReplicaConfig::replica_sync_echo`]: several NATS hops on a LAN (about
+/// 0.1 ms each); measured best of 1, 2 and 5 ms in the bursty replay (docs/benchmarks.md).
+pub const DEFAULT_SYNC_ECHO: Duration = Duration::from_millis(1);
 
 impl Default for ReplicaConfig {
     fn default() -> Self {
@@ -90,6 +98,7 @@ impl Default for ReplicaConfig {
             drain_timeout: Duration::from_secs(10),
             admin_addr: None,
             replica_sync: false,
+            replica_sync_echo: DEFAULT_SYNC_ECHO,
             no_kv_events: false,
             router_ttl: kvrouter_indexer::approx::DEFAULT_TTL,
             serve_indexer: false,
@@ -305,6 +314,7 @@ impl Replica {
                 SyncLink {
                     out,
                     catch_up: true,
+                    echo_window: config.replica_sync_echo,
                 }
             });
             let (scheduler, sched_join) = Actor::spawn(

@@ -7,8 +7,19 @@
 //! landed they are buffered, then applied after it. Applying is idempotent (an `Add` of a
 //! known id and a `Free` of an unknown one change nothing), so a change that is both in the
 //! snapshot and in the buffer counts once, and order per origin keeps the result right.
+//!
+//! Peers are live while their batches keep coming (an idle replica sends an empty one every
+//! [`HEARTBEAT`]); one silent for [`PEER_LEASE`] is gone, and its sequences with it: nobody
+//! is left to free them, and the workers' own load reports cover what is still running.
 
 use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
+use rustc_hash::FxHashMap;
+use std::time::{Duration, Instant};
+
+/// An idle replica's empty batch, at most this far apart.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// A peer silent for this long is gone.
+pub const PEER_LEASE: Duration = Duration::from_secs(3);
 
 /// Peer changes buffered while catching up, before the oldest are dropped (then the
 /// request-timeout sweep bounds the damage).
@@ -20,6 +31,9 @@ pub struct ReplicaSync {
     /// `Some` until the catch-up snapshot is applied.
     buffer: Option<Vec<SeqChange>>,
     dropped: u64,
+    /// Live peers and when each was last heard from.
+    peers: FxHashMap<String, Instant>,
+    last_sent: Option<Instant>,
 }
 
 impl ReplicaSync {
@@ -30,6 +44,8 @@ impl ReplicaSync {
             outbox: Vec::new(),
             buffer: catch_up.then(Vec::new),
             dropped: 0,
+            peers: FxHashMap::default(),
+            last_sent: None,
         }
     }
 
@@ -74,18 +90,31 @@ impl ReplicaSync {
         self.outbox.len()
     }
 
-    /// This replica's changes since the last call, in order.
-    pub fn take_outgoing(&mut self) -> Vec<SeqChange> {
+    /// This replica's changes since the last call, in order (sent at `now`).
+    pub fn take_outgoing(&mut self, now: Instant) -> Vec<SeqChange> {
+        self.last_sent = Some(now);
         std::mem::take(&mut self.outbox)
     }
 
+    /// Whether an idle replica should send an empty batch so peers keep it live.
+    pub fn heartbeat_due(&self, now: Instant) -> bool {
+        self.last_sent
+            .is_none_or(|t| now.saturating_duration_since(t) >= HEARTBEAT)
+    }
+
     /// A peer's batch: the changes to apply now (none while catching up). Our own batches
-    /// (the bus echoes them) are ignored.
-    pub fn on_peer_batch(&mut self, from: &str, changes: Vec<SeqChange>) -> Vec<SeqChange> {
+    /// (the bus echoes them) are ignored. Returns whether the peer is new.
+    pub fn on_peer_batch(
+        &mut self,
+        from: &str,
+        changes: Vec<SeqChange>,
+        now: Instant,
+    ) -> (Vec<SeqChange>, bool) {
         if from == self.replica_id {
-            return Vec::new();
+            return (Vec::new(), false);
         }
-        match &mut self.buffer {
+        let new = self.peers.insert(from.to_string(), now).is_none();
+        let apply = match &mut self.buffer {
             None => changes,
             Some(buf) => {
                 if buf.len() + changes.len() > MAX_BUFFERED {
@@ -95,7 +124,34 @@ impl ReplicaSync {
                 buf.extend(changes);
                 Vec::new()
             }
+        };
+        (apply, new)
+    }
+
+    /// Forgets peers silent for [`PEER_LEASE`]; returns them.
+    pub fn expire_peers(&mut self, now: Instant) -> Vec<String> {
+        let mut gone: Vec<String> = self
+            .peers
+            .iter()
+            .filter(|(_, &seen)| now.saturating_duration_since(seen) >= PEER_LEASE)
+            .map(|(id, _)| id.clone())
+            .collect();
+        gone.sort_unstable();
+        for id in &gone {
+            self.peers.remove(id);
         }
+        gone
+    }
+
+    pub fn live_peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Whether a global request id is one of `peer`'s.
+    pub fn is_from(global_id: &str, peer: &str) -> bool {
+        global_id
+            .strip_prefix(peer)
+            .is_some_and(|rest| rest.starts_with(':'))
     }
 
     /// The catch-up snapshot (a peer's active sequences as `Add`s): the changes to apply,
@@ -138,7 +194,7 @@ mod tests {
         s.prefilled("a");
         s.freed("a");
         assert_eq!(
-            s.take_outgoing(),
+            s.take_outgoing(Instant::now()),
             vec![
                 add("r1:a"),
                 SeqChange::Prefilled {
@@ -149,24 +205,54 @@ mod tests {
                 }
             ]
         );
-        assert!(s.take_outgoing().is_empty());
+        let now = Instant::now();
+        assert!(s.take_outgoing(now).is_empty());
         // Our own echo is ignored; a peer's batch applies at once.
-        assert!(s.on_peer_batch("r1", vec![add("r1:b")]).is_empty());
-        assert_eq!(s.on_peer_batch("r2", vec![add("r2:x")]), vec![add("r2:x")]);
+        assert_eq!(
+            s.on_peer_batch("r1", vec![add("r1:b")], now),
+            (vec![], false)
+        );
+        assert_eq!(
+            s.on_peer_batch("r2", vec![add("r2:x")], now),
+            (vec![add("r2:x")], true)
+        );
     }
 
     #[test]
     fn catching_up_buffers_until_the_snapshot() {
         let mut s = ReplicaSync::new("r3", true);
+        let now = Instant::now();
         assert!(!s.is_caught_up());
-        assert!(s.on_peer_batch("r2", vec![add("r2:y")]).is_empty());
+        assert!(s.on_peer_batch("r2", vec![add("r2:y")], now).0.is_empty());
         let free = SeqChange::Free {
             request_id: "r1:x".into(),
         };
-        assert!(s.on_peer_batch("r1", vec![free.clone()]).is_empty());
+        assert!(s.on_peer_batch("r1", vec![free.clone()], now).0.is_empty());
         let out = s.on_snapshot(vec![add("r1:x")]);
         assert_eq!(out, vec![add("r1:x"), add("r2:y"), free]);
         assert!(s.is_caught_up());
         assert!(s.on_snapshot(vec![add("r9:z")]).is_empty());
+    }
+
+    #[test]
+    fn peers_live_while_heard_from() {
+        let t0 = Instant::now();
+        let mut s = ReplicaSync::new("m", false);
+        assert!(s.heartbeat_due(t0));
+        s.take_outgoing(t0);
+        assert!(!s.heartbeat_due(t0 + HEARTBEAT / 2));
+        assert!(s.heartbeat_due(t0 + HEARTBEAT));
+        assert_eq!(s.live_peers(), 0);
+        s.on_peer_batch("a", vec![], t0);
+        s.on_peer_batch("z", vec![], t0);
+        s.on_peer_batch("b", vec![], t0 + PEER_LEASE / 2);
+        assert_eq!(s.live_peers(), 3);
+        assert!(!s.on_peer_batch("a", vec![], t0 + PEER_LEASE / 2).1);
+        assert_eq!(s.expire_peers(t0 + PEER_LEASE), vec!["z".to_string()]);
+        assert_eq!(s.live_peers(), 2);
+        assert!(s.expire_peers(t0 + PEER_LEASE).is_empty());
+        assert!(ReplicaSync::is_from("a:1", "a"));
+        assert!(!ReplicaSync::is_from("ab:1", "a"));
+        assert!(!ReplicaSync::is_from("a", "a"));
     }
 }

@@ -40,6 +40,8 @@ pub struct SyncLink {
     pub out: tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>,
     /// Buffer peers' changes until the catch-up snapshot arrives.
     pub catch_up: bool,
+    /// How long guesses of peers' simultaneous decisions count (the core's peer echo).
+    pub echo_window: Duration,
 }
 
 pub enum SchedulerMsg {
@@ -103,6 +105,7 @@ pub struct SchedulerState {
     metrics: Arc<Metrics>,
     /// Keys whose load series exist, so departed ones can be dropped.
     exported: FxHashSet<WorkerKey>,
+    echo_window: Duration,
 }
 
 impl SchedulerState {
@@ -209,14 +212,49 @@ impl SchedulerState {
             .collect()
     }
 
-    /// Sends this replica's pending changes to the sync publisher.
-    fn flush_sync(&mut self) {
+    /// Sends this replica's pending changes to the sync publisher (an empty batch keeps
+    /// an idle replica live for its peers).
+    fn flush_sync(&mut self, now: Instant) {
         if let Some(out) = &self.sync_out {
-            let changes = self.ids.take_outgoing();
-            if !changes.is_empty() {
-                let _ = out.send(changes);
-            }
+            let _ = out.send(self.ids.take_outgoing(now));
         }
+    }
+
+    /// A peer joined or left: the core's peer echo follows the number of live peers.
+    fn update_echo(&mut self) {
+        let peers = self.ids.live_peers();
+        self.core
+            .set_peer_echo(u32::try_from(peers).unwrap_or(u32::MAX), self.echo_window);
+        self.metrics
+            .sync_peers
+            .get_or_create(&self.labels)
+            .set(peers as i64);
+    }
+
+    /// Drops peers silent past their lease, with the sequences they routed.
+    fn expire_peers(&mut self, now: Instant) {
+        let gone = self.ids.expire_peers(now);
+        if gone.is_empty() {
+            return;
+        }
+        for peer in &gone {
+            let ids: Vec<String> = self
+                .core
+                .active_sequences()
+                .filter(|(id, ..)| ReplicaSync::is_from(id, peer))
+                .map(|(id, ..)| id.clone())
+                .collect();
+            for id in &ids {
+                self.core.free(id);
+            }
+            tracing::warn!(model = %self.model, peer = %peer, dropped_sequences = ids.len(), "peer replica silent past its lease: its active sequences are dropped");
+            self.metrics
+                .sync_peers_lost
+                .get_or_create(&self.labels)
+                .inc();
+        }
+        self.update_echo();
+        self.drain(now);
     }
 
     fn forget(&mut self, key: WorkerKey) {
@@ -261,6 +299,7 @@ impl Actor for SchedulerActor {
         let core = Scheduler::new(args.config)?;
         myself.send_interval(TICK, || SchedulerMsg::Tick);
         let catch_up = args.sync.as_ref().is_some_and(|s| s.catch_up);
+        let echo_window = args.sync.as_ref().map_or(Duration::ZERO, |s| s.echo_window);
         Ok(SchedulerState {
             core,
             ids: ReplicaSync::new(&args.replica_id, catch_up),
@@ -269,6 +308,7 @@ impl Actor for SchedulerActor {
             model: args.model,
             metrics: args.metrics,
             exported: FxHashSet::default(),
+            echo_window,
         })
     }
 
@@ -345,7 +385,14 @@ impl Actor for SchedulerActor {
                 state.drain(now);
             }
             SchedulerMsg::PeerBatch(batch) => {
-                let changes = state.ids.on_peer_batch(&batch.replica_id, batch.changes);
+                let (changes, new_peer) =
+                    state
+                        .ids
+                        .on_peer_batch(&batch.replica_id, batch.changes, now);
+                if new_peer {
+                    tracing::info!(model = %state.model, peer = %batch.replica_id, "peer replica live");
+                    state.update_echo();
+                }
                 state.apply_peer(changes, now);
             }
             SchedulerMsg::PeerSnapshot(snapshot) => {
@@ -365,6 +412,9 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::Tick => {
                 state.core.sweep(now);
+                if state.sync_out.is_some() {
+                    state.expire_peers(now);
+                }
                 state.drain(now);
                 state.export_loads();
             }
@@ -372,8 +422,8 @@ impl Actor for SchedulerActor {
         // Peers see a change as soon as the message that made it is handled (a batch when
         // one message makes several, e.g. a drained queue): waiting to fill batches let
         // synced replicas pile bursts onto the same workers (docs/benchmarks.md).
-        if state.ids.pending() > 0 {
-            state.flush_sync();
+        if state.ids.pending() > 0 || (state.sync_out.is_some() && state.ids.heartbeat_due(now)) {
+            state.flush_sync(now);
         }
         Ok(())
     }

@@ -49,7 +49,8 @@ pub fn spawn_publisher(
     (tx, task)
 }
 
-/// Splits changes into batches that fit the bus's payload limit.
+/// Splits changes into batches that fit the bus's payload limit (no changes: one empty
+/// batch, a replica's heartbeat).
 fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
     let budget = max_payload / 2;
     let mut out = Vec::new();
@@ -74,7 +75,7 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
         bytes += n;
         cur.push(c);
     }
-    if !cur.is_empty() {
+    if !cur.is_empty() || out.is_empty() {
         out.push(cur);
     }
     out

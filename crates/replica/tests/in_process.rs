@@ -264,7 +264,10 @@ fn gauge_sum(replica: &Replica, name: &str) -> i64 {
         .metrics
         .render()
         .lines()
-        .filter(|l| l.starts_with(name))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<i64>().ok())
         .sum()
 }
@@ -324,8 +327,34 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     for r in [&a, &b, &c] {
         assert_eq!(gauge_sum(r, "kvrouter_worker_active_requests"), 6);
         assert_eq!(gauge_sum(r, "kvrouter_worker_prefill_tokens"), 0);
+        assert_eq!(gauge_sum(r, "kvrouter_replica_sync_peers"), 2);
     }
-    for r in [a, b, c] {
+    // A replica that goes away leaves its unfreed sequences behind; the others drop them
+    // once it has been silent past its lease.
+    let a_id = a.shared().replica_id.clone();
+    let a_left = decisions
+        .iter()
+        .enumerate()
+        .filter(|(i, d)| i % 2 == 1 && d.replica_id == a_id)
+        .count() as i64;
+    assert!(a_left > 0, "a holds some of the unfreed requests");
+    a.shutdown().await;
+    let dropped = |r: &Replica| {
+        gauge_sum(r, "kvrouter_worker_active_requests") == 6 - a_left
+            && gauge_sum(r, "kvrouter_replica_sync_peers") == 1
+            && gauge_sum(r, "kvrouter_replica_sync_peers_lost_total") == 1
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+    while !(dropped(&b) && dropped(&c)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a's sequences still held: {} and {} active",
+            gauge_sum(&b, "kvrouter_worker_active_requests"),
+            gauge_sum(&c, "kvrouter_worker_active_requests")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for r in [b, c] {
         r.shutdown().await;
     }
     fleet.shutdown().await.unwrap();

@@ -1,17 +1,16 @@
 //! Peer echo: the load synced peers are probably adding right now, guessed from our own
 //! decisions.
 //!
-//! With replica sync, every replica routes on one shared view, and a peer's decision reaches
-//! the others only after it was made. Peers deciding at the same moment (a burst of
-//! arrivals spread over the replicas) therefore make the same choices and pile onto the
-//! same keys. So each decision is taken as one turn of a round: every live replica, in
-//! replica-id order, places a request like this one; the turns before ours and after ours
-//! are the peers' guessed picks (each on the view the turns before it left), ours is real.
-//! The peers' picks count as load for a short window; by the time it closes their real
-//! decisions have arrived through sync. Replicas in a burst thus spread like one router
-//! placing the burst in turn, and the first picks of a burst no longer collide.
+//! With replica sync every replica routes on one shared view, and a peer's decision reaches
+//! the others only after it was made. Replicas routing one burst of arrivals at the same
+//! moment therefore see the same costs and pile onto the same keys: each sees only its own
+//! share of the burst. So for a short window after each decision, this replica counts the
+//! decision once more per live peer, as if each peer had just sent a like request to the
+//! same key. By the time the window closes, the peers' real decisions have arrived through
+//! sync and the guess is dropped.
 //!
-//! The guess only steers the cost; busy thresholds, metrics and peers see tracked load alone.
+//! The guess only steers the cost; busy thresholds, potential loads, metrics and peers see
+//! tracked load alone.
 
 use crate::active::Slot;
 use std::collections::VecDeque;
@@ -26,9 +25,7 @@ pub(crate) struct EchoLoad {
 
 #[derive(Debug, Default)]
 pub(crate) struct PeerEcho {
-    /// Live peers ranked before and after this replica.
-    pub before: u32,
-    pub after: u32,
+    peers: u32,
     window: Duration,
     by_slot: Vec<EchoLoad>,
     /// (expiry, slot, load), in expiry order while the window is unchanged.
@@ -36,25 +33,24 @@ pub(crate) struct PeerEcho {
 }
 
 impl PeerEcho {
-    pub fn set(&mut self, before: u32, after: u32, window: Duration) {
-        self.before = before;
-        self.after = after;
+    pub fn set(&mut self, peers: u32, window: Duration) {
+        self.peers = peers;
         self.window = window;
     }
 
-    pub fn window(&self) -> Duration {
-        self.window
+    fn is_on(&self) -> bool {
+        self.peers > 0 && !self.window.is_zero()
     }
 
-    pub fn is_on(&self) -> bool {
-        self.before + self.after > 0 && !self.window.is_zero()
-    }
-
-    /// A peer's guessed pick adds `blocks` new active blocks and `prefill_tokens` to `slot`.
+    /// One of our decisions added `blocks` new active blocks and `prefill_tokens` to `slot`.
     pub fn record(&mut self, slot: Slot, blocks: u64, prefill_tokens: u64, now: Instant) {
+        if !self.is_on() {
+            return;
+        }
+        let peers = u64::from(self.peers);
         let load = EchoLoad {
-            blocks,
-            prefill_tokens,
+            blocks: blocks.saturating_mul(peers),
+            prefill_tokens: prefill_tokens.saturating_mul(peers),
         };
         let i = slot as usize;
         if self.by_slot.len() <= i {
@@ -81,9 +77,6 @@ impl PeerEcho {
     }
 
     pub fn load(&self, slot: Slot) -> EchoLoad {
-        if self.pending.len() < std::env::var("KVR_ECHO_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(1) {
-            return EchoLoad::default();
-        }
         self.by_slot.get(slot as usize).copied().unwrap_or_default()
     }
 
@@ -101,32 +94,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn guesses_count_until_the_window_closes() {
+    fn counts_once_per_peer_until_the_window_closes() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         let mut e = PeerEcho::default();
-        assert!(!e.is_on());
-        e.set(0, 2, ms(10));
-        assert!(e.is_on());
+        e.record(0, 5, 100, t0);
+        assert_eq!(e.load(0), EchoLoad::default(), "off without peers");
+        e.set(2, Duration::ZERO);
+        e.record(0, 5, 100, t0);
+        assert_eq!(e.load(0), EchoLoad::default(), "off with a zero window");
+
+        e.set(2, ms(10));
         e.record(0, 5, 100, t0);
         e.record(1, 1, 0, t0 + ms(4));
         e.record(0, 2, 10, t0 + ms(6));
         assert_eq!(
             e.load(0),
             EchoLoad {
-                blocks: 7,
-                prefill_tokens: 110
+                blocks: 14,
+                prefill_tokens: 220
             }
         );
+        e.expire(t0 + ms(9));
+        assert_eq!(e.load(0).blocks, 14);
         e.expire(t0 + ms(10));
         assert_eq!(
             e.load(0),
             EchoLoad {
-                blocks: 2,
-                prefill_tokens: 10
+                blocks: 4,
+                prefill_tokens: 20
             }
         );
-        assert_eq!(e.load(1).blocks, 1);
+        assert_eq!(e.load(1).blocks, 2);
         e.clear_slot(1);
         assert_eq!(e.load(1), EchoLoad::default());
         e.expire(t0 + ms(16));

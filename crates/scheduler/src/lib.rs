@@ -26,6 +26,7 @@
 mod active;
 mod config;
 pub mod cost;
+mod echo;
 mod error;
 mod queue;
 mod scheduler;

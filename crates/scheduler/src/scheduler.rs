@@ -3,11 +3,12 @@
 use crate::active::{ActiveSequences, KeyLoad, ReportedLoad, RequestId, Slot};
 use crate::config::{RoutingPolicy, SchedulerConfig};
 use crate::cost::{self, CostParams, KeyCost};
+use crate::echo::PeerEcho;
 use crate::error::ScheduleError;
 use crate::queue::{Overloaded, Queued, RequestQueue};
 use fastrand::Rng;
 use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A request to place.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -89,6 +90,7 @@ pub struct Scheduler<P = ()> {
     weights: Vec<f64>,
     /// Round-robin position.
     turn: usize,
+    echo: PeerEcho,
 }
 
 impl<P> Scheduler<P> {
@@ -113,6 +115,7 @@ impl<P> Scheduler<P> {
             scored: Vec::new(),
             weights: Vec::new(),
             turn: 0,
+            echo: PeerEcho::default(),
         })
     }
 
@@ -129,6 +132,9 @@ impl<P> Scheduler<P> {
 
     /// Removes a worker key; returns the active sequences dropped with it (sorted).
     pub fn remove_worker_key(&mut self, key: WorkerKey) -> Vec<RequestId> {
+        if let Some(slot) = self.active.slot_of(key) {
+            self.echo.clear_slot(slot);
+        }
         let dropped = self.active.remove_key(key).unwrap_or_default();
         if !dropped.is_empty() {
             tracing::debug!(%key, dropped = dropped.len(), "worker key removed with active sequences");
@@ -138,6 +144,12 @@ impl<P> Scheduler<P> {
 
     /// Removes every key of a worker; returns the dropped active sequences (sorted).
     pub fn remove_worker(&mut self, worker_id: WorkerId) -> Vec<RequestId> {
+        let slots: Vec<Slot> = (self.active.slots())
+            .filter(|&s| self.active.state(s).key.worker_id == worker_id)
+            .collect();
+        for slot in slots {
+            self.echo.clear_slot(slot);
+        }
         self.active.remove_worker(worker_id)
     }
 
@@ -204,7 +216,7 @@ impl<P> Scheduler<P> {
             .active
             .slots()
             .map(|slot| {
-                let (overlap, c) = self.cost_of(slot, request_blocks, distinct);
+                let (overlap, c) = self.cost_of(slot, request_blocks, distinct, false);
                 PotentialLoad {
                     key: self.active.state(slot).key,
                     overlap_blocks: overlap,
@@ -241,17 +253,50 @@ impl<P> Scheduler<P> {
         if update_states && self.active.contains(&request_id) {
             return Err(ScheduleError::DuplicateRequest(request_id));
         }
+        self.echo.expire(now);
         let (sel, slot) = self.select_slot(req, overlaps)?;
         if update_states {
-            let prefill = cost::uncached_prefill_tokens(
+            self.record(
+                request_id,
+                slot,
+                &sel,
                 req.prompt_tokens,
-                sel.overlap_blocks,
-                self.config.block_size,
-            );
-            self.active
-                .add(request_id, slot, req.sequence_hashes, prefill, now)?;
+                req.sequence_hashes,
+                now,
+            )?;
         }
         Ok(sel)
+    }
+
+    /// Records a routed request as an active sequence on its chosen slot.
+    fn record(
+        &mut self,
+        request_id: RequestId,
+        slot: Slot,
+        sel: &Selection,
+        prompt_tokens: usize,
+        sequence_hashes: &[SequenceHash],
+        now: Instant,
+    ) -> Result<(), ScheduleError> {
+        let prefill = cost::uncached_prefill_tokens(
+            prompt_tokens,
+            sel.overlap_blocks,
+            self.config.block_size,
+        );
+        let blocks_before = self.active.state(slot).load.active_blocks;
+        self.active
+            .add(request_id, slot, sequence_hashes, prefill, now)?;
+        let new_blocks = self.active.state(slot).load.active_blocks - blocks_before;
+        self.echo.record(slot, new_blocks, prefill, now);
+        Ok(())
+    }
+
+    /// Peer echo (replica sync): for `window` after each request this replica routes, its
+    /// load counts once more per live peer in the cost, standing for the like decisions
+    /// peers routing the same burst make before theirs reach us (see `echo.rs`). No peers
+    /// or a zero window turns it off.
+    pub fn set_peer_echo(&mut self, peers: u32, window: Duration) {
+        self.echo.set(peers, window);
     }
 
     /// Records an active sequence on a key directly (e.g. a peer replica's decision).
@@ -328,6 +373,7 @@ impl<P> Scheduler<P> {
     /// busy (e.g. their pinned worker left), and those queued `request_timeout` or
     /// longer (`QueueTimeout`); the still-busy ones stay queued in order.
     pub fn drain_ready(&mut self, now: Instant) -> Vec<(P, Result<Selection, ScheduleError>)> {
+        self.echo.expire(now);
         let mut out = Vec::new();
         // Busy depends only on key load and placing a request only adds load: once an
         // unfiltered request found every key busy, later unfiltered ones will too.
@@ -358,14 +404,15 @@ impl<P> Scheduler<P> {
                 Err(e) => out.push((r.token, Err(e))),
                 Ok((sel, slot)) => {
                     let result = if r.update_states {
-                        let prefill = cost::uncached_prefill_tokens(
+                        self.record(
+                            r.request_id,
+                            slot,
+                            &sel,
                             r.prompt_tokens,
-                            sel.overlap_blocks,
-                            self.config.block_size,
-                        );
-                        self.active
-                            .add(r.request_id, slot, &r.sequence_hashes, prefill, now)
-                            .map(|()| sel)
+                            &r.sequence_hashes,
+                            now,
+                        )
+                        .map(|()| sel)
                     } else {
                         Ok(sel)
                     };
@@ -478,17 +525,28 @@ impl<P> Scheduler<P> {
         }
     }
 
-    /// Cost of `slot` with the scratch prepared.
-    fn cost_of(&self, slot: Slot, request_blocks: u64, distinct: u64) -> (u32, KeyCost) {
+    /// Cost of `slot` with the scratch prepared; `with_echo` adds the peer-echo guess.
+    fn cost_of(
+        &self,
+        slot: Slot,
+        request_blocks: u64,
+        distinct: u64,
+        with_echo: bool,
+    ) -> (u32, KeyCost) {
         let load = &self.active.state(slot).load;
+        let echo = if with_echo {
+            self.echo.load(slot)
+        } else {
+            Default::default()
+        };
         let overlap = self.overlap_by_slot[slot as usize];
         let new_blocks = distinct - u64::from(self.hits_by_slot[slot as usize]);
         let c = cost::key_cost(
             &self.params,
             request_blocks,
             overlap,
-            load.prefill_tokens,
-            load.active_blocks,
+            load.prefill_tokens + echo.prefill_tokens,
+            load.active_blocks + echo.blocks,
             new_blocks,
         );
         (overlap, c)
@@ -512,7 +570,7 @@ impl<P> Scheduler<P> {
         let mut scored = std::mem::take(&mut self.scored);
         scored.clear();
         scored.extend(self.candidates.iter().map(|&slot| {
-            let (overlap, c) = self.cost_of(slot, request_blocks, distinct);
+            let (overlap, c) = self.cost_of(slot, request_blocks, distinct, true);
             (slot, overlap, c)
         }));
         self.reset_scratch(overlaps);
@@ -802,6 +860,65 @@ mod tests {
         assert!(s
             .loads()
             .all(|(_, l)| l.active_blocks == 0 && l.prefill_tokens == 0));
+    }
+
+    #[test]
+    fn peer_echo_counts_our_decisions_once_per_peer_for_the_window() {
+        let mut s = sched(|_| {});
+        let t0 = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        s.add_worker_key(k(2, 0), 100);
+        s.set_peer_echo(2, Duration::from_millis(10));
+        let (ha, hb) = (hs(&[1, 2, 3]), hs(&[7, 8, 9]));
+        let (qa, qb) = (RouteQuery::new(12, &ha), RouteQuery::new(12, &hb));
+        // "a" goes to key 2 (2 blocks cached there): 1 prefill block and 3 decode blocks,
+        // plus 4 prefill tokens in flight.
+        let a = s.route(&qa, &[(k(2, 0), 2)], "a".into(), true, t0).unwrap();
+        assert_eq!(a.key, k(2, 0));
+        // "b" pinned to key 2: 3 uncached blocks, plus the in-flight prefill (1 block) and
+        // decode blocks (3) of "a" counted three times (ours and two peers' echoes).
+        let pinned = RouteQuery {
+            pinned: Some(k(2, 0)),
+            ..qb
+        };
+        let b = s.select(&pinned, &[]).unwrap();
+        assert_eq!((b.prefill_blocks, b.decode_blocks), (3.0 + 3.0, 9 + 3));
+        // Unpinned, "b" avoids key 2 for the window...
+        assert_eq!(s.select(&qb, &[]).unwrap().key, k(1, 0));
+        // ...potential loads show tracked load only...
+        let p = s.potential_loads(&qb, &[]);
+        assert_eq!(
+            (p[1].potential_prefill_blocks, p[1].potential_decode_blocks),
+            (3.0 + 1.0, 3 + 3)
+        );
+        // ...and once the window is over, only "a" itself counts.
+        let b = s
+            .route(
+                &pinned,
+                &[],
+                "b".into(),
+                true,
+                t0 + Duration::from_millis(10),
+            )
+            .unwrap();
+        assert_eq!((b.prefill_blocks, b.decode_blocks), (3.0 + 1.0, 3 + 3));
+        // Peers' decisions (add_request) are not echoed; a removed key drops its echo.
+        s.set_peer_echo(0, Duration::from_millis(10));
+        s.add_request("p".into(), k(1, 0), &hs(&[5]), 4, t0)
+            .unwrap();
+        assert_eq!(s.echo.load(0), Default::default());
+        s.set_peer_echo(2, Duration::from_millis(10));
+        s.route(
+            &qa,
+            &[(k(2, 0), 3)],
+            "c".into(),
+            true,
+            t0 + Duration::from_millis(11),
+        )
+        .unwrap();
+        assert_ne!(s.echo.load(1), Default::default());
+        s.remove_worker(2);
+        assert_eq!(s.echo.load(1), Default::default());
     }
 
     #[test]

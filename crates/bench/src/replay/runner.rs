@@ -51,6 +51,8 @@ pub struct ReplayConfig {
     pub no_kv_events: bool,
     /// Replicas share their active sequences (`--replica-sync`).
     pub replica_sync: bool,
+    /// Replica sync's peer-echo window (`--replica-sync-echo-ms`).
+    pub replica_sync_echo: Duration,
     /// The first K replicas serve their index (`--serve-indexer`), the others use it
     /// remotely (`--use-remote-indexer`); 0: every replica keeps its own index.
     pub serve_indexer_replicas: usize,
@@ -73,6 +75,7 @@ impl Default for ReplayConfig {
             scheduler: SchedulerConfig::default(),
             no_kv_events: false,
             replica_sync: false,
+            replica_sync_echo: kvrouter_replica::DEFAULT_SYNC_ECHO,
             serve_indexer_replicas: 0,
             remote_indexer: false,
         }
@@ -204,6 +207,7 @@ pub async fn run_policy(
                 // Every prompt the bus can carry (the traces hold prompts over 128k tokens).
                 max_prompt_tokens: kvrouter_protocol::max_prompt_tokens_for(bus.max_payload()),
                 replica_sync: config.replica_sync,
+                replica_sync_echo: config.replica_sync_echo,
                 serve_indexer: i < config.serving_indexers(),
                 use_remote_indexer: config.serving_indexers() > 0 && i >= config.serving_indexers(),
                 ..ReplicaConfig::default()

@@ -150,6 +150,7 @@ impl FleetState {
                     let _ = self.args.scheduler.send_message(SchedulerMsg::AddKey {
                         key,
                         capacity_blocks,
+                        block_size: self.discovery.block_size(),
                     });
                     if !self.args.no_kv_events {
                         self.start_fetch(key, myself);

@@ -58,6 +58,9 @@ pub enum SchedulerMsg {
     AddKey {
         key: WorkerKey,
         capacity_blocks: u64,
+        /// The model's block size as discovery knows it (the first worker's, unless
+        /// configured): the cost counts blocks of that size.
+        block_size: Option<u32>,
     },
     RemoveKey(WorkerKey),
     RemoveWorker(WorkerId),
@@ -349,7 +352,11 @@ impl Actor for SchedulerActor {
             SchedulerMsg::AddKey {
                 key,
                 capacity_blocks,
+                block_size,
             } => {
+                if let Some(b) = block_size {
+                    state.core.set_block_size(b);
+                }
                 state.core.add_worker_key(key, capacity_blocks);
                 state.drain(now);
                 state.export_loads();

@@ -216,15 +216,19 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     let before = client.potential_loads(&overlap).await.unwrap();
     assert_eq!(before.len(), 1);
     assert_eq!(before[0].decode_blocks, 4);
+    assert_eq!(
+        before[0].prefill_blocks, 4.0,
+        "64 tokens in blocks of the workers' size (16, learnt from their registration)"
+    );
     let a = client.route(&req("a")).await.unwrap();
     let after = client.potential_loads(&overlap).await.unwrap();
     assert_eq!(
         after[0].decode_blocks, 4,
         "a's blocks are active already: counted once"
     );
-    assert!(
-        after[0].prefill_blocks > before[0].prefill_blocks,
-        "a's prefill is in flight"
+    assert_eq!(
+        after[0].prefill_blocks, 8.0,
+        "a's 64 prefill tokens are in flight"
     );
     let waiting = {
         let client = client.clone();

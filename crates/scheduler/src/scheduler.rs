@@ -123,6 +123,16 @@ impl<P> Scheduler<P> {
         &self.config
     }
 
+    /// Sets the model's block size once it is known (e.g. from the first worker's
+    /// registration); 0 is ignored. Prefill load is kept in tokens, so nothing recorded
+    /// needs converting.
+    pub fn set_block_size(&mut self, block_size: u32) {
+        if block_size > 0 {
+            self.config.block_size = block_size;
+            self.params.block_size = block_size;
+        }
+    }
+
     // ---- worker keys -------------------------------------------------------------
 
     /// Adds a worker key, or updates its capacity if known. True if the key is new.

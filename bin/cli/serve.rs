@@ -101,7 +101,7 @@ pub struct ServeArgs {
     /// before it is logged and counted as overdue (kvrouter_transfers_overdue_total).
     #[arg(long, env = "KVROUTER_TRANSFER_TIMEOUT_SECS", default_value_t = 10.0)]
     transfer_timeout_secs: f64,
-    /// Remote lookups failing in a row (timeouts, no answer, refusals) after which routes skip
+    /// Remote lookups timing out in a row (a hung serving indexer) after which routes skip
     /// them (overlap 0) until a probe is answered; 0 turns this breaker off.
     #[arg(
         long,

@@ -12,7 +12,8 @@
 //!
 //! A hung serving indexer (it takes queries and never answers) would cost every route the
 //! whole timeout, so lookups go through a circuit breaker ([`crate::breaker`]): after a few
-//! failures in a row, routes skip the lookup (counted in `kvrouter_remote_indexer_skipped_total`
+//! timeouts in a row (fast failures such as "no responders" or a refusal cost nothing and do
+//! not count), routes skip the lookup (counted in `kvrouter_remote_indexer_skipped_total`
 //! as well as in the fallbacks) until a probe is answered again.
 //!
 //! In approximate mode (`--no-kv-events`) with a served or remote indexer, route decisions are
@@ -24,7 +25,7 @@ use crate::breaker::{Admit, Breaker, BreakerConfig, Transition};
 use crate::metrics::{Metrics, ModelLabels};
 use crate::state::ModelShared;
 use bytes::Bytes;
-use kvrouter_bus::Bus;
+use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
     decode, encode, IndexerQuery, IndexerRecord, LocalBlockHash, OverlapScoresReply, Reply,
     SequenceHash, WorkerKey,
@@ -156,9 +157,11 @@ impl RemoteIndexer {
             }
         };
         let result = self.query(block_size, local).await;
+        // Only a timeout costs routes time; a fast failure (nobody subscribed, a refusal)
+        // shows nobody is hung, so it counts for the breaker as an answer.
         let change = match &result {
-            Ok(_) => self.breaker.lock().succeeded(ticket, now()),
-            Err(_) => self.breaker.lock().failed(ticket, now()),
+            Err(Failure { slow: true, .. }) => self.breaker.lock().failed(ticket, now()),
+            _ => self.breaker.lock().succeeded(ticket, now()),
         };
         if let Some(change) = change {
             self.log_breaker(change);
@@ -183,8 +186,8 @@ impl RemoteIndexer {
                 }
                 scores
             }
-            Err(reason) => {
-                self.fell_back(&reason);
+            Err(failure) => {
+                self.fell_back(&failure.reason);
                 Vec::new()
             }
         }
@@ -248,29 +251,51 @@ impl RemoteIndexer {
         &self,
         block_size: u32,
         local: &[LocalBlockHash],
-    ) -> Result<Vec<(WorkerKey, u32)>, String> {
+    ) -> Result<Vec<(WorkerKey, u32)>, Failure> {
         let payload = encode(&IndexerQuery {
             block_size,
             local_hashes: local.to_vec(),
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Failure::fast(e.to_string()))?;
         let msg = self
             .bus
             .request(&self.subject, Bytes::from(payload), self.timeout)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Failure {
+                slow: matches!(e, BusError::Timeout { .. }),
+                reason: e.to_string(),
+            })?;
         let reply: Reply<OverlapScoresReply> =
-            decode(&msg.payload).map_err(|e| format!("undecodable answer: {e}"))?;
-        let reply = reply
-            .into_result()
-            .map_err(|e| format!("the serving indexer refused: {}: {}", e.kind, e.message))?;
+            decode(&msg.payload).map_err(|e| Failure::fast(format!("undecodable answer: {e}")))?;
+        let reply = reply.into_result().map_err(|e| {
+            Failure::fast(format!(
+                "the serving indexer refused: {}: {}",
+                e.kind, e.message
+            ))
+        })?;
         if reply.block_size != block_size {
-            return Err(format!(
+            return Err(Failure::fast(format!(
                 "the serving indexer uses block size {}, this replica {block_size}",
                 reply.block_size
-            ));
+            )));
         }
         Ok(reply.scores)
+    }
+}
+
+/// Why a remote lookup gave no overlaps.
+struct Failure {
+    /// It waited out the timeout (what the breaker guards against).
+    slow: bool,
+    reason: String,
+}
+
+impl Failure {
+    fn fast(reason: String) -> Self {
+        Self {
+            slow: false,
+            reason,
+        }
     }
 }
 

@@ -318,7 +318,10 @@ impl Actor for SchedulerActor {
         msg: SchedulerMsg,
         state: &mut SchedulerState,
     ) -> Result<(), ActorProcessingErr> {
-        let now = Instant::now();
+        // The runtime's clock, which the tick and every other timer follow: under a paused
+        // clock (the in-process replay) the wall clock would make the peer-echo window, the
+        // request timeout and the peer lease depend on how fast the machine runs.
+        let now = tokio::time::Instant::now().into_std();
         match msg {
             SchedulerMsg::Route(job) => state.route(job, now),
             SchedulerMsg::MarkPrefill(id, reply) => {

@@ -81,7 +81,7 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
     out
 }
 
-/// Hands every peer batch to its model's scheduler actor.
+/// Hands every peer batch to its model's scheduler actor (through its [`PeerInbox`](crate::scheduler_actor::PeerInbox)).
 pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) -> JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
@@ -96,7 +96,11 @@ pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) ->
                 continue;
             }
             if let Some(m) = shared.models.get(&batch.model) {
-                let _ = m.scheduler.send_message(SchedulerMsg::PeerBatch(batch));
+                if let Some(inbox) = &m.peer_inbox {
+                    if inbox.push(batch) {
+                        let _ = m.scheduler.send_message(SchedulerMsg::PeerBatches);
+                    }
+                }
             }
         }
     })

@@ -264,8 +264,12 @@ impl SchedulerState {
     /// A peer joined or left: the core's peer echo follows the number of live peers.
     fn update_echo(&mut self) {
         let peers = self.ids.live_peers();
-        self.core
-            .set_peer_echo(u32::try_from(peers).unwrap_or(u32::MAX), self.echo_window);
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.core.set_peer_echo(
+            count(peers),
+            count(self.ids.live_peers_ahead()),
+            self.echo_window,
+        );
         self.metrics
             .sync_peers
             .get_or_create(&self.labels)

@@ -4,7 +4,7 @@
 use crate::scheduler_actor::SchedulerMsg;
 use crate::state::ReplicaShared;
 use bytes::Bytes;
-use kvrouter_bus::{Bus, Subscription};
+use kvrouter_bus::{Bus, BusError, Subscription};
 use kvrouter_protocol::{
     decode, encode, SeqChange, Subjects, SyncBatch, SyncStateRequest, ENCODED_EVENT_OVERHEAD,
 };
@@ -202,6 +202,11 @@ async fn fetch_snapshot(
     };
     let mut out = Vec::new();
     while let Some(item) = stream.next().await {
+        if let Err(e @ BusError::NoResponders { .. }) = &item {
+            // The in-process bus tells "nobody answers" here rather than at the request.
+            tracing::info!(model, reason = %e, "no peer to catch up from; starting from no active sequences");
+            break;
+        }
         match item
             .map_err(|e| e.to_string())
             .and_then(|b| decode::<SyncBatch>(&b).map_err(|e| e.to_string()))

@@ -301,7 +301,7 @@ async fn schedule(
         allowed_keys,
         overlaps,
         update_states,
-        enqueued_at: Instant::now(),
+        enqueued_at: tokio::time::Instant::now().into_std(),
         token: RouteToken {
             reply: tx,
             request_id: String::new(),

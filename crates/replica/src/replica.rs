@@ -313,10 +313,12 @@ impl Replica {
                 sync_tasks.push(task);
                 SyncLink {
                     out,
+                    inbox: Arc::default(),
                     catch_up: true,
                     echo_window: config.replica_sync_echo,
                 }
             });
+            let peer_inbox = sync.as_ref().map(|s| s.inbox.clone());
             let (scheduler, sched_join) = Actor::spawn(
                 None,
                 SchedulerActor,
@@ -406,6 +408,7 @@ impl Replica {
                         ))
                     }),
                     scheduler: scheduler.clone(),
+                    peer_inbox,
                     fleet: fleet.clone(),
                 }),
             );

@@ -143,6 +143,14 @@ impl ReplicaSync {
         gone
     }
 
+    /// Live peers before this replica in the replicas' common order (by id).
+    pub fn live_peers_ahead(&self) -> usize {
+        self.peers
+            .keys()
+            .filter(|p| p.as_str() < self.replica_id.as_str())
+            .count()
+    }
+
     pub fn live_peers(&self) -> usize {
         self.peers.len()
     }
@@ -247,6 +255,7 @@ mod tests {
         s.on_peer_batch("z", vec![], t0);
         s.on_peer_batch("b", vec![], t0 + PEER_LEASE / 2);
         assert_eq!(s.live_peers(), 3);
+        assert_eq!(s.live_peers_ahead(), 2, "a and b come before m");
         assert!(!s.on_peer_batch("a", vec![], t0 + PEER_LEASE / 2).1);
         assert_eq!(s.expire_peers(t0 + PEER_LEASE), vec!["z".to_string()]);
         assert_eq!(s.live_peers(), 2);

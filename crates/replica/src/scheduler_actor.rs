@@ -35,9 +35,33 @@ pub struct RouteToken {
 /// value waits in the core's queue when every worker is busy.
 pub type RouteJob = Queued<RouteToken>;
 
+/// Peers' sync batches waiting for one model's scheduler actor. The sync listener puts them
+/// here rather than in the mailbox, so a decision first applies every batch that has
+/// arrived, even one that arrived behind queued route requests: otherwise a replica handed
+/// part of a burst routes its whole share before it sees any of its peers' shares, and
+/// they all pile onto the same workers.
+#[derive(Default)]
+pub struct PeerInbox(parking_lot::Mutex<Vec<SyncBatch>>);
+
+impl PeerInbox {
+    /// Queues a batch; true if the inbox was empty (the actor then needs a
+    /// [`SchedulerMsg::PeerBatches`] to wake it).
+    pub fn push(&self, batch: SyncBatch) -> bool {
+        let mut q = self.0.lock();
+        q.push(batch);
+        q.len() == 1
+    }
+
+    fn take(&self) -> Vec<SyncBatch> {
+        std::mem::take(&mut *self.0.lock())
+    }
+}
+
 /// Where replica sync sends this replica's changes (a task publishes them in order).
 pub struct SyncLink {
     pub out: tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>,
+    /// Where peers' batches arrive.
+    pub inbox: Arc<PeerInbox>,
     /// Buffer peers' changes until the catch-up snapshot arrives.
     pub catch_up: bool,
     /// How long guesses of peers' simultaneous decisions count (the core's peer echo).
@@ -67,8 +91,9 @@ pub enum SchedulerMsg {
     ReportedLoad(LoadReport),
     /// Answers every queued request with `Unavailable` (shutdown).
     RejectQueued,
-    /// Replica sync: a peer's changes, the catch-up snapshot, and a request for ours.
-    PeerBatch(SyncBatch),
+    /// Replica sync: peers' changes wait in the [`PeerInbox`] (this only wakes the actor),
+    /// the catch-up snapshot, and a request for ours.
+    PeerBatches,
     PeerSnapshot(Vec<SeqChange>),
     ExportActive(oneshot::Sender<Vec<SeqChange>>),
     Tick,
@@ -103,6 +128,7 @@ pub struct SchedulerState {
     /// never collide with ours.
     ids: ReplicaSync,
     sync_out: Option<tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>>,
+    inbox: Option<Arc<PeerInbox>>,
     model: String,
     labels: ModelLabels,
     metrics: Arc<Metrics>,
@@ -170,6 +196,21 @@ impl SchedulerState {
         }
     }
 
+    /// Applies every peer batch that has arrived, in arrival order.
+    fn apply_inbox(&mut self, now: Instant) {
+        let Some(inbox) = &self.inbox else { return };
+        for batch in inbox.take() {
+            let (changes, new_peer) = self
+                .ids
+                .on_peer_batch(&batch.replica_id, batch.changes, now);
+            if new_peer {
+                tracing::info!(model = %self.model, peer = %batch.replica_id, "peer replica live");
+                self.update_echo();
+            }
+            self.apply_peer(changes, now);
+        }
+    }
+
     /// Applies peers' changes (idempotent: see `replica_sync`).
     fn apply_peer(&mut self, changes: Vec<SeqChange>, now: Instant) {
         for c in changes {
@@ -226,8 +267,12 @@ impl SchedulerState {
     /// A peer joined or left: the core's peer echo follows the number of live peers.
     fn update_echo(&mut self) {
         let peers = self.ids.live_peers();
-        self.core
-            .set_peer_echo(u32::try_from(peers).unwrap_or(u32::MAX), self.echo_window);
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.core.set_peer_echo(
+            count(peers),
+            count(self.ids.live_peers_ahead()),
+            self.echo_window,
+        );
         self.metrics
             .sync_peers
             .get_or_create(&self.labels)
@@ -306,6 +351,7 @@ impl Actor for SchedulerActor {
         Ok(SchedulerState {
             core,
             ids: ReplicaSync::new(&args.replica_id, catch_up),
+            inbox: args.sync.as_ref().map(|s| s.inbox.clone()),
             sync_out: args.sync.map(|s| s.out),
             labels: Metrics::model(&args.model),
             model: args.model,
@@ -321,7 +367,17 @@ impl Actor for SchedulerActor {
         msg: SchedulerMsg,
         state: &mut SchedulerState,
     ) -> Result<(), ActorProcessingErr> {
-        let now = Instant::now();
+        // The runtime's clock, which the tick and every other timer follow: under a paused
+        // clock (the in-process replay) the wall clock would make the peer-echo window, the
+        // request timeout and the peer lease depend on how fast the machine runs.
+        if state.inbox.is_some() && matches!(msg, SchedulerMsg::Route(_)) {
+            // Peers' batches already delivered to this process may wait for their listener
+            // task (on a current-thread runtime, until this actor has routed everything
+            // queued): let it run, so the decision sees them.
+            tokio::task::yield_now().await;
+        }
+        let now = tokio::time::Instant::now().into_std();
+        state.apply_inbox(now);
         match msg {
             SchedulerMsg::Route(job) => state.route(job, now),
             SchedulerMsg::MarkPrefill(id, reply) => {
@@ -391,17 +447,8 @@ impl Actor for SchedulerActor {
                 }
                 state.drain(now);
             }
-            SchedulerMsg::PeerBatch(batch) => {
-                let (changes, new_peer) =
-                    state
-                        .ids
-                        .on_peer_batch(&batch.replica_id, batch.changes, now);
-                if new_peer {
-                    tracing::info!(model = %state.model, peer = %batch.replica_id, "peer replica live");
-                    state.update_echo();
-                }
-                state.apply_peer(changes, now);
-            }
+            // Applied above.
+            SchedulerMsg::PeerBatches => {}
             SchedulerMsg::PeerSnapshot(snapshot) => {
                 let changes = state.ids.on_snapshot(snapshot);
                 state.apply_peer(changes, now);
@@ -433,5 +480,26 @@ impl Actor for SchedulerActor {
             state.flush_sync(now);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_inbox_wakes_once_until_taken() {
+        let batch = |id: &str| SyncBatch {
+            replica_id: id.into(),
+            model: "m".into(),
+            changes: Vec::new(),
+        };
+        let inbox = PeerInbox::default();
+        assert!(inbox.push(batch("a")));
+        assert!(!inbox.push(batch("b")), "the actor is already woken");
+        let got: Vec<String> = inbox.take().into_iter().map(|b| b.replica_id).collect();
+        assert_eq!(got, ["a", "b"]);
+        assert!(inbox.take().is_empty());
+        assert!(inbox.push(batch("c")), "empty again: wake it again");
     }
 }

@@ -3,7 +3,7 @@
 use crate::approx::DecisionRecorder;
 use crate::fleet::FleetMsg;
 use crate::metrics::Metrics;
-use crate::scheduler_actor::SchedulerMsg;
+use crate::scheduler_actor::{PeerInbox, SchedulerMsg};
 use kvrouter_bus::Bus;
 use kvrouter_indexer::IndexReader;
 use kvrouter_protocol::ModelSubjects;
@@ -49,6 +49,8 @@ pub struct ModelShared {
     /// `Some` with `--use-remote-indexer`: overlaps come from a serving indexer.
     pub remote_index: Option<Arc<crate::remote_indexer::RemoteIndexer>>,
     pub scheduler: ActorRef<SchedulerMsg>,
+    /// With replica sync: where peers' batches wait for the scheduler actor.
+    pub peer_inbox: Option<Arc<PeerInbox>>,
     pub fleet: ActorRef<FleetMsg>,
 }
 

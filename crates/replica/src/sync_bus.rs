@@ -4,7 +4,7 @@
 use crate::scheduler_actor::SchedulerMsg;
 use crate::state::ReplicaShared;
 use bytes::Bytes;
-use kvrouter_bus::{Bus, Subscription};
+use kvrouter_bus::{Bus, BusError, Subscription};
 use kvrouter_protocol::{
     decode, encode, SeqChange, Subjects, SyncBatch, SyncStateRequest, ENCODED_EVENT_OVERHEAD,
 };
@@ -81,7 +81,7 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
     out
 }
 
-/// Hands every peer batch to its model's scheduler actor.
+/// Hands every peer batch to its model's scheduler actor (through its [`PeerInbox`](crate::scheduler_actor::PeerInbox)).
 pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) -> JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
@@ -96,7 +96,11 @@ pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) ->
                 continue;
             }
             if let Some(m) = shared.models.get(&batch.model) {
-                let _ = m.scheduler.send_message(SchedulerMsg::PeerBatch(batch));
+                if let Some(inbox) = &m.peer_inbox {
+                    if inbox.push(batch) {
+                        let _ = m.scheduler.send_message(SchedulerMsg::PeerBatches);
+                    }
+                }
             }
         }
     })
@@ -198,6 +202,11 @@ async fn fetch_snapshot(
     };
     let mut out = Vec::new();
     while let Some(item) = stream.next().await {
+        if let Err(e @ BusError::NoResponders { .. }) = &item {
+            // The in-process bus tells "nobody answers" here rather than at the request.
+            tracing::info!(model, reason = %e, "no peer to catch up from; starting from no active sequences");
+            break;
+        }
         match item
             .map_err(|e| e.to_string())
             .and_then(|b| decode::<SyncBatch>(&b).map_err(|e| e.to_string()))

@@ -9,7 +9,12 @@
 //! same key. By the time the window closes, the peers' real decisions have arrived through
 //! sync and the guess is dropped.
 //!
-//! The guess only steers the cost; busy thresholds, potential loads, metrics and peers see
+//! Replicas routing one burst also decide at the same moment on the same view, so left
+//! alone they would all take the same best key for their next requests; while a burst is
+//! under way each replica therefore first charges the picks of the peers ahead of it in
+//! their common order (see `Scheduler::charge_peers_first`), and they fan out.
+//!
+//! The guesses only steer the cost; busy thresholds, potential loads, metrics and peers see
 //! tracked load alone.
 
 use crate::active::Slot;
@@ -26,6 +31,8 @@ pub(crate) struct EchoLoad {
 #[derive(Debug, Default)]
 pub(crate) struct PeerEcho {
     peers: u32,
+    /// Live peers before this replica in the replicas' common order.
+    ahead: u32,
     window: Duration,
     by_slot: Vec<EchoLoad>,
     /// (expiry, slot, load), in expiry order while the window is unchanged.
@@ -33,9 +40,20 @@ pub(crate) struct PeerEcho {
 }
 
 impl PeerEcho {
-    pub fn set(&mut self, peers: u32, window: Duration) {
+    pub fn set(&mut self, peers: u32, ahead: u32, window: Duration) {
         self.peers = peers;
+        self.ahead = ahead.min(peers);
         self.window = window;
+    }
+
+    /// Peers whose simultaneous decisions this one should assume were made first: those
+    /// ahead of it, while a burst is under way (one of our guesses is still standing).
+    pub fn peers_first(&self) -> u32 {
+        if self.pending.is_empty() {
+            0
+        } else {
+            self.ahead
+        }
     }
 
     fn is_on(&self) -> bool {
@@ -100,12 +118,14 @@ mod tests {
         let mut e = PeerEcho::default();
         e.record(0, 5, 100, t0);
         assert_eq!(e.load(0), EchoLoad::default(), "off without peers");
-        e.set(2, Duration::ZERO);
+        e.set(2, 1, Duration::ZERO);
         e.record(0, 5, 100, t0);
         assert_eq!(e.load(0), EchoLoad::default(), "off with a zero window");
 
-        e.set(2, ms(10));
+        e.set(2, 1, ms(10));
+        assert_eq!(e.peers_first(), 0, "no burst yet");
         e.record(0, 5, 100, t0);
+        assert_eq!(e.peers_first(), 1);
         e.record(1, 1, 0, t0 + ms(4));
         e.record(0, 2, 10, t0 + ms(6));
         assert_eq!(
@@ -130,6 +150,7 @@ mod tests {
         assert_eq!(e.load(1), EchoLoad::default());
         e.expire(t0 + ms(16));
         assert_eq!(e.load(0), EchoLoad::default());
+        assert_eq!(e.peers_first(), 0, "the burst is over");
         assert_eq!(e.load(7), EchoLoad::default());
         assert!(e.pending.is_empty());
     }

@@ -3,7 +3,7 @@
 use crate::active::{ActiveSequences, KeyLoad, ReportedLoad, RequestId, Slot};
 use crate::config::{RoutingPolicy, SchedulerConfig};
 use crate::cost::{self, CostParams, KeyCost};
-use crate::echo::PeerEcho;
+use crate::echo::{EchoLoad, PeerEcho};
 use crate::error::ScheduleError;
 use crate::queue::{Overloaded, Queued, RequestQueue};
 use fastrand::Rng;
@@ -91,6 +91,10 @@ pub struct Scheduler<P = ()> {
     /// Round-robin position.
     turn: usize,
     echo: PeerEcho,
+    /// Load charged for peers' simultaneous picks (by slot; zero between calls) and the
+    /// slots charged.
+    peer_picks: Vec<EchoLoad>,
+    charged: Vec<Slot>,
 }
 
 impl<P> Scheduler<P> {
@@ -116,6 +120,8 @@ impl<P> Scheduler<P> {
             weights: Vec::new(),
             turn: 0,
             echo: PeerEcho::default(),
+            peer_picks: Vec::new(),
+            charged: Vec::new(),
         })
     }
 
@@ -304,9 +310,10 @@ impl<P> Scheduler<P> {
     /// Peer echo (replica sync): for `window` after each request this replica routes, its
     /// load counts once more per live peer in the cost, standing for the like decisions
     /// peers routing the same burst make before theirs reach us (see `echo.rs`). No peers
-    /// or a zero window turns it off.
-    pub fn set_peer_echo(&mut self, peers: u32, window: Duration) {
-        self.echo.set(peers, window);
+    /// or a zero window turns it off. `ahead`: the live peers before this replica in the
+    /// replicas' common order (see `charge_peers_first`).
+    pub fn set_peer_echo(&mut self, peers: u32, ahead: u32, window: Duration) {
+        self.echo.set(peers, ahead, window);
     }
 
     /// Records an active sequence on a key directly (e.g. a peer replica's decision).
@@ -498,6 +505,7 @@ impl<P> Scheduler<P> {
         if self.overlap_by_slot.len() < bound {
             self.overlap_by_slot.resize(bound, 0);
             self.hits_by_slot.resize(bound, 0);
+            self.peer_picks.resize(bound, EchoLoad::default());
         }
         for &(key, overlap) in overlaps {
             if let Some(slot) = self.active.slot_of(key) {
@@ -533,6 +541,50 @@ impl<P> Scheduler<P> {
         for slot in self.touched.drain(..) {
             self.hits_by_slot[slot as usize] = 0;
         }
+        for slot in self.charged.drain(..) {
+            self.peer_picks[slot as usize] = EchoLoad::default();
+        }
+    }
+
+    /// Replica sync, during a burst: peers decide at this same moment on the same view, and
+    /// whatever they pick before our decision reaches them we cannot see. The replicas
+    /// agree on an order (by id), and this one charges, per peer ahead of it, a request the
+    /// size of this one on the key a request with no cached blocks would take: the likeliest
+    /// place for a request we do not know. So the replicas of a burst fan out instead of
+    /// all taking the same best key; a request whose blocks are cached stays with them
+    /// unless such a pick there outweighs what the cache saves. An isolated request is
+    /// routed on the view alone. Needs the scratch
+    /// prepared (undone by `reset_scratch`).
+    fn charge_peers_first(&mut self, prompt_tokens: usize, request_blocks: u64, distinct: u64) {
+        let ahead = self.echo.peers_first();
+        if ahead == 0 {
+            return;
+        }
+        for _ in 0..ahead {
+            let mut best: Option<(Slot, f64)> = None;
+            for &slot in &self.candidates {
+                let load = &self.active.state(slot).load;
+                let (e, p) = (self.echo.load(slot), self.peer_picks[slot as usize]);
+                let c = cost::key_cost(
+                    &self.params,
+                    request_blocks,
+                    0,
+                    load.prefill_tokens + e.prefill_tokens + p.prefill_tokens,
+                    load.active_blocks + e.blocks + p.blocks,
+                    distinct,
+                );
+                if best.is_none_or(|(_, b)| c.cost < b) {
+                    best = Some((slot, c.cost));
+                }
+            }
+            let Some((slot, _)) = best else { return };
+            let p = &mut self.peer_picks[slot as usize];
+            if *p == EchoLoad::default() {
+                self.charged.push(slot);
+            }
+            p.blocks += distinct;
+            p.prefill_tokens += prompt_tokens as u64;
+        }
     }
 
     /// Cost of `slot` with the scratch prepared; `with_echo` adds the peer-echo guess.
@@ -545,7 +597,11 @@ impl<P> Scheduler<P> {
     ) -> (u32, KeyCost) {
         let load = &self.active.state(slot).load;
         let echo = if with_echo {
-            self.echo.load(slot)
+            let (e, p) = (self.echo.load(slot), self.peer_picks[slot as usize]);
+            EchoLoad {
+                blocks: e.blocks + p.blocks,
+                prefill_tokens: e.prefill_tokens + p.prefill_tokens,
+            }
         } else {
             Default::default()
         };
@@ -577,6 +633,9 @@ impl<P> Scheduler<P> {
 
         let distinct = self.prepare_scratch(req, overlaps);
         let request_blocks = cost::request_blocks(req.prompt_tokens, self.config.block_size);
+        if self.config.policy == RoutingPolicy::Kv {
+            self.charge_peers_first(req.prompt_tokens, request_blocks, distinct);
+        }
         let mut scored = std::mem::take(&mut self.scored);
         scored.clear();
         scored.extend(self.candidates.iter().map(|&slot| {
@@ -878,7 +937,7 @@ mod tests {
         let t0 = Instant::now();
         s.add_worker_key(k(1, 0), 100);
         s.add_worker_key(k(2, 0), 100);
-        s.set_peer_echo(2, Duration::from_millis(10));
+        s.set_peer_echo(2, 0, Duration::from_millis(10));
         let (ha, hb) = (hs(&[1, 2, 3]), hs(&[7, 8, 9]));
         let (qa, qb) = (RouteQuery::new(12, &ha), RouteQuery::new(12, &hb));
         // "a" goes to key 2 (2 blocks cached there): 1 prefill block and 3 decode blocks,
@@ -913,11 +972,11 @@ mod tests {
             .unwrap();
         assert_eq!((b.prefill_blocks, b.decode_blocks), (3.0 + 1.0, 3 + 3));
         // Peers' decisions (add_request) are not echoed; a removed key drops its echo.
-        s.set_peer_echo(0, Duration::from_millis(10));
+        s.set_peer_echo(0, 0, Duration::from_millis(10));
         s.add_request("p".into(), k(1, 0), &hs(&[5]), 4, t0)
             .unwrap();
         assert_eq!(s.echo.load(0), Default::default());
-        s.set_peer_echo(2, Duration::from_millis(10));
+        s.set_peer_echo(2, 0, Duration::from_millis(10));
         s.route(
             &qa,
             &[(k(2, 0), 3)],
@@ -929,6 +988,53 @@ mod tests {
         assert_ne!(s.echo.load(1), Default::default());
         s.remove_worker(2);
         assert_eq!(s.echo.load(1), Default::default());
+    }
+
+    #[test]
+    fn during_a_burst_peers_ahead_pick_first() {
+        let mut s = sched(|_| {});
+        let t0 = Instant::now();
+        for w in 1..=3 {
+            s.add_worker_key(k(w, 0), 1000);
+        }
+        // Key 1 idle, key 2 lightly loaded, key 3 heavily.
+        s.add_request("p2".into(), k(2, 0), &hs(&[100]), 4, t0)
+            .unwrap();
+        s.add_request("p3".into(), k(3, 0), &hs(&[200, 201, 202]), 40, t0)
+            .unwrap();
+        // One peer ahead of us.
+        s.set_peer_echo(2, 1, Duration::from_millis(10));
+        let (hy, hz) = (hs(&[1, 2, 3]), hs(&(10..20).collect::<Vec<_>>()));
+        let (y, z) = (RouteQuery::new(12, &hy), RouteQuery::new(40, &hz));
+        // An isolated request takes the idle key.
+        assert_eq!(s.select(&y, &[]).unwrap().key, k(1, 0));
+        // Once we route in a burst, the peer ahead is assumed to take the idle key for a
+        // request like ours...
+        let pin3 = RouteQuery {
+            pinned: Some(k(3, 0)),
+            ..RouteQuery::new(4, &[])
+        };
+        s.route(&pin3, &[], "h".into(), true, t0).unwrap();
+        let sel = s.select(&y, &[]).unwrap();
+        assert_eq!(sel.key, k(2, 0));
+        // ...which is not tracked load, nor left behind for the next decision...
+        assert_eq!(s.load(k(1, 0)).unwrap().active_blocks, 0);
+        assert!(s.peer_picks.iter().all(|p| *p == EchoLoad::default()));
+        // ...and a request cached elsewhere still goes where it is cached.
+        assert_eq!(s.select(&z, &[(k(2, 0), 10)]).unwrap().key, k(2, 0));
+        // When the burst is over, the view alone counts again.
+        s.route(
+            &pin3,
+            &[],
+            "h2".into(),
+            true,
+            t0 + Duration::from_millis(10),
+        )
+        .unwrap();
+        s.free("h2");
+        s.route(&y, &[], "y".into(), true, t0 + Duration::from_millis(20))
+            .unwrap();
+        assert_eq!(s.load(k(1, 0)).unwrap().active_requests, 1);
     }
 
     #[test]

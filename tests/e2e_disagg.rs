@@ -20,7 +20,6 @@ fn pool_with(
     (workers, dp, start): (u32, u32, u32),
     extra: &[&str],
 ) -> Proc {
-    let url = nats.url();
     let (first, workers, dp, start) = (
         first_id.to_string(),
         workers.to_string(),
@@ -28,9 +27,6 @@ fn pool_with(
         start.to_string(),
     );
     let mut args = vec![
-        "mocker",
-        "--nats",
-        &url,
         "--model",
         MODEL,
         "--role",
@@ -53,13 +49,7 @@ fn pool_with(
         &first,
     ];
     args.extend_from_slice(extra);
-    let mut p = Proc::start(role, &args);
-    let line = p.first_line();
-    assert!(
-        line.contains("worker_ids"),
-        "{role} pool start line: {line:?}"
-    );
-    p
+    common::mocker_with(nats, role, &args)
 }
 
 /// A mocker pool of one role (tp 2, block size 16, speedup 100); waits for its start line.

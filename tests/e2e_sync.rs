@@ -57,7 +57,10 @@ fn synced_replicas_share_requests_catch_up_and_drop_a_killed_peer() {
             .expect("route");
         by_a += usize::from(d.replica_id == "a");
     }
-    assert!(by_a > 0 && by_a < 12, "both replicas decided some: a {by_a}");
+    assert!(
+        by_a > 0 && by_a < 12,
+        "both replicas decided some: a {by_a}"
+    );
     assert!(
         wait_until(Duration::from_secs(5), || sum(pa, ACTIVE) == 12.0
             && sum(pb, ACTIVE) == 12.0),

@@ -230,22 +230,30 @@ pub fn serve(nats: &NatsServer, id: &str, admin: u16, extra: &[&str]) -> Proc {
     Proc::start(id, &args)
 }
 
+/// `kvrouter mocker --nats URL ARGS...`, named `name` in logs; waits for its start line.
+pub fn mocker_with(nats: &NatsServer, name: &str, args: &[&str]) -> Proc {
+    let url = nats.url();
+    let mut all = vec!["mocker", "--nats", &url];
+    all.extend_from_slice(args);
+    let mut p = Proc::start(name, &all);
+    let line = p.first_line();
+    assert!(line.contains("worker_ids"), "{name} start line: {line:?}");
+    p
+}
+
 /// `kvrouter mocker` for [`E2E_MODEL`] (512 blocks a rank, speedup 100); waits for its
 /// start line.
 pub fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32, block: usize) -> Proc {
-    let url = nats.url();
     let (first, workers, dp, block) = (
         first_id.to_string(),
         workers.to_string(),
         dp.to_string(),
         block.to_string(),
     );
-    let mut p = Proc::start(
+    mocker_with(
+        nats,
         "mocker",
         &[
-            "mocker",
-            "--nats",
-            &url,
             "--model",
             E2E_MODEL,
             "--workers",
@@ -261,10 +269,7 @@ pub fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32, block: us
             "--worker-id-start",
             &first,
         ],
-    );
-    let line = p.first_line();
-    assert!(line.contains("worker_ids"), "mocker start line: {line:?}");
-    p
+    )
 }
 
 /// Waits (up to 20 s) for `/readyz` to answer 200.

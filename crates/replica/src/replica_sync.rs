@@ -13,6 +13,7 @@
 //! is left to free them, and the workers' own load reports cover what is still running.
 
 use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
+use kvrouter_scheduler::Scheduler;
 use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
 
@@ -179,6 +180,47 @@ impl ReplicaSync {
     pub fn dropped(&self) -> u64 {
         self.dropped
     }
+}
+
+/// Applies peers' changes to a scheduling core, in order. Idempotent: an `Add` of a known id
+/// and a `Free` (or `Prefilled`) of an unknown one change nothing. The caller retries its
+/// queue afterwards (load may have dropped).
+pub fn apply_changes<P>(core: &mut Scheduler<P>, changes: Vec<SeqChange>, now: Instant) {
+    for c in changes {
+        match c {
+            SeqChange::Add {
+                request_id,
+                key,
+                sequence_hashes,
+                prefill_tokens,
+            } => {
+                if !core.contains_request(&request_id) {
+                    // A key this replica does not know (yet) is skipped: the sweep or the
+                    // peer's free would drop it anyway.
+                    let _ =
+                        core.add_request(request_id, key, &sequence_hashes, prefill_tokens, now);
+                }
+            }
+            SeqChange::Prefilled { request_id } => {
+                core.mark_prefill(&request_id);
+            }
+            SeqChange::Free { request_id } => {
+                core.free(&request_id);
+            }
+        }
+    }
+}
+
+/// A core's active sequences as `Add`s (the catch-up snapshot a joining peer asks for).
+pub fn export_active<P>(core: &Scheduler<P>) -> Vec<SeqChange> {
+    core.active_sequences()
+        .map(|(id, key, hashes, prefill)| SeqChange::Add {
+            request_id: id.clone(),
+            key,
+            sequence_hashes: hashes.to_vec(),
+            prefill_tokens: prefill,
+        })
+        .collect()
 }
 
 #[cfg(test)]

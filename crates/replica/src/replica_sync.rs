@@ -165,11 +165,20 @@ impl ReplicaSync {
 
     /// The catch-up snapshot (a peer's active sequences as `Add`s): the changes to apply,
     /// snapshot first, then what was buffered meanwhile. Later snapshots are ignored.
+    ///
+    /// Our own requests in the snapshot are left out: our core is the truth about them, and
+    /// the peer's copy may be stale. A replica routes while it catches up, so it may have
+    /// freed a request whose `Free` the peer had not yet applied when it answered; that
+    /// `Free` is in no buffer (our own changes never come back to us), so applying the
+    /// peer's `Add` would bring the request back until the request-timeout sweep.
     pub fn on_snapshot(&mut self, snapshot: Vec<SeqChange>) -> Vec<SeqChange> {
         match self.buffer.take() {
             None => Vec::new(),
             Some(buf) => {
-                let mut out = snapshot;
+                let mut out: Vec<SeqChange> = snapshot
+                    .into_iter()
+                    .filter(|c| !Self::is_from(change_id(c), &self.replica_id))
+                    .collect();
                 out.extend(buf);
                 out
             }
@@ -179,6 +188,14 @@ impl ReplicaSync {
     /// Peer changes dropped because the catch-up buffer overflowed.
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+}
+
+fn change_id(change: &SeqChange) -> &str {
+    match change {
+        SeqChange::Add { request_id, .. }
+        | SeqChange::Prefilled { request_id }
+        | SeqChange::Free { request_id } => request_id,
     }
 }
 
@@ -282,6 +299,15 @@ mod tests {
         assert_eq!(out, vec![add("r1:x"), add("r2:y"), free]);
         assert!(s.is_caught_up());
         assert!(s.on_snapshot(vec![add("r9:z")]).is_empty());
+    }
+
+    #[test]
+    fn a_snapshot_never_brings_back_our_own_requests() {
+        // r3 routed r3:a while catching up and freed it; the peer answering had the add
+        // but not yet the free.
+        let mut s = ReplicaSync::new("r3", true);
+        let out = s.on_snapshot(vec![add("r3:a"), add("r1:x"), add("r31:b")]);
+        assert_eq!(out, vec![add("r1:x"), add("r31:b")]);
     }
 
     #[test]

@@ -7,6 +7,9 @@
 //! landed they are buffered, then applied after it. Applying is idempotent (an `Add` of a
 //! known id and a `Free` of an unknown one change nothing), so a change that is both in the
 //! snapshot and in the buffer counts once, and order per origin keeps the result right.
+//! One gap remains: a change still on its way to the answering peer when the joiner
+//! subscribed is in neither (the joiner asks only once its ranks are synced, so in practice
+//! long after; `tests/replica_sync_model.rs` assumes it).
 //!
 //! Peers are live while their batches keep coming (an idle replica sends an empty one every
 //! [`HEARTBEAT`]); one silent for [`PEER_LEASE`] is gone, and its sequences with it: nobody

@@ -7,12 +7,16 @@
 //! landed they are buffered, then applied after it. Applying is idempotent (an `Add` of a
 //! known id and a `Free` of an unknown one change nothing), so a change that is both in the
 //! snapshot and in the buffer counts once, and order per origin keeps the result right.
+//! One gap remains: a change still on its way to the answering peer when the joiner
+//! subscribed is in neither (the joiner asks only once its ranks are synced, so in practice
+//! long after; `tests/replica_sync_model.rs` assumes it).
 //!
 //! Peers are live while their batches keep coming (an idle replica sends an empty one every
 //! [`HEARTBEAT`]); one silent for [`PEER_LEASE`] is gone, and its sequences with it: nobody
 //! is left to free them, and the workers' own load reports cover what is still running.
 
 use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
+use kvrouter_scheduler::Scheduler;
 use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
 
@@ -164,11 +168,20 @@ impl ReplicaSync {
 
     /// The catch-up snapshot (a peer's active sequences as `Add`s): the changes to apply,
     /// snapshot first, then what was buffered meanwhile. Later snapshots are ignored.
+    ///
+    /// Our own requests in the snapshot are left out: our core is the truth about them, and
+    /// the peer's copy may be stale. A replica routes while it catches up, so it may have
+    /// freed a request whose `Free` the peer had not yet applied when it answered; that
+    /// `Free` is in no buffer (our own changes never come back to us), so applying the
+    /// peer's `Add` would bring the request back until the request-timeout sweep.
     pub fn on_snapshot(&mut self, snapshot: Vec<SeqChange>) -> Vec<SeqChange> {
         match self.buffer.take() {
             None => Vec::new(),
             Some(buf) => {
-                let mut out = snapshot;
+                let mut out: Vec<SeqChange> = snapshot
+                    .into_iter()
+                    .filter(|c| !Self::is_from(change_id(c), &self.replica_id))
+                    .collect();
                 out.extend(buf);
                 out
             }
@@ -179,6 +192,55 @@ impl ReplicaSync {
     pub fn dropped(&self) -> u64 {
         self.dropped
     }
+}
+
+fn change_id(change: &SeqChange) -> &str {
+    match change {
+        SeqChange::Add { request_id, .. }
+        | SeqChange::Prefilled { request_id }
+        | SeqChange::Free { request_id } => request_id,
+    }
+}
+
+/// Applies peers' changes to a scheduling core, in order. Idempotent: an `Add` of a known id
+/// and a `Free` (or `Prefilled`) of an unknown one change nothing. The caller retries its
+/// queue afterwards (load may have dropped).
+pub fn apply_changes<P>(core: &mut Scheduler<P>, changes: Vec<SeqChange>, now: Instant) {
+    for c in changes {
+        match c {
+            SeqChange::Add {
+                request_id,
+                key,
+                sequence_hashes,
+                prefill_tokens,
+            } => {
+                if !core.contains_request(&request_id) {
+                    // A key this replica does not know (yet) is skipped: the sweep or the
+                    // peer's free would drop it anyway.
+                    let _ =
+                        core.add_request(request_id, key, &sequence_hashes, prefill_tokens, now);
+                }
+            }
+            SeqChange::Prefilled { request_id } => {
+                core.mark_prefill(&request_id);
+            }
+            SeqChange::Free { request_id } => {
+                core.free(&request_id);
+            }
+        }
+    }
+}
+
+/// A core's active sequences as `Add`s (the catch-up snapshot a joining peer asks for).
+pub fn export_active<P>(core: &Scheduler<P>) -> Vec<SeqChange> {
+    core.active_sequences()
+        .map(|(id, key, hashes, prefill)| SeqChange::Add {
+            request_id: id.clone(),
+            key,
+            sequence_hashes: hashes.to_vec(),
+            prefill_tokens: prefill,
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -240,6 +302,15 @@ mod tests {
         assert_eq!(out, vec![add("r1:x"), add("r2:y"), free]);
         assert!(s.is_caught_up());
         assert!(s.on_snapshot(vec![add("r9:z")]).is_empty());
+    }
+
+    #[test]
+    fn a_snapshot_never_brings_back_our_own_requests() {
+        // r3 routed r3:a while catching up and freed it; the peer answering had the add
+        // but not yet the free.
+        let mut s = ReplicaSync::new("r3", true);
+        let out = s.on_snapshot(vec![add("r3:a"), add("r1:x"), add("r31:b")]);
+        assert_eq!(out, vec![add("r1:x"), add("r31:b")]);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! the core's bounded queue with their reply channel and are answered when load drops.
 
 use crate::metrics::{KeyLabels, Metrics, ModelLabels};
-use crate::replica_sync::ReplicaSync;
+use crate::replica_sync::{self, ReplicaSync};
 use kvrouter_protocol::{
     ErrorKind, ErrorReply, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId, WorkerKey,
 };
@@ -211,49 +211,10 @@ impl SchedulerState {
         }
     }
 
-    /// Applies peers' changes (idempotent: see `replica_sync`).
+    /// Applies peers' changes (idempotent: see `replica_sync`), then retries the queue.
     fn apply_peer(&mut self, changes: Vec<SeqChange>, now: Instant) {
-        for c in changes {
-            match c {
-                SeqChange::Add {
-                    request_id,
-                    key,
-                    sequence_hashes,
-                    prefill_tokens,
-                } => {
-                    if !self.core.contains_request(&request_id) {
-                        // A key this replica does not know (yet) is skipped: the sweep or
-                        // the peer's free would drop it anyway.
-                        let _ = self.core.add_request(
-                            request_id,
-                            key,
-                            &sequence_hashes,
-                            prefill_tokens,
-                            now,
-                        );
-                    }
-                }
-                SeqChange::Prefilled { request_id } => {
-                    self.core.mark_prefill(&request_id);
-                }
-                SeqChange::Free { request_id } => {
-                    self.core.free(&request_id);
-                }
-            }
-        }
+        replica_sync::apply_changes(&mut self.core, changes, now);
         self.drain(now);
-    }
-
-    fn export_active(&self) -> Vec<SeqChange> {
-        self.core
-            .active_sequences()
-            .map(|(id, key, hashes, prefill)| SeqChange::Add {
-                request_id: id.clone(),
-                key,
-                sequence_hashes: hashes.to_vec(),
-                prefill_tokens: prefill,
-            })
-            .collect()
     }
 
     /// Sends this replica's pending changes to the sync publisher (an empty batch keeps
@@ -454,7 +415,7 @@ impl Actor for SchedulerActor {
                 state.apply_peer(changes, now);
             }
             SchedulerMsg::ExportActive(reply) => {
-                let _ = reply.send(state.export_active());
+                let _ = reply.send(replica_sync::export_active(&state.core));
             }
             SchedulerMsg::RejectQueued => {
                 for q in state.core.take_queued() {

@@ -79,10 +79,9 @@ fn route_req(tokens: Vec<u32>) -> RouteRequest {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
-    let bus = Bus::local();
-    let _fleet = MockerFleet::start(
+/// Two simulated workers (ids 10 and 11) of [`BLOCK`]-token blocks.
+async fn two_workers(bus: &Bus) -> MockerFleet {
+    MockerFleet::start(
         bus.clone(),
         FleetConfig {
             model: MODEL.into(),
@@ -99,7 +98,13 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
         },
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
+    let bus = Bus::local();
+    let _fleet = two_workers(&bus).await;
     let mut c = config("remote");
     c.use_remote_indexer = true;
     let remote = Replica::start(c, bus.clone()).await.unwrap();
@@ -159,24 +164,7 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     let bus = Bus::local();
-    let _fleet = MockerFleet::start(
-        bus.clone(),
-        FleetConfig {
-            model: MODEL.into(),
-            workers: 2,
-            worker_id_start: 10,
-            engine: EngineConfig {
-                block_size: BLOCK as usize,
-                capacity_blocks: 256,
-                ..EngineConfig::default()
-            },
-            speedup: 1000.0,
-            heartbeat_interval: Duration::from_millis(200),
-            ..FleetConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let _fleet = two_workers(&bus).await;
     // A "serving indexer" that takes every query and never answers.
     let subject = kvrouter_protocol::Subjects::new("kvrouter")
         .unwrap()

@@ -2,7 +2,7 @@
 //!
 //! A serving indexer that is down fails fast (no responders), but one that is hung (it takes
 //! queries and never answers) costs every route the whole `--remote-indexer-timeout-ms`. After
-//! `failures` consecutive failures the breaker opens: routes skip the remote lookup (overlap 0)
+//! `failures` consecutive failures (the remote indexer reports timeouts only) the breaker opens: routes skip the remote lookup (overlap 0)
 //! for a cooldown. Then it is half-open: one probe goes through; an answer closes the breaker,
 //! a failure re-opens it with the cooldown doubled (up to `max_cooldown`).
 //!

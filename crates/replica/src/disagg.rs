@@ -301,7 +301,7 @@ async fn schedule(
         allowed_keys,
         overlaps,
         update_states,
-        enqueued_at: tokio::time::Instant::now().into_std(),
+        enqueued_at: crate::clock::now(),
         token: RouteToken {
             reply: tx,
             request_id: String::new(),

@@ -249,7 +249,7 @@ async fn route(
         allowed_keys: None,
         overlaps,
         update_states: req.update_states,
-        enqueued_at: tokio::time::Instant::now().into_std(),
+        enqueued_at: crate::clock::now(),
         token: RouteToken {
             reply: tx,
             request_id: String::new(),

@@ -21,6 +21,7 @@
 pub mod admin;
 pub mod approx;
 pub mod breaker;
+mod clock;
 pub mod disagg;
 pub mod discovery;
 pub mod endpoints;

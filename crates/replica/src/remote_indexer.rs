@@ -22,6 +22,7 @@
 //! them record every decision and stay equal.
 
 use crate::breaker::{Admit, Breaker, BreakerConfig, Transition};
+use crate::clock::now;
 use crate::metrics::{Metrics, ModelLabels};
 use crate::state::ModelShared;
 use bytes::Bytes;
@@ -37,12 +38,6 @@ use std::time::{Duration, Instant};
 
 /// Default of `--remote-indexer-timeout-ms`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
-
-/// Tokio's clock, so that timeouts and the breaker's cooldown follow a paused clock in tests;
-/// the same as `Instant::now()` otherwise.
-fn now() -> Instant {
-    tokio::time::Instant::now().into_std()
-}
 
 /// What changed in the outage state after a query.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -328,16 +328,14 @@ impl Actor for SchedulerActor {
         msg: SchedulerMsg,
         state: &mut SchedulerState,
     ) -> Result<(), ActorProcessingErr> {
-        // The runtime's clock, which the tick and every other timer follow: under a paused
-        // clock (the in-process replay) the wall clock would make the peer-echo window, the
-        // request timeout and the peer lease depend on how fast the machine runs.
         if state.inbox.is_some() && matches!(msg, SchedulerMsg::Route(_)) {
             // Peers' batches already delivered to this process may wait for their listener
             // task (on a current-thread runtime, until this actor has routed everything
             // queued): let it run, so the decision sees them.
             tokio::task::yield_now().await;
         }
-        let now = tokio::time::Instant::now().into_std();
+        // The clock the tick follows (virtual in the replay): echo window, timeouts, lease.
+        let now = crate::clock::now();
         state.apply_inbox(now);
         match msg {
             SchedulerMsg::Route(job) => state.route(job, now),

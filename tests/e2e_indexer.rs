@@ -234,29 +234,39 @@ fn approximate_mode_decisions_reach_every_serving_indexer() {
 
 #[test]
 fn conflicting_indexer_flags_are_refused_at_start() {
-    let nats = NatsServer::start();
-    let url = nats.url();
+    // Nothing listens there: the flags must be refused before the replica needs the bus.
+    let url = format!("nats://127.0.0.1:{}", free_port());
     let run = |extra: &[&str]| {
         let mut args = vec!["serve", "--nats", &url, "--model", MODEL];
         args.extend_from_slice(extra);
         common::run(&args)
     };
-    let out = run(&["--serve-indexer", "--use-remote-indexer"]);
+    let refused = |extra: &[&str], names: &[&str]| {
+        let out = run(extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(!err.contains("cannot connect"), "{extra:?}: {err}");
+        for name in names {
+            assert!(err.contains(name), "{extra:?}: {err}");
+        }
+    };
+    refused(
+        &["--serve-indexer", "--use-remote-indexer"],
+        &["--serve-indexer", "--use-remote-indexer"],
+    );
+    refused(
+        &["--serve-indexer", "--overlap-credit", "0"],
+        &["--serve-indexer", "--overlap-credit 0"],
+    );
+    refused(
+        &["--use-remote-indexer", "--remote-indexer-timeout-ms", "0"],
+        &["--remote-indexer-timeout-ms"],
+    );
+    // A valid combination gets as far as the bus (so the refusals above are the flags').
+    let out = run(&["--serve-indexer"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
     assert!(
-        err.contains("--serve-indexer") && err.contains("--use-remote-indexer"),
+        !out.status.success() && err.contains("cannot connect"),
         "{err}"
     );
-    let out = run(&["--serve-indexer", "--overlap-credit", "0"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("--serve-indexer") && err.contains("--overlap-credit 0"),
-        "{err}"
-    );
-    let out = run(&["--use-remote-indexer", "--remote-indexer-timeout-ms", "0"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(err.contains("--remote-indexer-timeout-ms"), "{err}");
 }

@@ -218,6 +218,7 @@ pub async fn shutdown_signal() {
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
+    config.validate()?;
     let bus = args.nats.connect("kvrouter-serve").await?;
     let replica = Replica::start(config, bus)
         .await

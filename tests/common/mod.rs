@@ -34,16 +34,25 @@ impl NatsServer {
     }
 
     /// Like [`NatsServer::start`], with extra nats-server arguments (e.g. `["--auth", "s3cret"]`).
+    /// A free port can be taken by another test before nats-server binds it: then it exits,
+    /// and we try again on another port.
     pub fn start_with_args(args: &[&str]) -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        Self::start_on_port(port, args)
+        for _ in 0..5 {
+            if let Some(server) = Self::try_start(free_port(), args) {
+                return server;
+            }
+        }
+        panic!("nats-server did not start on any of 5 free ports");
     }
 
     /// A nats-server on the given loopback port (e.g. to restart one where a stopped one ran).
     pub fn start_on_port(port: u16, args: &[&str]) -> Self {
+        Self::try_start(port, args).unwrap_or_else(|| panic!("nats-server did not start on {port}"))
+    }
+
+    /// Starts nats-server and waits until it, not some other process, answers on `port`
+    /// (it is alive and the port speaks NATS); `None` if it exited or never answered.
+    fn try_start(port: u16, args: &[&str]) -> Option<Self> {
         let child = Command::new("nats-server")
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
             .args(args)
@@ -51,15 +60,30 @@ impl NatsServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("nats-server on PATH (scripts/test.sh installs it)");
+        let mut server = Self { child, port };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not listen on {port}"
-            );
+        while Instant::now() < deadline {
+            if !matches!(server.child.try_wait(), Ok(None)) {
+                return None;
+            }
+            if server.try_info().is_some_and(|l| l.starts_with("INFO")) {
+                // The probe is alive and answered: the port is ours unless the child just died.
+                if matches!(server.child.try_wait(), Ok(None)) {
+                    return Some(server);
+                }
+                return None;
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self { child, port }
+        None // Drop kills it.
+    }
+
+    fn try_info(&self) -> Option<String> {
+        let stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line).ok()?;
+        Some(line)
     }
 
     pub fn url(&self) -> String {
@@ -68,12 +92,7 @@ impl NatsServer {
 
     /// The server's INFO line, as a client sees it on connect.
     pub fn info(&self) -> String {
-        let stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connect");
-        let mut line = String::new();
-        BufReader::new(stream)
-            .read_line(&mut line)
-            .expect("INFO line");
-        line
+        self.try_info().expect("the INFO line")
     }
 
     pub fn pid(&self) -> u32 {

@@ -229,25 +229,65 @@ fn valid_replica_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
-impl Replica {
-    pub async fn start(config: ReplicaConfig, bus: Bus) -> Result<Self, ReplicaError> {
-        let subjects = Subjects::new(&config.namespace)?;
-        if config.models.is_empty() {
+impl ReplicaConfig {
+    /// Every check that needs no bus: `kvrouter serve` runs it before connecting, so a bad
+    /// flag is refused at once whether or not NATS is reachable.
+    pub fn validate(&self) -> Result<(), ReplicaError> {
+        let subjects = Subjects::new(&self.namespace)?;
+        if self.models.is_empty() {
             return Err(ReplicaError::NoModels);
         }
-        for (i, m) in config.models.iter().enumerate() {
-            if config.models[..i].contains(m) {
+        for (i, m) in self.models.iter().enumerate() {
+            if self.models[..i].contains(m) {
                 return Err(ReplicaError::DuplicateModel(m.clone()));
             }
+            subjects.model(m)?;
         }
-        for (m, &b) in &config.block_sizes {
-            if !config.models.contains(m) {
+        for (m, &b) in &self.block_sizes {
+            if !self.models.contains(m) {
                 return Err(ReplicaError::BlockSizeForUnknownModel(m.clone()));
             }
             if b == 0 {
                 return Err(ReplicaError::ZeroBlockSize(m.clone()));
             }
         }
+        if self.no_kv_events && self.router_ttl.is_zero() {
+            return Err(ReplicaError::ZeroRouterTtl);
+        }
+        if self.transfer_timeout.is_zero() {
+            return Err(ReplicaError::ZeroTransferTimeout);
+        }
+        if self.serve_indexer && self.use_remote_indexer {
+            return Err(ReplicaError::ServeAndUseRemoteIndexer);
+        }
+        if self.serve_indexer && self.scheduler.overlap_credit == 0.0 {
+            return Err(ReplicaError::ServeIndexerWithoutOverlap);
+        }
+        if self.use_remote_indexer && self.remote_indexer_timeout.is_zero() {
+            return Err(ReplicaError::ZeroRemoteIndexerTimeout);
+        }
+        if self.use_remote_indexer
+            && self.remote_indexer_breaker_failures > 0
+            && self.remote_indexer_breaker_cooldown.is_zero()
+        {
+            return Err(ReplicaError::ZeroBreakerCooldown);
+        }
+        self.scheduler
+            .validate()
+            .map_err(|e| ReplicaError::Scheduler(e.to_string()))?;
+        if let Some(id) = &self.replica_id {
+            if !valid_replica_id(id) {
+                return Err(ReplicaError::ReplicaId(id.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Replica {
+    pub async fn start(config: ReplicaConfig, bus: Bus) -> Result<Self, ReplicaError> {
+        config.validate()?;
+        let subjects = Subjects::new(&config.namespace)?;
         let fits = kvrouter_protocol::max_prompt_tokens_for(bus.max_payload());
         if config.max_prompt_tokens > fits {
             return Err(ReplicaError::PromptLimitTooLarge {
@@ -256,38 +296,10 @@ impl Replica {
                 fits,
             });
         }
-        if config.no_kv_events && config.router_ttl.is_zero() {
-            return Err(ReplicaError::ZeroRouterTtl);
-        }
-        if config.transfer_timeout.is_zero() {
-            return Err(ReplicaError::ZeroTransferTimeout);
-        }
-        if config.serve_indexer && config.use_remote_indexer {
-            return Err(ReplicaError::ServeAndUseRemoteIndexer);
-        }
-        if config.serve_indexer && config.scheduler.overlap_credit == 0.0 {
-            return Err(ReplicaError::ServeIndexerWithoutOverlap);
-        }
-        if config.use_remote_indexer && config.remote_indexer_timeout.is_zero() {
-            return Err(ReplicaError::ZeroRemoteIndexerTimeout);
-        }
-        if config.use_remote_indexer
-            && config.remote_indexer_breaker_failures > 0
-            && config.remote_indexer_breaker_cooldown.is_zero()
-        {
-            return Err(ReplicaError::ZeroBreakerCooldown);
-        }
-        config
-            .scheduler
-            .validate()
-            .map_err(|e| ReplicaError::Scheduler(e.to_string()))?;
         let replica_id = config
             .replica_id
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-        if !valid_replica_id(&replica_id) {
-            return Err(ReplicaError::ReplicaId(replica_id));
-        }
 
         let metrics = Arc::new(Metrics::new());
         let mut sync_tasks = Vec::new();

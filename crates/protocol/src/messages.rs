@@ -68,6 +68,10 @@ pub struct Registration {
     pub heartbeat_interval_ms: u32,
 }
 
+/// Largest `dp_size` and `tp_size` a replica accepts in a [`Registration`]: the router keeps
+/// per-rank state, so a peer must not make it allocate for billions of ranks.
+pub const MAX_PARALLEL_SIZE: u32 = 4096;
+
 impl Registration {
     /// Every rank the worker was started with.
     pub fn ranks(&self) -> std::ops::Range<DpRank> {

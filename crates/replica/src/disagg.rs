@@ -506,6 +506,10 @@ async fn run_transfers(
                 }
             }
             TransferMsg::Tick => {
+                // A worker that left will never report: its transfers are not overdue, gone.
+                for id in t.forget_workers(|w| m.status.layouts.get(w).is_none()) {
+                    tracing::info!(%model, request_id = %id, "KV transfer abandoned: its prefill or decode worker left");
+                }
                 for o in t.expire(Instant::now()) {
                     tracing::warn!(
                         %model,
@@ -521,16 +525,20 @@ async fn run_transfers(
             }
         }
         let c = t.counters();
-        let dropped = (c.unknown + c.foreign + c.duplicate)
-            .saturating_sub(seen.unknown + seen.foreign + seen.duplicate);
         let overdue = (c.overdue + c.dropped).saturating_sub(seen.overdue + seen.dropped);
-        seen = c;
-        if dropped > 0 {
-            metrics
-                .transfer_reports_dropped
-                .get_or_create(&labels)
-                .inc_by(dropped);
+        for (reason, now, before) in [
+            ("not_routed_here", c.unknown, seen.unknown),
+            ("wrong_rank", c.foreign, seen.foreign),
+            ("duplicate", c.duplicate, seen.duplicate),
+        ] {
+            if now > before {
+                metrics
+                    .transfer_reports_dropped
+                    .get_or_create(&crate::metrics::ReasonLabels::new(&model, reason))
+                    .inc_by(now - before);
+            }
         }
+        seen = c;
         if overdue > 0 {
             metrics
                 .transfers_overdue

@@ -3,7 +3,7 @@
 //! A plain core: messages in, [`Change`]s out, time passed in. The fleet actor turns changes
 //! into index, scheduler and state-sync work.
 
-use kvrouter_protocol::{DpRank, Heartbeat, Registration, WorkerId, WorkerKey};
+use kvrouter_protocol::{DpRank, Heartbeat, Registration, WorkerId, WorkerKey, MAX_PARALLEL_SIZE};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -100,10 +100,19 @@ impl Discovery {
                 ));
             }
         }
-        if reg.dp_size == 0 || reg.dp_start_rank.checked_add(reg.dp_size).is_none() {
+        if reg.dp_size == 0
+            || reg.dp_size > MAX_PARALLEL_SIZE
+            || reg.dp_start_rank.checked_add(reg.dp_size).is_none()
+        {
             return Err(format!(
-                "invalid data-parallel ranks: dp_start_rank {} dp_size {}",
+                "invalid data-parallel ranks: dp_start_rank {} dp_size {} (dp_size 1..={MAX_PARALLEL_SIZE})",
                 reg.dp_start_rank, reg.dp_size
+            ));
+        }
+        if reg.tp_size == 0 || reg.tp_size > MAX_PARALLEL_SIZE {
+            return Err(format!(
+                "invalid tp_size {} (1..={MAX_PARALLEL_SIZE})",
+                reg.tp_size
             ));
         }
         if reg.capacity_blocks == 0 {
@@ -343,7 +352,20 @@ mod tests {
         bad.live_ranks = vec![0];
         bad.model = "other".into();
         assert!(refused(&d.on_registration(&bad, now)));
-        assert_eq!(d.worker_count(), 1);
+        // A peer must not make the router keep state for billions of ranks.
+        for (dp, tp) in [
+            (MAX_PARALLEL_SIZE + 1, 1),
+            (1, 0),
+            (1, MAX_PARALLEL_SIZE + 1),
+        ] {
+            let mut huge = reg(4, 4, &[0]);
+            (huge.dp_size, huge.tp_size) = (dp, tp);
+            assert!(refused(&d.on_registration(&huge, now)), "{dp} {tp}");
+        }
+        let mut widest = reg(5, 5, &[0]);
+        (widest.dp_size, widest.tp_size) = (MAX_PARALLEL_SIZE, MAX_PARALLEL_SIZE);
+        assert!(!refused(&d.on_registration(&widest, now)));
+        assert_eq!(d.worker_count(), 2);
         // Heartbeats from strangers ask for a roll call.
         let hb = Heartbeat {
             worker_id: 9,

@@ -20,6 +20,21 @@ pub struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub model: String,
+    pub reason: &'static str,
+}
+
+impl ReasonLabels {
+    pub fn new(model: &str, reason: &'static str) -> Self {
+        Self {
+            model: model.to_string(),
+            reason,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KeyLabels {
     pub model: String,
     pub worker: String,
@@ -93,7 +108,7 @@ pub struct Metrics {
     /// (unknown request, wrong worker or tp rank, duplicate), transfers overdue or dropped,
     /// transfers pending.
     pub disagg_routes: Family<ModelLabels, Counter>,
-    pub transfer_reports_dropped: Family<ModelLabels, Counter>,
+    pub transfer_reports_dropped: Family<ReasonLabels, Counter>,
     pub transfers_overdue: Family<ModelLabels, Counter>,
     pub transfers_pending: Family<ModelLabels, Gauge>,
 }
@@ -255,7 +270,7 @@ impl Metrics {
             ),
             transfer_reports_dropped: reg!(
                 "transfer_reports_dropped",
-                "KV transfer reports dropped: unknown request, wrong worker or tp rank, or duplicate",
+                "KV transfer reports that changed nothing, by reason: not_routed_here (no pending transfer of that id on this replica: expected for requests other replicas routed, since every replica hears every report), wrong_rank (not the request's worker rank or tp rank), duplicate",
                 Family::default()
             ),
             transfers_overdue: reg!(

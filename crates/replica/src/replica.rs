@@ -78,6 +78,9 @@ pub struct ReplicaConfig {
     pub remote_indexer_breaker_cooldown: Duration,
 }
 
+/// Longest `router_ttl` accepted: deadlines are `now + ttl`, and no cache keeps a block longer.
+pub const MAX_ROUTER_TTL: Duration = Duration::from_secs(24 * 3600);
+
 /// Default of [`ReplicaConfig::replica_sync_echo`]: several NATS hops on a LAN (about
 /// 0.1 ms each); measured best of 1, 2 and 5 ms in the bursty replay (docs/benchmarks.md).
 pub const DEFAULT_SYNC_ECHO: Duration = Duration::from_millis(1);
@@ -129,6 +132,8 @@ pub enum ReplicaError {
     },
     #[error("--router-ttl-secs must be above 0 (it is how long a routed request's blocks count as cached)")]
     ZeroRouterTtl,
+    #[error("--router-ttl-secs must be at most {} (a day; engines evict long before)", MAX_ROUTER_TTL.as_secs())]
+    RouterTtlTooLong,
     #[error("--transfer-timeout-secs must be above 0 (it is how long a KV transfer may take before it is reported overdue)")]
     ZeroTransferTimeout,
     #[error("--serve-indexer and --use-remote-indexer cannot be combined: a replica either serves its index or asks another replica's")]
@@ -253,6 +258,9 @@ impl ReplicaConfig {
         }
         if self.no_kv_events && self.router_ttl.is_zero() {
             return Err(ReplicaError::ZeroRouterTtl);
+        }
+        if self.router_ttl > MAX_ROUTER_TTL {
+            return Err(ReplicaError::RouterTtlTooLong);
         }
         if self.transfer_timeout.is_zero() {
             return Err(ReplicaError::ZeroTransferTimeout);
@@ -691,5 +699,45 @@ impl Replica {
             }
         }
         tracing::info!("replica stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid() -> ReplicaConfig {
+        ReplicaConfig {
+            models: vec!["m".into()],
+            ..ReplicaConfig::default()
+        }
+    }
+
+    #[test]
+    fn validate_names_what_is_wrong_without_a_bus() {
+        assert!(valid().validate().is_ok());
+        type Change = fn(&mut ReplicaConfig);
+        let cases: Vec<(Change, &str)> = vec![
+            (|c| c.models.clear(), "--model"),
+            (|c| c.models.push("m".into()), "given twice"),
+            (|c| c.namespace = "a b".into(), "a b"),
+            (|c| _ = c.block_sizes.insert("x".into(), 16), "--block-size"),
+            (|c| _ = c.block_sizes.insert("m".into(), 0), "block size 0"),
+            (
+                |c| c.router_ttl = MAX_ROUTER_TTL + Duration::from_secs(1),
+                "--router-ttl-secs",
+            ),
+            (|c| c.replica_id = Some("a.b".into()), "replica id"),
+            (
+                |c| (c.serve_indexer, c.use_remote_indexer) = (true, true),
+                "--use-remote-indexer",
+            ),
+        ];
+        for (change, words) in cases {
+            let mut c = valid();
+            change(&mut c);
+            let e = c.validate().expect_err(words).to_string();
+            assert!(e.contains(words), "{words:?} not in {e:?}");
+        }
     }
 }

@@ -216,7 +216,9 @@ pub fn apply_changes<P>(core: &mut Scheduler<P>, changes: Vec<SeqChange>, now: I
             } => {
                 if !core.contains_request(&request_id) {
                     // A key this replica does not know (yet) is skipped: the sweep or the
-                    // peer's free would drop it anyway.
+                    // peer's free would drop it anyway. The clamp keeps a corrupt peer from
+                    // wrapping the load sums (no real prompt comes near it).
+                    let prefill_tokens = prefill_tokens.min(u64::from(u32::MAX));
                     let _ =
                         core.add_request(request_id, key, &sequence_hashes, prefill_tokens, now);
                 }

@@ -173,20 +173,18 @@ impl TransferTracker {
         self.pending.remove(request_id).is_some()
     }
 
-    /// Drops every pending request one of whose ends is on this worker (it left).
-    pub fn forget_worker(&mut self, worker_id: WorkerId) -> Vec<String> {
-        let gone: Vec<String> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| {
-                p.sent.end.key.worker_id == worker_id || p.received.end.key.worker_id == worker_id
-            })
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in &gone {
-            self.pending.remove(id);
-        }
-        gone
+    /// Drops every pending request one of whose ends is on a worker for which `gone` holds
+    /// (it left: its reports will never come); returns their ids.
+    pub fn forget_workers(&mut self, gone: impl Fn(WorkerId) -> bool) -> Vec<String> {
+        let mut out = Vec::new();
+        self.pending.retain(|id, p| {
+            let keep = !gone(p.sent.end.key.worker_id) && !gone(p.received.end.key.worker_id);
+            if !keep {
+                out.push(id.clone());
+            }
+            keep
+        });
+        out
     }
 
     /// One tp rank of `key` reports `request_id` done on `side`.
@@ -341,7 +339,11 @@ mod tests {
         assert!(!t.is_pending("a"));
         assert!(t.is_pending("b"));
         assert_eq!(t.counters().dropped, 1);
-        assert_eq!(t.forget_worker(P.worker_id), vec!["b".to_string()]);
+        assert!(t.forget_workers(|w| w == D.worker_id + 100).is_empty());
+        assert_eq!(
+            t.forget_workers(|w| w == P.worker_id),
+            vec!["b".to_string()]
+        );
         assert_eq!(t.pending_count(), 0);
     }
 

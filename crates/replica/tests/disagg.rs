@@ -428,3 +428,119 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
         f.shutdown().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_overdue() {
+    let bus = Bus::local();
+    let silenced = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 100, Some(1)))
+        .await
+        .unwrap();
+    let healthy = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 110, None))
+        .await
+        .unwrap();
+    let decode = MockerFleet::start(bus.clone(), one(WorkerRole::Decode, 200, None))
+        .await
+        .unwrap();
+    let timeout = Duration::from_millis(600);
+    let mut replicas = Vec::new();
+    for id in ["ra", "rb"] {
+        let r = Replica::start(
+            ReplicaConfig {
+                models: vec![MODEL.into()],
+                replica_id: Some(id.into()),
+                discovery_window: Duration::from_millis(100),
+                transfer_timeout: timeout,
+                ..ReplicaConfig::default()
+            },
+            bus.clone(),
+        )
+        .await
+        .unwrap();
+        assert!(r.wait_ready(Duration::from_secs(5)).await);
+        replicas.push(r);
+    }
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let metrics = |r: &Replica| {
+        let m = &r.shared().metrics;
+        let dropped = |reason| {
+            m.transfer_reports_dropped
+                .get_or_create(&kvrouter_replica::metrics::ReasonLabels::new(MODEL, reason))
+                .get()
+        };
+        let model = kvrouter_replica::metrics::Metrics::model(MODEL);
+        (
+            dropped("not_routed_here"),
+            dropped("wrong_rank") + dropped("duplicate"),
+            m.transfers_overdue.get_or_create(&model).get(),
+            m.transfers_pending.get_or_create(&model).get(),
+        )
+    };
+    let by_id = |id: &str| {
+        replicas
+            .iter()
+            .find(|r| r.replica_id() == id)
+            .expect("a decision names one of the replicas")
+    };
+
+    // A complete transfer: 2 Sent and 2 Received reports (tp 2 on each side). Every replica
+    // hears them; only the one that routed it tracks it, the other counts them as not routed
+    // there, and nothing is a wrong rank or a duplicate.
+    let mut req = disagg_request(prompt(1, 4), true);
+    req.allowed_workers = Some(vec![110, 200]);
+    let d = client.route_disagg(&req).await.unwrap();
+    let first = (d.replica_id.clone(), req.request_id.clone());
+    run_on(&bus, 110, &req.request_id, req.tokens.clone()).await;
+    run_on(&bus, 200, &req.request_id, req.tokens.clone()).await;
+    let (router, other) = (
+        by_id(&d.replica_id),
+        by_id(if d.replica_id == "ra" { "rb" } else { "ra" }),
+    );
+    let settled = async {
+        while metrics(other).0 < 4 || metrics(router).3 != 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), settled)
+        .await
+        .expect("the reports reach both replicas");
+    assert_eq!(
+        metrics(router),
+        (0, 0, 0, 0),
+        "the router tracked and completed it"
+    );
+    assert_eq!(metrics(other), (4, 0, 0, 0));
+
+    // A transfer whose prefill worker leaves before its missing tp rank could report is
+    // abandoned, not reported overdue.
+    let mut req = disagg_request(prompt(2, 4), true);
+    req.allowed_workers = Some(vec![100, 200]);
+    let d = client.route_disagg(&req).await.unwrap();
+    let router = by_id(&d.replica_id);
+    run_on(&bus, 100, &req.request_id, req.tokens.clone()).await;
+    run_on(&bus, 200, &req.request_id, req.tokens.clone()).await;
+    assert_eq!(metrics(router).3, 1, "waiting for tp rank 1's Sent report");
+    silenced.shutdown().await.unwrap();
+    let forgotten = async {
+        while metrics(router).3 != 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), forgotten)
+        .await
+        .expect("the departed worker's transfer is forgotten");
+    tokio::time::sleep(timeout * 2).await;
+    assert_eq!(metrics(router).2, 0, "never reported overdue");
+
+    // The decode halves are the client's to free; the departed worker's prefill half went
+    // with the worker.
+    for (replica, id) in [first, (d.replica_id.clone(), req.request_id.clone())] {
+        client.free(&replica, MODEL, &id).await.unwrap();
+    }
+
+    for r in replicas {
+        r.shutdown().await;
+    }
+    for f in [healthy, decode] {
+        f.shutdown().await.unwrap();
+    }
+}

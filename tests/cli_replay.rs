@@ -119,3 +119,79 @@ fn replay_plots_and_refuses_bad_settings() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("/nonexistent.jsonl"));
 }
+
+/// `bench replay` with the replica-cluster set-ups: each flag reaches the replicas (their
+/// counters show it at work) and the report names the set-up.
+#[test]
+fn replay_runs_every_replica_cluster_set_up() {
+    let trace = repo_file("data/mooncake_trace_1000.jsonl");
+    let replay = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--limit",
+            "120",
+            "--policies",
+            "kv",
+            "--rate-scale",
+            "1",
+            "--replicas",
+            "3",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let v = json(&run(&args));
+        let run = v["runs"][0].clone();
+        assert_eq!(run["requests"], 120, "{extra:?}");
+        assert_eq!(run["errors"], 0, "{extra:?}");
+        assert!(run["hit_rate"].as_f64().unwrap() > 0.0, "{extra:?}");
+        (v["config"].clone(), run["cluster"].clone())
+    };
+    let n = |v: &Value, k: &str| field(v, k).as_u64().unwrap();
+
+    // Three independent replicas: each applies every event, none asks or syncs.
+    let (config, c) = replay(&[]);
+    assert_eq!(n(&config, "serving_indexers"), 0);
+    assert!(n(&c, "kv_events_applied") > 0);
+    assert_eq!(n(&c, "replicas_applying_events"), 3);
+    assert_eq!(
+        n(&c, "remote_lookups") + n(&c, "sync_peers") + n(&c, "approx_records"),
+        0
+    );
+
+    // One serving indexer, two remote: only the serving one applies events; the remote ones
+    // ask it and never fall back.
+    let (config, c) = replay(&["--serve-indexer-replicas", "1"]);
+    assert_eq!(n(&config, "serving_indexers"), 1);
+    assert_eq!(n(&c, "replicas_applying_events"), 1);
+    assert!(n(&c, "remote_lookups") > 0);
+    assert_eq!(n(&c, "remote_fallbacks"), 0);
+    let (config, _) = replay(&["--remote-indexer"]);
+    assert_eq!(n(&config, "serving_indexers"), 1);
+
+    // Replica sync: every replica sees the other two.
+    let (config, c) = replay(&["--replica-sync"]);
+    assert_eq!(config["replica_sync"], true);
+    assert_eq!(n(&c, "sync_peers"), 6);
+
+    // Approximate mode: no events, the index is the replicas' own decisions.
+    let (config, c) = replay(&["--no-kv-events"]);
+    assert_eq!(config["no_kv_events"], true);
+    assert_eq!(n(&c, "replicas_applying_events"), 0);
+    assert!(n(&c, "approx_records") >= 120);
+
+    let bad = run(&[
+        "bench",
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--replicas",
+        "2",
+        "--serve-indexer-replicas",
+        "3",
+    ]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("3 serving indexers asked of 2 replicas"));
+}

@@ -243,6 +243,9 @@ fn replay(
         requests: trace.len(),
         seed: fleet.seed,
         truncated_requests: count_truncated(&trace),
+        serving_indexers: config.serving_indexers(),
+        replica_sync: config.replica_sync,
+        no_kv_events: config.no_kv_events,
     };
     let report = ReplayReport::from_outcomes(
         trace_path.display().to_string(),

@@ -100,6 +100,7 @@ fn outcome(policy: &str, rate: f64, ttfts: &[u64], cached: u32) -> RunOutcome {
             active_blocks: vec![2, 4, 6],
         }],
         duration_us: 1_000_000,
+        ..Default::default()
     }
 }
 
@@ -134,6 +135,7 @@ fn config() -> ReportSettings {
         requests: 10,
         seed: 1,
         truncated_requests: 0,
+        ..ReportSettings::default()
     }
 }
 

@@ -46,6 +46,24 @@ pub struct LoadSample {
     pub active_blocks: Vec<u64>,
 }
 
+/// The replicas' own counters at the end of a run, summed over them: which cluster features
+/// were at work (events, approximate records, remote lookups, sync peers).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ClusterCounters {
+    /// KV events applied to the replicas' indexes (0 in approximate mode and on remote ones),
+    /// and how many replicas applied any.
+    pub kv_events_applied: u64,
+    pub replicas_applying_events: usize,
+    /// Approximate mode: route decisions recorded in an index.
+    pub approx_records: u64,
+    /// Remote indexers: overlap lookups answered by a serving indexer, and routes that fell
+    /// back to load alone.
+    pub remote_lookups: u64,
+    pub remote_fallbacks: u64,
+    /// Replica sync: live peers each replica sees, summed (n × (n − 1) when all see all).
+    pub sync_peers: u64,
+}
+
 /// One policy at one rate: every request's result and the load samples.
 #[derive(Clone, Debug, Default)]
 pub struct RunOutcome {
@@ -55,4 +73,5 @@ pub struct RunOutcome {
     pub samples: Vec<LoadSample>,
     /// Simulated length of the run (first arrival to last completion), µs.
     pub duration_us: u64,
+    pub cluster: ClusterCounters,
 }

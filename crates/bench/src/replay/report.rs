@@ -75,6 +75,7 @@ pub struct PolicySummary {
     pub uncached_prompt_tokens: u64,
     pub output_tokens: u64,
     pub duration_s: f64,
+    pub cluster: super::ClusterCounters,
 }
 
 fn ms(us: u64) -> f64 {
@@ -199,6 +200,7 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
         uncached_prompt_tokens: uncached_blocks * block_size as u64,
         output_tokens,
         duration_s,
+        cluster: outcome.cluster.clone(),
     }
 }
 
@@ -254,6 +256,11 @@ pub struct ReportSettings {
     pub seed: u64,
     /// Requests whose input_length exceeded their hash ids' 512 tokens each and were cut.
     pub truncated_requests: usize,
+    /// How the replicas share state: serving indexers among them (the rest ask them),
+    /// replica sync, approximate mode.
+    pub serving_indexers: usize,
+    pub replica_sync: bool,
+    pub no_kv_events: bool,
 }
 
 /// kv against round robin at one rate both ran at.
@@ -450,6 +457,23 @@ pub fn render_table(report: &ReplayReport) -> String {
             "virtual clock".to_string()
         }
     );
+    let mut shared = Vec::new();
+    if c.serving_indexers > 0 {
+        shared.push(format!(
+            "{} serving indexer(s), {} remote",
+            c.serving_indexers,
+            c.replicas.saturating_sub(c.serving_indexers)
+        ));
+    }
+    if c.replica_sync {
+        shared.push("replica sync".to_string());
+    }
+    if c.no_kv_events {
+        shared.push("approximate mode (no KV events)".to_string());
+    }
+    if !shared.is_empty() {
+        let _ = writeln!(out, "replicas: {}", shared.join(", "));
+    }
     let _ = writeln!(out);
     let _ = writeln!(
         out,
@@ -596,6 +620,7 @@ mod tests {
                 },
             ],
             duration_us: 2_000_000,
+            ..Default::default()
         };
         let s = summarize(&outcome, 16);
         assert_eq!((s.requests, s.errors), (11, 1));

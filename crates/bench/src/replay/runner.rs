@@ -11,7 +11,7 @@
 //! simulated time against it.
 
 use super::requests::ReplayRequest;
-use super::{LoadSample, RequestResult, RunOutcome};
+use super::{ClusterCounters, LoadSample, RequestResult, RunOutcome};
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
@@ -350,6 +350,7 @@ pub async fn run_policy(
     sampler.abort();
     load_task.abort();
     let samples = std::mem::take(&mut *samples.lock());
+    let cluster = cluster_counters(&replicas);
     for r in replicas {
         r.shutdown().await;
     }
@@ -361,7 +362,24 @@ pub async fn run_policy(
         results,
         samples,
         duration_us,
+        cluster,
     })
+}
+
+fn cluster_counters(replicas: &[Replica]) -> ClusterCounters {
+    let labels = kvrouter_replica::metrics::Metrics::model(REPLAY_MODEL);
+    let mut c = ClusterCounters::default();
+    for r in replicas {
+        let m = &r.shared().metrics;
+        let events = m.events_applied.get_or_create(&labels).get();
+        c.kv_events_applied += events;
+        c.replicas_applying_events += usize::from(events > 0);
+        c.approx_records += m.approx_records.get_or_create(&labels).get();
+        c.remote_lookups += m.remote_indexer_queries.get_or_create(&labels).get();
+        c.remote_fallbacks += m.remote_indexer_fallbacks.get_or_create(&labels).get();
+        c.sync_peers += m.sync_peers.get_or_create(&labels).get().max(0) as u64;
+    }
+    c
 }
 
 fn uuid_like(seed: u64, policy: RoutingPolicy, rate: f64) -> String {

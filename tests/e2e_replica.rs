@@ -11,8 +11,8 @@ use common::{
 use kvrouter_client::{ClientError, GenerateParams};
 use kvrouter_protocol::{
     decode, encode, hashing::stored_sequence_hashes, local_block_hashes, sequence_hashes,
-    ErrorKind, OverlapRequest, Pin, Reply, RouteDecision, RouteRequest, SequenceHash, StateChunk,
-    StateQuery, Subjects, WorkerKey,
+    ErrorKind, OverlapRequest, Pin, RankLiveness, Reply, RouteDecision, RouteRequest, SequenceHash,
+    StateChunk, StateQuery, Subjects, WorkerKey,
 };
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -433,4 +433,128 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["worker_id"], 7);
     assert_eq!(v["output_tokens"], 3);
+}
+
+/// Data-parallel ranks from rank 4 end to end through the real binaries: each rank has its
+/// metric series and its own cache; a rank taken down through the mocker's `rank_live` hook
+/// leaves routing and the metrics alone (the other rank stays), and comes back.
+#[test]
+fn a_rank_taken_down_leaves_alone_and_comes_back() {
+    let nats = NatsServer::start();
+    let _fleet = common::mocker_with(
+        &nats,
+        "mocker",
+        &[
+            "--model",
+            MODEL,
+            "--workers",
+            "1",
+            "--dp-size",
+            "2",
+            "--dp-start-rank",
+            "4",
+            "--block-size",
+            "16",
+            "--capacity-blocks",
+            "512",
+            "--speedup",
+            "100",
+            "--worker-id-start",
+            "300",
+        ],
+    );
+    let port = free_port();
+    let _r = serve(&nats, "r1", port, &[]);
+    assert!(ready(port));
+    let c = Client::new(&nats);
+    let series = |rank: u32| {
+        format!(r#"kvrouter_worker_active_blocks{{model="{MODEL}",worker="300",dp_rank="{rank}"}}"#)
+    };
+    let has = |rank: u32| metrics(port).contains(&series(rank));
+    assert!(wait_until(Duration::from_secs(10), || has(4) && has(5)));
+    let pin = |rank| {
+        Some(Pin {
+            worker_id: 300,
+            dp_rank: Some(rank),
+        })
+    };
+
+    // The cache is per rank: a prompt run on rank 5 is found there, not on rank 4.
+    let prompt = tokens(7, 6);
+    assert_eq!(
+        c.generate(&prompt, pin(5)).decision.key(),
+        WorkerKey::new(300, 5)
+    );
+    assert!(wait_until(Duration::from_secs(5), || c.overlaps(&prompt)
+        == HashMap::from([(WorkerKey::new(300, 5), 6)])));
+    let again = c.generate(&prompt, None);
+    assert_eq!(again.decision.key(), WorkerKey::new(300, 5));
+    assert!(again.cached_blocks >= 5, "cached {}", again.cached_blocks);
+
+    // Rank 5 down: it leaves the index, the routes and the metrics; rank 4 stays.
+    let set_live = |live: bool| {
+        let subject = Subjects::new("kvrouter")
+            .unwrap()
+            .model(MODEL)
+            .unwrap()
+            .rank_live(300);
+        let payload = encode(&RankLiveness { dp_rank: 5, live }).unwrap();
+        let reply =
+            c.rt.block_on(
+                c.bus()
+                    .request(&subject, Bytes::from(payload), Duration::from_secs(5)),
+            )
+            .expect("the mocker answers");
+        assert_eq!(decode::<Reply<()>>(&reply.payload).unwrap(), Reply::Ok(()));
+    };
+    set_live(false);
+    assert!(
+        wait_until(Duration::from_secs(5), || !has(5) && has(4)),
+        "{}",
+        metrics(port)
+    );
+    assert!(
+        c.overlaps(&prompt).is_empty(),
+        "rank 5's blocks left the index"
+    );
+    for _ in 0..10 {
+        assert_eq!(c.route(&prompt).key(), WorkerKey::new(300, 4));
+    }
+    let pinned = route_request(&prompt, pin(5));
+    assert!(
+        c.route_req(pinned.clone()).is_err(),
+        "no route to a rank that is down"
+    );
+    // A rank the worker never had is refused by the mocker's hook.
+    let subject = Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .rank_live(300);
+    let bad = encode(&RankLiveness {
+        dp_rank: 9,
+        live: false,
+    })
+    .unwrap();
+    let reply =
+        c.rt.block_on(
+            c.bus()
+                .request(&subject, Bytes::from(bad), Duration::from_secs(5)),
+        )
+        .unwrap();
+    assert!(matches!(
+        decode::<Reply<()>>(&reply.payload).unwrap(),
+        Reply::Err(e) if e.kind == ErrorKind::InvalidRank
+    ));
+
+    // Back up: it is routable again (its cache was kept, so its blocks come back with the
+    // state the replica fetches for the returning rank).
+    set_live(true);
+    assert!(wait_until(Duration::from_secs(5), || has(5)));
+    assert!(wait_until(Duration::from_secs(5), || c
+        .route_req(pinned.clone())
+        .is_ok_and(|d| d.key() == WorkerKey::new(300, 5))));
+    assert!(wait_until(Duration::from_secs(5), || c.overlaps(&prompt)
+        == HashMap::from([(WorkerKey::new(300, 5), 6)])));
+    assert_eq!(c.route(&prompt).key(), WorkerKey::new(300, 5));
 }

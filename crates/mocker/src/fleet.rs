@@ -9,7 +9,9 @@
 //! - **generate** (`GenerateRequest` → stream of `GenerateEvent`), **state** (`StateQuery` →
 //!   stream of `Reply<StateChunk>`, consistent with the event stream) and the
 //!   **drop_events** test hook (an encoded `u64`: drop that many of the next event batches;
-//!   with a reply subject it is answered `Reply<()>` once the publisher has the order).
+//!   with a reply subject it is answered `Reply<()>` once the publisher has the order), and
+//!   the **rank_live** test hook (a `RankLiveness`: [`MockerFleet::set_rank_live`] over the
+//!   bus, for a fleet in another process).
 //!
 //! Every rank is a tokio task owning its [`RankEngine`](crate::RankEngine); simulated time
 //! runs `speedup` times faster than the wall clock (see [`crate::rank_task`]).
@@ -313,6 +315,10 @@ impl MockerFleet {
                 .bus
                 .subscribe(&self.subjects.drop_events(worker_id))
                 .await?,
+            rank_live: self
+                .bus
+                .subscribe(&self.subjects.rank_live(worker_id))
+                .await?,
         };
         let (pub_tx, pub_rx) = mpsc::unbounded_channel();
         let mut ranks = Vec::with_capacity(c.dp_size as usize);
@@ -347,7 +353,7 @@ impl MockerFleet {
             info: info.clone(),
             ranks: ranks.clone(),
             publisher: pub_tx,
-            transfer_subject: self.subjects.kv_transfer(),
+            subjects: self.subjects.clone(),
         };
         self.tasks
             .push(tokio::spawn(endpoints.run(subs, self.shutdown.subscribe())));
@@ -412,11 +418,7 @@ impl MockerFleet {
         live: bool,
     ) -> Result<(), FleetError> {
         let (w, index) = self.rank_index(worker_id, dp_rank)?;
-        if w.info.set_live(index, live) {
-            tracing::info!(worker_id, dp_rank, live, "rank liveness changed");
-            publish_msg(&self.bus, &self.subjects.register(), &w.info.registration()).await;
-            publish_msg(&self.bus, &self.subjects.heartbeat(), &w.info.heartbeat()).await;
-        }
+        crate::worker::set_rank_live(&self.bus, &self.subjects, &w.info, index, live).await;
         Ok(())
     }
 

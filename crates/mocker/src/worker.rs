@@ -7,8 +7,9 @@ use bytes::Bytes;
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
     chunk_events, decode, encode, max_blocks_per_batch, DpRank, ErrorKind, ErrorReply,
-    GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, LoadReport, RankLoad,
-    Registration, Reply, StateChunk, StateQuery, WorkerId, WorkerKey, WorkerRole,
+    GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, LoadReport, ModelSubjects,
+    RankLiveness, RankLoad, Registration, Reply, StateChunk, StateQuery, WorkerId, WorkerKey,
+    WorkerRole,
 };
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -365,16 +366,16 @@ pub(crate) struct EndpointSubs {
     pub generate: Subscription,
     pub state: Subscription,
     pub drop_events: Subscription,
+    pub rank_live: Subscription,
 }
 
-/// Serves one worker's `generate`, `state` and `drop_events` subjects.
+/// Serves one worker's `generate`, `state`, `drop_events` and `rank_live` subjects.
 pub(crate) struct Endpoints {
     pub bus: Bus,
     pub info: Arc<WorkerInfo>,
     pub ranks: Vec<mpsc::UnboundedSender<RankCmd>>,
     pub publisher: mpsc::UnboundedSender<PubMsg>,
-    /// Where prefill and decode workers publish KV transfer reports.
-    pub transfer_subject: String,
+    pub subjects: ModelSubjects,
 }
 
 impl Endpoints {
@@ -393,6 +394,10 @@ impl Endpoints {
                 },
                 msg = subs.drop_events.next() => match msg {
                     Some(msg) => self.on_drop_events(msg),
+                    None => break,
+                },
+                msg = subs.rank_live.next() => match msg {
+                    Some(msg) => self.on_rank_live(msg).await,
                     None => break,
                 },
             }
@@ -443,7 +448,7 @@ impl Endpoints {
         let (tx, rx) = mpsc::unbounded_channel();
         let rx = crate::disagg::hook(
             &self.bus,
-            &self.transfer_subject,
+            &self.subjects.kv_transfer(),
             &self.info,
             req.dp_rank,
             &req.request_id,
@@ -458,7 +463,7 @@ impl Endpoints {
             // The rank gets the request once every tp rank has received its KV.
             let receive = crate::disagg::Receive {
                 bus: self.bus.clone(),
-                subject: self.transfer_subject.clone(),
+                subject: self.subjects.kv_transfer(),
                 info: self.info.clone(),
                 dp_rank: req.dp_rank,
                 request,
@@ -568,6 +573,49 @@ impl Endpoints {
             let bus = self.bus.clone();
             tokio::spawn(async move { publish_msg(&bus, &reply, &result).await });
         }
+    }
+}
+
+impl Endpoints {
+    async fn on_rank_live(&self, msg: Message) {
+        let result = match decode::<RankLiveness>(&msg.payload) {
+            Ok(RankLiveness { dp_rank, live }) => match self.info.rank_index(dp_rank) {
+                Some(index) => {
+                    set_rank_live(&self.bus, &self.subjects, &self.info, index, live).await;
+                    Reply::Ok(())
+                }
+                None => Reply::Err(self.rank_error(dp_rank)),
+            },
+            Err(e) => Reply::Err(ErrorReply::new(
+                ErrorKind::Malformed,
+                format!("rank_live expects a RankLiveness: {e}"),
+            )),
+        };
+        if let Some(reply) = msg.reply {
+            publish_msg(&self.bus, &reply, &result).await;
+        }
+    }
+}
+
+/// Takes rank `index` of a worker in or out of service and, if that changed it, announces it
+/// at once (a registration and a heartbeat with the new live ranks).
+pub(crate) async fn set_rank_live(
+    bus: &Bus,
+    subjects: &ModelSubjects,
+    info: &WorkerInfo,
+    index: usize,
+    live: bool,
+) {
+    if info.set_live(index, live) {
+        let dp_rank = info.dp_start_rank + index as DpRank;
+        tracing::info!(
+            worker_id = info.worker_id,
+            dp_rank,
+            live,
+            "rank liveness changed"
+        );
+        publish_msg(bus, &subjects.register(), &info.registration()).await;
+        publish_msg(bus, &subjects.heartbeat(), &info.heartbeat()).await;
     }
 }
 

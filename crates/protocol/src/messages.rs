@@ -79,6 +79,15 @@ impl Registration {
     }
 }
 
+/// Test hook of the mocker (`NS.model.MODEL.worker.WORKER.rank_live`): takes one rank of a
+/// worker out of service (`live: false`) or back in. Answered `Reply<()>` when sent as a
+/// request.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLiveness {
+    pub dp_rank: DpRank,
+    pub live: bool,
+}
+
 /// Periodic proof of life; `live_ranks` dropping a rank takes that rank out of routing.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {

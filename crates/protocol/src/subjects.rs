@@ -189,6 +189,11 @@ impl ModelSubjects {
     pub fn drop_events(&self, worker_id: u64) -> String {
         format!("{}.worker.{worker_id}.drop_events", self.prefix)
     }
+
+    /// Test hook: a [`crate::RankLiveness`] takes one rank of the worker down or back up.
+    pub fn rank_live(&self, worker_id: u64) -> String {
+        format!("{}.worker.{worker_id}.rank_live", self.prefix)
+    }
 }
 
 /// Every subject a fleet of `model` uses, as `(name, subject)`; `*` stands for a worker id or

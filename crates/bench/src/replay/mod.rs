@@ -35,6 +35,9 @@ pub struct RequestResult {
     pub itl_mean_us: f64,
     pub e2e_us: u64,
     pub output_tokens: u32,
+    /// Wall time of the route call, client side; 0 on the virtual clock, where it would
+    /// only be the CPU time of the one thread (and break determinism).
+    pub route_wall_us: u64,
     /// Set when the request failed (then the timings are 0).
     pub error: Option<String>,
 }
@@ -74,4 +77,6 @@ pub struct RunOutcome {
     /// Simulated length of the run (first arrival to last completion), µs.
     pub duration_us: u64,
     pub cluster: ClusterCounters,
+    /// Ran on the wall clock (over NATS): route wall times are real.
+    pub real_clock: bool,
 }

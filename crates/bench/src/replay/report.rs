@@ -50,6 +50,14 @@ pub struct LoadSpread {
 }
 
 /// One policy at one rate.
+/// Route call wall times, client side, in µs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RouteUs {
+    pub mean: f64,
+    pub p50: f64,
+    pub p99: f64,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PolicySummary {
     pub policy: String,
@@ -76,6 +84,9 @@ pub struct PolicySummary {
     pub output_tokens: u64,
     pub duration_s: f64,
     pub cluster: super::ClusterCounters,
+    /// Over NATS: what the route calls cost (the decision, plus remote lookups if any);
+    /// `None` on the virtual clock.
+    pub route_wall_us: Option<RouteUs>,
 }
 
 fn ms(us: u64) -> f64 {
@@ -119,6 +130,9 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
     ttft.sort_unstable();
     let mut e2e: Vec<u64> = ok.iter().map(|r| r.e2e_us).collect();
     e2e.sort_unstable();
+    let mut route: Vec<u64> = ok.iter().map(|r| r.route_wall_us).collect();
+    route.sort_unstable();
+    let route_us = |q| percentile(&route, q).unwrap_or(0) as f64;
 
     // Failed requests as infinitely late: the p90 over all requests is the nearest-rank
     // sample among the successes, if it falls there.
@@ -201,6 +215,11 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
         output_tokens,
         duration_s,
         cluster: outcome.cluster.clone(),
+        route_wall_us: outcome.real_clock.then(|| RouteUs {
+            mean: mean(&route),
+            p50: route_us(0.50),
+            p99: route_us(0.99),
+        }),
     }
 }
 
@@ -508,6 +527,15 @@ pub fn render_table(report: &ReplayReport) -> String {
             r.load_spread.mean,
             r.load_spread.max,
         );
+    }
+    for r in &report.runs {
+        if let Some(route) = &r.route_wall_us {
+            let _ = writeln!(
+                out,
+                "route call ({} x{}, client wall time): mean {:.0} µs, p50 {:.0} µs, p99 {:.0} µs",
+                r.policy, r.rate_scale, route.mean, route.p50, route.p99
+            );
+        }
     }
     let _ = writeln!(out);
     let i = &report.ideals;

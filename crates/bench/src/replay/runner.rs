@@ -296,6 +296,7 @@ pub async fn run_policy(
         })
     };
 
+    let real_clock = config.nats.is_some();
     let mut tasks = Vec::with_capacity(requests.len());
     for req in requests {
         let at = start + req.arrival.div_f64(speedup);
@@ -323,6 +324,7 @@ pub async fn run_policy(
                     itl_mean_us: o.mean_itl_us().unwrap_or(0.0),
                     e2e_us: o.e2e_us,
                     output_tokens: o.output_tokens,
+                    route_wall_us: if real_clock { o.route_wall_us } else { 0 },
                     error: None,
                 },
                 Err(e) => RequestResult {
@@ -363,6 +365,7 @@ pub async fn run_policy(
         samples,
         duration_us,
         cluster,
+        real_clock,
     })
 }
 

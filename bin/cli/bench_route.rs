@@ -4,10 +4,12 @@
 use super::nats_args::NatsArgs;
 use anyhow::{bail, Context};
 use clap::Args;
+use kvrouter_bench::replay::requests::{build_requests, load_trace};
 use kvrouter_client::latency::{
     run_route_latency, LatencySummary, RouteLatencyConfig, RouteLatencyReport,
 };
 use kvrouter_client::KvRouterClient;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args)]
@@ -20,9 +22,17 @@ pub struct RouteLatencyArgs {
     /// Route requests per second, sent on schedule whatever the replies do (open loop).
     #[arg(long, env = "KVROUTER_RATE")]
     pub rate: f64,
-    /// Tokens per prompt.
-    #[arg(long, env = "KVROUTER_PROMPT_TOKENS")]
-    pub prompt_tokens: usize,
+    /// Tokens per prompt (random prompts around shared prefixes).
+    #[arg(
+        long,
+        env = "KVROUTER_PROMPT_TOKENS",
+        required_unless_present = "trace"
+    )]
+    pub prompt_tokens: Option<usize>,
+    /// Send a Mooncake trace's prompts instead (each hash id stands for 512 tokens), cycled
+    /// in order; the warm-up runs the first --prefix-pool of them through the fleet.
+    #[arg(long, env = "KVROUTER_TRACE", conflicts_with = "prompt_tokens")]
+    pub trace: Option<std::path::PathBuf>,
     /// How long to send, in seconds.
     #[arg(long, env = "KVROUTER_DURATION")]
     pub duration: f64,
@@ -51,15 +61,24 @@ pub async fn run(args: RouteLatencyArgs) -> anyhow::Result<()> {
     if !(args.duration.is_finite() && args.duration > 0.0) {
         bail!("--duration must be a positive number of seconds");
     }
+    let prompts = match &args.trace {
+        Some(path) => {
+            let trace = load_trace(path, None)?;
+            let requests = build_requests(&trace, 1.0)?;
+            Some(Arc::new(requests.into_iter().map(|r| r.tokens).collect()))
+        }
+        None => None,
+    };
     let config = RouteLatencyConfig {
         prefix_share: args.prefix_share,
         prefix_pool: args.prefix_pool,
         seed: args.seed,
         warm_up: !args.no_warm_up,
+        prompts,
         ..RouteLatencyConfig::new(
             args.model.clone(),
             args.rate,
-            args.prompt_tokens,
+            args.prompt_tokens.unwrap_or(0),
             Duration::from_secs_f64(args.duration),
         )
     };
@@ -74,7 +93,7 @@ pub async fn run(args: RouteLatencyArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_table(&report);
+        print_table(&report, args.trace.as_deref());
     }
     if report.ok == 0 {
         bail!(
@@ -85,14 +104,21 @@ pub async fn run(args: RouteLatencyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_table(report: &RouteLatencyReport) {
+fn print_table(report: &RouteLatencyReport, trace: Option<&std::path::Path>) {
+    let prompts = match trace {
+        Some(t) => format!(
+            "{}'s prompts ({} tokens mean)",
+            t.display(),
+            report.prompt_tokens
+        ),
+        None => format!(
+            "{} tokens/prompt (prefix share {})",
+            report.prompt_tokens, report.prefix_share
+        ),
+    };
     println!(
-        "kvrouter bench route-latency: {} at {} req/s, {} tokens/prompt (prefix share {}), {} s",
-        report.model,
-        report.target_rate,
-        report.prompt_tokens,
-        report.prefix_share,
-        report.duration_s
+        "kvrouter bench route-latency: {} at {} req/s, {prompts}, {} s",
+        report.model, report.target_rate, report.duration_s
     );
     println!(
         "  requests  {} sent ({:.1}/s), {} ok, achieved {:.1} replies/s",

@@ -29,6 +29,9 @@ pub struct RouteLatencyConfig {
     /// Run each shared prefix through the fleet first (generate, one output token), so the
     /// workers cache it and the index holds it during the measurement.
     pub warm_up: bool,
+    /// Prompts to send instead of random ones (a trace's), cycled in order; the warm-up
+    /// then runs the first `prefix_pool` of them.
+    pub prompts: Option<std::sync::Arc<Vec<Vec<u32>>>>,
 }
 
 impl RouteLatencyConfig {
@@ -47,6 +50,7 @@ impl RouteLatencyConfig {
             prefix_pool: 8,
             seed: 0x6b76_726f_7574_6572,
             warm_up: true,
+            prompts: None,
         }
     }
 
@@ -57,7 +61,7 @@ impl RouteLatencyConfig {
                 self.rate
             ));
         }
-        if self.prompt_tokens == 0 {
+        if self.prompt_tokens == 0 && self.prompts.is_none() {
             return Err("prompt tokens must be at least 1".into());
         }
         if self.duration.is_zero() {
@@ -71,6 +75,9 @@ impl RouteLatencyConfig {
         }
         if self.prefix_pool == 0 {
             return Err("the prefix pool needs at least one prefix".into());
+        }
+        if self.prompts.as_ref().is_some_and(|p| p.is_empty()) {
+            return Err("the prompt list is empty".into());
         }
         Ok(())
     }
@@ -129,18 +136,37 @@ pub fn scheduled_count(rate: f64, duration: Duration) -> u64 {
 }
 
 /// Random prompts of a fixed length whose first `prefix_share` part comes from a pool of
-/// shared prefixes.
+/// shared prefixes; or a given list of prompts, cycled.
 #[derive(Clone, Debug)]
 pub struct PromptSource {
     prompt_tokens: usize,
     prefixes: Vec<Vec<u32>>,
     rng: fastrand::Rng,
+    list: Option<(std::sync::Arc<Vec<Vec<u32>>>, usize)>,
 }
 
 /// Token ids are drawn from `1..VOCAB`.
 const VOCAB: u32 = 32_000;
 
 impl PromptSource {
+    /// The prompts of `config`: its list if it has one, else random ones.
+    pub fn of(config: &RouteLatencyConfig) -> Self {
+        match &config.prompts {
+            Some(list) => Self {
+                prompt_tokens: 0,
+                prefixes: list.iter().take(config.prefix_pool).cloned().collect(),
+                rng: fastrand::Rng::with_seed(config.seed),
+                list: Some((list.clone(), 0)),
+            },
+            None => Self::new(
+                config.prompt_tokens,
+                config.prefix_share,
+                config.prefix_pool,
+                config.seed,
+            ),
+        }
+    }
+
     pub fn new(prompt_tokens: usize, prefix_share: f64, pool: usize, seed: u64) -> Self {
         let mut rng = fastrand::Rng::with_seed(seed);
         let prefix_len = ((prompt_tokens as f64) * prefix_share.clamp(0.0, 1.0)).round() as usize;
@@ -152,6 +178,7 @@ impl PromptSource {
             prompt_tokens,
             prefixes,
             rng,
+            list: None,
         }
     }
 
@@ -161,6 +188,14 @@ impl PromptSource {
     }
 
     pub fn next_prompt(&mut self) -> Vec<u32> {
+        if let Some((list, next)) = &mut self.list {
+            let prompt = list
+                .get(*next % list.len().max(1))
+                .cloned()
+                .unwrap_or_default();
+            *next += 1;
+            return prompt;
+        }
         let pick = self.rng.usize(..self.prefixes.len());
         let mut tokens = Vec::with_capacity(self.prompt_tokens);
         if let Some(prefix) = self.prefixes.get(pick) {
@@ -224,12 +259,7 @@ pub async fn run_route_latency(
 ) -> Result<RouteLatencyReport, String> {
     config.validate()?;
     let total = scheduled_count(config.rate, config.duration);
-    let mut prompts = PromptSource::new(
-        config.prompt_tokens,
-        config.prefix_share,
-        config.prefix_pool,
-        config.seed,
-    );
+    let mut prompts = PromptSource::of(config);
     if config.warm_up {
         for prefix in prompts.prefixes() {
             let params = crate::GenerateParams::new(config.model.clone(), prefix.clone(), 1);
@@ -316,7 +346,10 @@ pub async fn run_route_latency(
     Ok(RouteLatencyReport {
         model: config.model.clone(),
         target_rate: config.rate,
-        prompt_tokens: config.prompt_tokens,
+        // With a prompt list: its mean length.
+        prompt_tokens: config.prompts.as_ref().map_or(config.prompt_tokens, |l| {
+            l.iter().map(Vec::len).sum::<usize>() / l.len().max(1)
+        }),
         prefix_share: config.prefix_share,
         duration_s: config.duration.as_secs_f64(),
         sent: total,
@@ -408,6 +441,26 @@ mod tests {
         assert_ne!(a, none.next_prompt());
         let mut full = PromptSource::new(10, 1.0, 1, 1);
         assert_eq!(full.next_prompt(), full.next_prompt());
+    }
+
+    #[test]
+    fn a_prompt_list_is_cycled_and_warms_up_with_its_first_prompts() {
+        let list = vec![vec![1, 2], vec![3], vec![4, 5, 6]];
+        let config = RouteLatencyConfig {
+            prefix_pool: 2,
+            prompts: Some(std::sync::Arc::new(list.clone())),
+            ..RouteLatencyConfig::new("m", 100.0, 0, Duration::from_secs(1))
+        };
+        assert!(config.validate().is_ok(), "no --prompt-tokens needed");
+        let mut src = PromptSource::of(&config);
+        assert_eq!(src.prefixes(), &list[..2]);
+        let sent: Vec<Vec<u32>> = (0..5).map(|_| src.next_prompt()).collect();
+        assert_eq!(sent, [&list[..], &list[..2]].concat());
+        let empty = RouteLatencyConfig {
+            prompts: Some(Default::default()),
+            ..config
+        };
+        assert!(empty.validate().is_err());
     }
 
     #[test]

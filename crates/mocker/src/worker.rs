@@ -574,9 +574,7 @@ impl Endpoints {
             tokio::spawn(async move { publish_msg(&bus, &reply, &result).await });
         }
     }
-}
 
-impl Endpoints {
     async fn on_rank_live(&self, msg: Message) {
         let result = match decode::<RankLiveness>(&msg.payload) {
             Ok(RankLiveness { dp_rank, live }) => match self.info.rank_index(dp_rank) {

@@ -527,7 +527,7 @@ async fn run_transfers(
         let c = t.counters();
         let overdue = (c.overdue + c.dropped).saturating_sub(seen.overdue + seen.dropped);
         for (reason, now, before) in [
-            ("not_routed_here", c.unknown, seen.unknown),
+            ("not_pending", c.unknown, seen.unknown),
             ("wrong_rank", c.foreign, seen.foreign),
             ("duplicate", c.duplicate, seen.duplicate),
         ] {

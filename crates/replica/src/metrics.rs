@@ -270,7 +270,7 @@ impl Metrics {
             ),
             transfer_reports_dropped: reg!(
                 "transfer_reports_dropped",
-                "KV transfer reports that changed nothing, by reason: not_routed_here (no pending transfer of that id on this replica: expected for requests other replicas routed, since every replica hears every report), wrong_rank (not the request's worker rank or tp rank), duplicate",
+                "KV transfer reports that changed nothing, by reason: not_pending (no pending transfer of that id on this replica: routed by another replica, since every replica hears every report, or already complete or expired), wrong_rank (not the request's worker rank or tp rank), duplicate",
                 Family::default()
             ),
             transfers_overdue: reg!(

@@ -8,7 +8,10 @@
 //! request is routed on load alone (every overlap zero) and counted in
 //! `kvrouter_remote_indexer_fallbacks_total`. An outage is logged once, a warning when it
 //! starts and an info line when a serving indexer answers again ([`Outage`]); overlap-aware
-//! routing then resumes by itself, as every request asks again.
+//! routing then resumes by itself, as every request asks again. A refusal for being out of
+//! sync (`Unavailable`: that serving indexer is fetching a rank's state) is fast, so a lookup
+//! asks up to three times within the timeout before it falls back: with several serving
+//! indexers, the queue group likely picks a synced one.
 //!
 //! A hung serving indexer (it takes queries and never answers) would cost every route the
 //! whole timeout, so lookups go through a circuit breaker ([`crate::breaker`]): after a few
@@ -28,8 +31,8 @@ use crate::state::ModelShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
-    decode, encode, IndexerQuery, IndexerRecord, LocalBlockHash, OverlapScoresReply, Reply,
-    SequenceHash, WorkerKey,
+    decode, encode, ErrorKind, IndexerQuery, IndexerRecord, LocalBlockHash, OverlapScoresReply,
+    Reply, SequenceHash, WorkerKey,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -242,31 +245,53 @@ impl RemoteIndexer {
         }
     }
 
+    /// Asks a serving indexer; a refusal for being out of sync (one of several serving
+    /// indexers catching up on a rank) is fast, so it asks again, up to [`ASKS`] times in
+    /// all within the timeout: the queue group may pick a synced one.
     async fn query(
         &self,
         block_size: u32,
         local: &[LocalBlockHash],
     ) -> Result<Vec<(WorkerKey, u32)>, Failure> {
-        let payload = encode(&IndexerQuery {
-            block_size,
-            local_hashes: local.to_vec(),
-        })
-        .map_err(|e| Failure::fast(e.to_string()))?;
+        let payload = Bytes::from(
+            encode(&IndexerQuery {
+                block_size,
+                local_hashes: local.to_vec(),
+            })
+            .map_err(|e| Failure::fast(e.to_string()))?,
+        );
+        let deadline = now() + self.timeout;
+        let mut asks = 1;
+        loop {
+            let left = deadline.saturating_duration_since(now());
+            match self.ask(block_size, payload.clone(), left).await {
+                Err(f) if f.unsynced && asks < ASKS && now() < deadline => asks += 1,
+                result => return result,
+            }
+        }
+    }
+
+    async fn ask(
+        &self,
+        block_size: u32,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Vec<(WorkerKey, u32)>, Failure> {
         let msg = self
             .bus
-            .request(&self.subject, Bytes::from(payload), self.timeout)
+            .request(&self.subject, payload, timeout)
             .await
             .map_err(|e| Failure {
                 slow: matches!(e, BusError::Timeout { .. }),
+                unsynced: false,
                 reason: e.to_string(),
             })?;
         let reply: Reply<OverlapScoresReply> =
             decode(&msg.payload).map_err(|e| Failure::fast(format!("undecodable answer: {e}")))?;
-        let reply = reply.into_result().map_err(|e| {
-            Failure::fast(format!(
-                "the serving indexer refused: {}: {}",
-                e.kind, e.message
-            ))
+        let reply = reply.into_result().map_err(|e| Failure {
+            slow: false,
+            unsynced: e.kind == ErrorKind::Unavailable,
+            reason: format!("the serving indexer refused: {}: {}", e.kind, e.message),
         })?;
         if reply.block_size != block_size {
             return Err(Failure::fast(format!(
@@ -278,10 +303,15 @@ impl RemoteIndexer {
     }
 }
 
+/// How many times one lookup may ask while serving indexers refuse as out of sync.
+const ASKS: u32 = 3;
+
 /// Why a remote lookup gave no overlaps.
 struct Failure {
     /// It waited out the timeout (what the breaker guards against).
     slow: bool,
+    /// The serving indexer is not synced yet (another one may be).
+    unsynced: bool,
     reason: String,
 }
 
@@ -289,6 +319,7 @@ impl Failure {
     fn fast(reason: String) -> Self {
         Self {
             slow: false,
+            unsynced: false,
             reason,
         }
     }
@@ -349,6 +380,7 @@ impl ModelShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicU64;
 
     fn lh(v: &[u64]) -> Vec<LocalBlockHash> {
         v.iter().map(|&h| LocalBlockHash(h)).collect()
@@ -484,6 +516,51 @@ mod tests {
                     .await;
             }
         });
+    }
+
+    /// A serving indexer that refuses every query as not synced yet; counts them.
+    fn unsynced_indexer(bus: &Bus, mut sub: kvrouter_bus::Subscription) -> Arc<AtomicU64> {
+        let (bus, asked) = (bus.clone(), Arc::new(AtomicU64::new(0)));
+        let count = asked.clone();
+        tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                count.fetch_add(1, Ordering::Relaxed);
+                let reply: Reply<OverlapScoresReply> = Reply::Err(
+                    kvrouter_protocol::ErrorReply::new(ErrorKind::Unavailable, "rank 3 not synced"),
+                );
+                let _ = bus
+                    .publish(&msg.reply.unwrap(), Bytes::from(encode(&reply).unwrap()))
+                    .await;
+            }
+        });
+        asked
+    }
+
+    #[tokio::test]
+    async fn an_unsynced_serving_indexer_is_asked_again_so_a_synced_one_can_answer() {
+        let bus = Bus::local();
+        let (r, metrics) = remote(&bus, Duration::from_secs(1));
+        let subject = "ns.model.m.indexer.find_matches";
+        let refusals = unsynced_indexer(&bus, bus.queue_subscribe(subject, "g").await.unwrap());
+        // Alone, it is asked ASKS times, then the route falls back.
+        assert!(r.find_matches(16, &lh(&[1, 2])).await.is_empty());
+        assert_eq!(refusals.load(Ordering::Relaxed), u64::from(ASKS));
+        assert_eq!(
+            series(&metrics, "kvrouter_remote_indexer_fallbacks_total"),
+            1
+        );
+        // Next to a synced one, a lookup falls back only when every ask lands on the unsynced
+        // one (about 1 in 2^ASKS; 1 in 2 without asking again).
+        answering_indexer(&bus, bus.queue_subscribe(subject, "g").await.unwrap());
+        let mut answered = 0;
+        for _ in 0..40 {
+            answered += usize::from(!r.find_matches(16, &lh(&[1, 2])).await.is_empty());
+        }
+        assert!(answered >= 30, "{answered} of 40 lookups answered");
+        assert_eq!(
+            series(&metrics, "kvrouter_remote_indexer_fallbacks_total"),
+            1 + 40 - answered as u64
+        );
     }
 
     fn series(metrics: &Metrics, name: &str) -> u64 {

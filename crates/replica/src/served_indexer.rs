@@ -7,7 +7,8 @@
 //!   task subscribes only once the model is ready (discovery window over and every known rank
 //!   synced, as `/readyz`), so a serving indexer that is still fetching worker state never
 //!   steals a query; if the model falls out of sync later (a rank joins and is fetched), it
-//!   answers `Unavailable` until synced again, and the asker routes on load alone.
+//!   answers `Unavailable` until synced again; the asker asks again (the queue group may
+//!   pick a synced serving indexer) and, if none answers, routes on load alone.
 //! - records (`NS.model.MODEL.indexer.record`, no queue group, approximate mode only): every
 //!   serving indexer records every published decision, so they all hold the same index and
 //!   losing one costs no routing quality.

@@ -270,6 +270,16 @@ fn one(role: WorkerRole, id: u64, silence_tp_rank: Option<u32>) -> FleetConfig {
     }
 }
 
+/// Prefill workers 100 (its tp rank 1 never reports its KV sent) and 110, decode worker 200.
+async fn tp_pools(bus: &Bus) -> (MockerFleet, MockerFleet, MockerFleet) {
+    let start = |config| MockerFleet::start(bus.clone(), config);
+    (
+        start(one(WorkerRole::Prefill, 100, Some(1))).await.unwrap(),
+        start(one(WorkerRole::Prefill, 110, None)).await.unwrap(),
+        start(one(WorkerRole::Decode, 200, None)).await.unwrap(),
+    )
+}
+
 /// (prefill blocks, decode blocks) that a fresh one-block prompt would see on `worker`'s
 /// rank 0: the load the replica counts there, plus the prompt's own block.
 async fn load_on(client: &KvRouterClient, worker: u64, seed: u32) -> (f64, u64) {
@@ -322,16 +332,7 @@ async fn run_on(bus: &Bus, worker: u64, request_id: &str, tokens: Vec<u32>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_one_is_overdue() {
     let bus = Bus::local();
-    // Worker 100's tp rank 1 never reports its KV sent; worker 110's both do.
-    let silenced = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 100, Some(1)))
-        .await
-        .unwrap();
-    let healthy = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 110, None))
-        .await
-        .unwrap();
-    let decode = MockerFleet::start(bus.clone(), one(WorkerRole::Decode, 200, None))
-        .await
-        .unwrap();
+    let (silenced, healthy, decode) = tp_pools(&bus).await;
     let timeout = Duration::from_millis(400);
     let replica = Replica::start(
         ReplicaConfig {
@@ -432,15 +433,7 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_overdue() {
     let bus = Bus::local();
-    let silenced = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 100, Some(1)))
-        .await
-        .unwrap();
-    let healthy = MockerFleet::start(bus.clone(), one(WorkerRole::Prefill, 110, None))
-        .await
-        .unwrap();
-    let decode = MockerFleet::start(bus.clone(), one(WorkerRole::Decode, 200, None))
-        .await
-        .unwrap();
+    let (silenced, healthy, decode) = tp_pools(&bus).await;
     let timeout = Duration::from_millis(600);
     let mut replicas = Vec::new();
     for id in ["ra", "rb"] {
@@ -469,7 +462,7 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
         };
         let model = kvrouter_replica::metrics::Metrics::model(MODEL);
         (
-            dropped("not_routed_here"),
+            dropped("not_pending"),
             dropped("wrong_rank") + dropped("duplicate"),
             m.transfers_overdue.get_or_create(&model).get(),
             m.transfers_pending.get_or_create(&model).get(),

@@ -537,3 +537,44 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
         f.shutdown().await.unwrap();
     }
 }
+
+/// A prefill pool wider than the decode pool: the rank offset wraps modulo the decode
+/// worker's dp_size, onto its own start rank (prefill ranks 0..4, decode ranks 6..8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rank_offset_wraps_onto_a_narrower_decode_pool() {
+    let bus = Bus::local();
+    let prefill = MockerFleet::start(bus.clone(), pool(WorkerRole::Prefill, 100, 4, 0))
+        .await
+        .unwrap();
+    let decode = MockerFleet::start(bus.clone(), pool(WorkerRole::Decode, 200, 2, 6))
+        .await
+        .unwrap();
+    let replica = Replica::start(
+        ReplicaConfig {
+            models: vec![MODEL.into()],
+            discovery_window: Duration::from_millis(100),
+            ..ReplicaConfig::default()
+        },
+        bus.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let mut prefill_ranks = std::collections::BTreeSet::new();
+    for i in 0..40 {
+        let d = client
+            .route_disagg(&disagg_request(prompt(i, 4), false))
+            .await
+            .unwrap();
+        assert_eq!(d.decode.dp_rank, 6 + d.prefill.dp_rank % 2, "{d:?}");
+        prefill_ranks.insert(d.prefill.dp_rank);
+    }
+    assert!(
+        prefill_ranks.iter().any(|&r| r >= 2),
+        "offsets past the decode pool's width were exercised: {prefill_ranks:?}"
+    );
+    replica.shutdown().await;
+    prefill.shutdown().await.unwrap();
+    decode.shutdown().await.unwrap();
+}

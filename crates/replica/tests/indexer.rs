@@ -150,6 +150,64 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     remote.shutdown().await;
 }
 
+/// Serving indexers share find_matches as a queue group: each lookup is answered by one of
+/// them (not by every one), and both take a share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
+    let bus = Bus::local();
+    let _fleet = two_workers(&bus).await;
+    let mut serving = Vec::new();
+    for id in ["s1", "s2"] {
+        let mut c = config(id);
+        c.serve_indexer = true;
+        let r = Replica::start(c, bus.clone()).await.unwrap();
+        assert!(r.wait_ready(Duration::from_secs(5)).await);
+        serving.push(r);
+    }
+    let mut c = config("remote");
+    c.use_remote_indexer = true;
+    let remote = Replica::start(c, bus.clone()).await.unwrap();
+    assert!(remote.wait_ready(Duration::from_secs(5)).await);
+    let remote_index = remote.shared().models[MODEL].remote_index.clone().unwrap();
+    let local = kvrouter_protocol::local_block_hashes(
+        &(0..2 * BLOCK).collect::<Vec<_>>(),
+        BLOCK as usize,
+        None,
+    )
+    .unwrap();
+    let answered = |r: &Replica| metric(r, "kvrouter_served_indexer_queries_total");
+    // Both subscribe a moment after they turn ready.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while serving.iter().any(|r| answered(r) == 0) {
+        remote_index.find_matches(BLOCK, &local).await;
+        assert!(Instant::now() < deadline, "both serving indexers answer");
+    }
+    let before: Vec<u64> = serving.iter().map(answered).collect();
+    let fallbacks = metric(&remote, "kvrouter_remote_indexer_fallbacks_total");
+    for _ in 0..40 {
+        remote_index.find_matches(BLOCK, &local).await;
+    }
+    let share: Vec<u64> = serving
+        .iter()
+        .zip(&before)
+        .map(|(r, b)| answered(r) - b)
+        .collect();
+    assert_eq!(
+        share.iter().sum::<u64>(),
+        40,
+        "one answer per lookup: {share:?}"
+    );
+    assert!(share.iter().all(|&n| n > 0), "both take a share: {share:?}");
+    assert_eq!(
+        metric(&remote, "kvrouter_remote_indexer_fallbacks_total"),
+        fallbacks
+    );
+    remote.shutdown().await;
+    for r in serving {
+        r.shutdown().await;
+    }
+}
+
 /// The value of a `{model="m"}` series, 0 when absent.
 fn metric(replica: &Replica, name: &str) -> u64 {
     let text = replica.shared().metrics.render();

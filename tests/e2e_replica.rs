@@ -514,7 +514,7 @@ fn a_rank_taken_down_leaves_alone_and_comes_back() {
         metrics(port)
     );
     assert!(
-        c.overlaps(&prompt).is_empty(),
+        wait_until(Duration::from_secs(5), || c.overlaps(&prompt).is_empty()),
         "rank 5's blocks left the index"
     );
     for _ in 0..10 {

@@ -24,8 +24,13 @@ pub enum Change {
         worker_id: WorkerId,
         reason: &'static str,
     },
-    /// The registration was refused; the worker is not routed to.
-    Refused { worker_id: WorkerId, reason: String },
+    /// The registration was refused; the worker is not routed to. `first`: the first refusal
+    /// of this instance in [`REFUSAL_MEMORY`] (log it; later ones are the same news).
+    Refused {
+        worker_id: WorkerId,
+        reason: String,
+        first: bool,
+    },
     /// A heartbeat or event came from a worker (or instance) we have no registration for:
     /// ask the fleet who is there.
     Unknown { worker_id: WorkerId },
@@ -39,12 +44,19 @@ struct Entry {
     last_seen: Instant,
 }
 
+/// How long a refused worker instance is remembered: its heartbeats and events ask for no
+/// roll call meanwhile (each roll call makes every worker re-register to every replica), and
+/// its refusal is logged once per this period, not on every re-announcement.
+pub const REFUSAL_MEMORY: Duration = Duration::from_secs(60);
+
 /// Live workers of one model.
 pub struct Discovery {
     model: String,
     block_size: Option<u32>,
     lease: Duration,
     workers: FxHashMap<WorkerId, Entry>,
+    /// Refused instances and when they were first refused (pruned after REFUSAL_MEMORY).
+    refused: FxHashMap<(WorkerId, Uuid), Instant>,
 }
 
 impl Discovery {
@@ -55,7 +67,15 @@ impl Discovery {
             block_size,
             lease,
             workers: FxHashMap::default(),
+            refused: FxHashMap::default(),
         }
+    }
+
+    /// Whether this worker instance was refused within [`REFUSAL_MEMORY`].
+    pub fn is_refused(&self, worker_id: WorkerId, instance_id: Uuid, now: Instant) -> bool {
+        self.refused
+            .get(&(worker_id, instance_id))
+            .is_some_and(|&t| now.saturating_duration_since(t) < REFUSAL_MEMORY)
     }
 
     pub fn block_size(&self) -> Option<u32> {
@@ -131,9 +151,16 @@ impl Discovery {
     /// A registration (first start, re-announcement, or a new instance).
     pub fn on_registration(&mut self, reg: &Registration, now: Instant) -> Vec<Change> {
         if let Err(reason) = self.check(reg) {
+            let first = !self.is_refused(reg.worker_id, reg.instance_id, now);
+            if first {
+                self.refused
+                    .retain(|_, &mut t| now.saturating_duration_since(t) < REFUSAL_MEMORY);
+                self.refused.insert((reg.worker_id, reg.instance_id), now);
+            }
             return vec![Change::Refused {
                 worker_id: reg.worker_id,
                 reason,
+                first,
             }];
         }
         self.block_size.get_or_insert(reg.block_size);
@@ -192,12 +219,14 @@ impl Discovery {
 
     pub fn on_heartbeat(&mut self, hb: &Heartbeat, now: Instant) -> Vec<Change> {
         let mut out = Vec::new();
+        let refused = self.is_refused(hb.worker_id, hb.instance_id, now);
         match self.workers.get_mut(&hb.worker_id) {
             Some(e) if e.instance_id == hb.instance_id => {
                 e.last_seen = now;
                 let live = hb.live_ranks.iter().copied().collect();
                 Self::diff_ranks(hb.worker_id, e, live, &mut out);
             }
+            _ if refused => {}
             _ => out.push(Change::Unknown {
                 worker_id: hb.worker_id,
             }),
@@ -334,6 +363,45 @@ mod tests {
             Change::WorkerRemoved { worker_id: 1, .. }
         ));
         assert_eq!(d.worker_count(), 1);
+    }
+
+    #[test]
+    fn a_refused_instance_is_remembered_so_it_asks_for_no_roll_call() {
+        let t0 = Instant::now();
+        let mut d = Discovery::new("m", Some(32), Duration::from_secs(3));
+        let bad = reg(1, 7, &[0]); // block size 16, the model's is 32
+        let first = |c: &[Change]| match c {
+            [Change::Refused { first, .. }] => Some(*first),
+            _ => None,
+        };
+        assert_eq!(first(&d.on_registration(&bad, t0)), Some(true));
+        let hb = Heartbeat {
+            worker_id: 1,
+            instance_id: bad.instance_id,
+            live_ranks: vec![0],
+        };
+        assert!(d.is_refused(1, bad.instance_id, t0));
+        assert!(d.on_heartbeat(&hb, t0).is_empty(), "no roll call for it");
+        let later = t0 + Duration::from_secs(30);
+        assert_eq!(first(&d.on_registration(&bad, later)), Some(false));
+        // Another instance of the same worker id is news.
+        assert!(!d.is_refused(1, Uuid::from_u128(8), later));
+        let other = Heartbeat {
+            instance_id: Uuid::from_u128(8),
+            ..hb.clone()
+        };
+        assert_eq!(
+            d.on_heartbeat(&other, later),
+            vec![Change::Unknown { worker_id: 1 }]
+        );
+        // Remembered for REFUSAL_MEMORY only, then checked (and logged) again.
+        let after = t0 + REFUSAL_MEMORY;
+        assert_eq!(
+            d.on_heartbeat(&hb, after),
+            vec![Change::Unknown { worker_id: 1 }]
+        );
+        assert_eq!(first(&d.on_registration(&bad, after)), Some(true));
+        assert_eq!(d.worker_count(), 0);
     }
 
     #[test]

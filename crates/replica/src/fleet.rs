@@ -177,9 +177,17 @@ impl FleetState {
                         .scheduler
                         .send_message(SchedulerMsg::RemoveWorker(worker_id));
                 }
-                Change::Refused { worker_id, reason } => {
-                    tracing::warn!(%model, worker = worker_id, %reason, "worker registration refused");
-                    self.metrics(|m| m.refused_workers.get_or_create(&self.labels).inc());
+                Change::Refused {
+                    worker_id,
+                    reason,
+                    first,
+                } => {
+                    if first {
+                        tracing::warn!(%model, worker = worker_id, %reason, "worker registration refused (its heartbeats and events are ignored; logged again in a minute if it is still there)");
+                        self.metrics(|m| m.refused_workers.get_or_create(&self.labels).inc());
+                    } else {
+                        tracing::debug!(%model, worker = worker_id, %reason, "worker registration refused again");
+                    }
                 }
                 Change::Unknown { worker_id } => {
                     tracing::debug!(%model, worker = worker_id, "message from an unregistered worker; asking who is there");
@@ -192,6 +200,12 @@ impl FleetState {
 
     async fn on_events(&mut self, batch: KvEventBatch, myself: &ActorRef<FleetMsg>) {
         if self.discovery.instance(batch.worker_id) != Some(batch.instance_id) {
+            if self
+                .discovery
+                .is_refused(batch.worker_id, batch.instance_id, Instant::now())
+            {
+                return;
+            }
             // Unregistered worker or a new instance we have not heard from yet.
             self.roll_call(false).await;
             return;

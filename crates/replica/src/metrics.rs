@@ -180,7 +180,7 @@ impl Metrics {
             ),
             refused_workers: reg!(
                 "refused_registrations",
-                "Worker registrations refused (e.g. block size mismatch)",
+                "Worker instances refused (e.g. block size mismatch; counted again each minute one keeps announcing itself)",
                 Family::default()
             ),
             queued_requests: reg!(

@@ -93,7 +93,8 @@ impl RankSync {
                 if event.event_id < *next {
                     EventOutcome::Stale
                 } else if event.event_id == *next {
-                    *next += 1;
+                    // Saturating: ids come from workers, and u64::MAX must not overflow.
+                    *next = next.saturating_add(1);
                     EventOutcome::Apply
                 } else {
                     let missing = event.event_id - *next;
@@ -120,7 +121,7 @@ impl RankSync {
         let mut buffer = std::mem::take(buffer);
         buffer.sort_by_key(|e| e.event_id);
         buffer.dedup_by_key(|e| e.event_id);
-        let mut next = last_event_id.map_or(0, |l| l + 1);
+        let mut next = last_event_id.map_or(0, |l| l.saturating_add(1));
         let mut apply = Vec::new();
         let first = next;
         let mut rest = buffer
@@ -128,7 +129,7 @@ impl RankSync {
             .skip_while(|e| e.event_id < first)
             .peekable();
         while let Some(e) = rest.next_if(|e| e.event_id == next) {
-            next += 1;
+            next = next.saturating_add(1);
             apply.push(e);
         }
         let leftover: Vec<KvEvent> = rest.collect();
@@ -179,6 +180,19 @@ mod tests {
         assert_eq!(s.on_event(&ev(7)), EventOutcome::Apply);
         assert_eq!(s.on_event(&ev(9)), EventOutcome::Gap { missing: 1 });
         assert!(!s.is_synced(K));
+    }
+
+    #[test]
+    fn event_ids_at_the_top_of_the_range_do_not_overflow() {
+        let mut s = RankSync::default();
+        s.start_fetch(K);
+        s.on_event(&ev(u64::MAX));
+        let after = s.on_snapshot(K, Some(u64::MAX - 1)).unwrap();
+        assert_eq!(ids(&after.apply), vec![u64::MAX]);
+        assert!(s.is_synced(K));
+        assert_eq!(s.on_event(&ev(3)), EventOutcome::Stale);
+        s.start_fetch(K);
+        assert!(s.on_snapshot(K, Some(u64::MAX)).is_some());
     }
 
     #[test]

@@ -51,6 +51,10 @@ pub struct ServeArgs {
     /// Requests that may wait for a non-busy worker; beyond it, routes fail as overloaded.
     #[arg(long, env = "KVROUTER_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
     max_queued_requests: usize,
+    /// How long a queued request may wait for a worker that is not busy before it fails
+    /// with queue_timeout; keep it under the callers' route timeout (kvrouter-client: 2 s).
+    #[arg(long, env = "KVROUTER_MAX_QUEUE_WAIT_MS", default_value_t = 1500)]
+    max_queue_wait_ms: u64,
     /// Longest prompt accepted, in tokens (bounded by the NATS max payload).
     #[arg(long, env = "KVROUTER_MAX_PROMPT_TOKENS", default_value_t = 131_072)]
     max_prompt_tokens: usize,
@@ -154,6 +158,7 @@ impl ServeArgs {
             busy_prefill_tokens: self.busy_prefill_tokens,
             max_queued_requests: self.max_queued_requests,
             request_timeout: secs("request-timeout-secs", self.request_timeout_secs)?,
+            queue_timeout: Duration::from_millis(self.max_queue_wait_ms),
             seed: self.seed.unwrap_or_else(fastrand_seed),
             policy: self.policy,
             ..SchedulerConfig::default()

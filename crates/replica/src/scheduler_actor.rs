@@ -155,14 +155,24 @@ impl SchedulerState {
                     let _ = full.into_token().reply.send(Err(reply));
                 }
             }
-            other => {
-                if other.is_ok() && job.update_states {
-                    self.announce(&job.request_id);
-                }
-                let _ = job
-                    .token
-                    .reply
-                    .send(other.map_err(|e| schedule_error_reply(&e)));
+            other => self.answer(job.token, other),
+        }
+    }
+
+    /// Sends a decision to its route endpoint and tells peers about it; a request placed
+    /// for an endpoint that is gone (its task ended) is freed at once, not left as load
+    /// nobody will free.
+    fn answer(&mut self, token: RouteToken, result: Result<Selection, ScheduleError>) {
+        let placed = result.is_ok();
+        let delivered = token
+            .reply
+            .send(result.map_err(|e| schedule_error_reply(&e)))
+            .is_ok();
+        if placed {
+            if delivered {
+                self.announce(&token.request_id);
+            } else if self.core.free(&token.request_id) {
+                tracing::debug!(model = %self.model, request_id = %token.request_id, "placed a request whose caller is gone: freed");
             }
         }
     }
@@ -187,12 +197,7 @@ impl SchedulerState {
             return;
         }
         for (token, result) in self.core.drain_ready(now) {
-            if result.is_ok() {
-                self.announce(&token.request_id);
-            }
-            let _ = token
-                .reply
-                .send(result.map_err(|e| schedule_error_reply(&e)));
+            self.answer(token, result);
         }
     }
 

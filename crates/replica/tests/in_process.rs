@@ -190,6 +190,7 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         replica_config(SchedulerConfig {
             busy_prefill_tokens: Some(1),
             max_queued_requests: 1,
+            queue_timeout: Duration::from_millis(600),
             ..SchedulerConfig::default()
         }),
         bus.clone(),
@@ -251,6 +252,19 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         .unwrap()
         .unwrap();
     assert_eq!(b.worker_id, 10);
+    // b's prefill keeps the worker busy: d waits out the queue timeout, fails with
+    // queue_timeout, and is not left behind as load.
+    let started = tokio::time::Instant::now();
+    match client.route(&req("d")).await {
+        Err(ClientError::Router(e)) => assert_eq!(e.kind, ErrorKind::QueueTimeout, "{e}"),
+        other => panic!("expected queue_timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(600));
+    assert!(matches!(
+        client.free(&a.replica_id, MODEL, "d").await,
+        Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest
+    ));
+    client.free(&a.replica_id, MODEL, "b").await.unwrap();
     // Freeing an unknown request is an error the client sees.
     client.free(&a.replica_id, MODEL, "a").await.unwrap();
     match client.free(&a.replica_id, MODEL, "a").await {

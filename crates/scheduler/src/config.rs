@@ -67,14 +67,20 @@ pub struct SchedulerConfig {
     pub busy_prefill_tokens: Option<u64>,
     /// Bound of the queue of requests that found every candidate busy (0: no queue).
     pub max_queued_requests: usize,
-    /// Active sequences older than this are freed by `sweep`; queued requests older than
-    /// this fail with `QueueTimeout`.
+    /// Active sequences older than this are freed by `sweep`.
     pub request_timeout: Duration,
+    /// Queued requests waiting this long fail with `QueueTimeout`. Keep it under the
+    /// callers' route timeout: a request placed after its caller gave up is load nobody frees.
+    pub queue_timeout: Duration,
     /// Seed of the scheduler's own random generator (tie-breaks and sampling).
     pub seed: u64,
     /// How the candidate is chosen (baselines other than `Kv` exist for comparisons).
     pub policy: RoutingPolicy,
 }
+
+/// Default of [`SchedulerConfig::queue_timeout`]: under the client library's 2 s route
+/// timeout, so callers get `QueueTimeout` rather than a timeout of their own.
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(1500);
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
@@ -87,6 +93,7 @@ impl Default for SchedulerConfig {
             busy_prefill_tokens: None,
             max_queued_requests: 1024,
             request_timeout: Duration::from_secs(300),
+            queue_timeout: DEFAULT_QUEUE_TIMEOUT,
             seed: 0,
             policy: RoutingPolicy::Kv,
         }
@@ -118,6 +125,12 @@ impl SchedulerConfig {
         }
         if self.busy_prefill_tokens == Some(0) {
             return bad("busy_prefill_tokens must be > 0 (0 would make every worker busy)".into());
+        }
+        if self.max_queued_requests > 0 && self.queue_timeout.is_zero() {
+            return bad(
+                "queue_timeout must be > 0 with a queue (give max_queued_requests 0 for none)"
+                    .into(),
+            );
         }
         Ok(())
     }

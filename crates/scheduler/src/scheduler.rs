@@ -387,8 +387,8 @@ impl<P> Scheduler<P> {
 
     /// Retries queued requests in FIFO order (call after any state change). Returns, in
     /// queue order, those placed now, those that now fail for a reason other than
-    /// busy (e.g. their pinned worker left), and those queued `request_timeout` or
-    /// longer (`QueueTimeout`); the still-busy ones stay queued in order.
+    /// busy (e.g. their pinned worker left), and those queued `queue_timeout` or longer
+    /// (`QueueTimeout`); the still-busy ones stay queued in order.
     pub fn drain_ready(&mut self, now: Instant) -> Vec<(P, Result<Selection, ScheduleError>)> {
         self.echo.expire(now);
         let mut out = Vec::new();
@@ -399,7 +399,7 @@ impl<P> Scheduler<P> {
             let Some(r) = self.queue.pop_front() else {
                 break;
             };
-            if now.saturating_duration_since(r.enqueued_at) >= self.config.request_timeout {
+            if now.saturating_duration_since(r.enqueued_at) >= self.config.queue_timeout {
                 out.push((r.token, Err(ScheduleError::QueueTimeout)));
                 continue;
             }
@@ -1084,7 +1084,7 @@ mod tests {
         let mut s = sched(|c| {
             c.busy_prefill_tokens = Some(4);
             c.max_queued_requests = 3;
-            c.request_timeout = Duration::from_secs(10);
+            c.queue_timeout = Duration::from_secs(10);
         });
         let t0 = Instant::now();
         let t = |secs| t0 + Duration::from_secs(secs);

@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 const BS: u32 = 4;
 const TIMEOUT: Duration = Duration::from_secs(20);
+/// Shorter than TIMEOUT, so the model tells the queue's timeout from the sweep's.
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(7);
 
 #[derive(Clone, Debug)]
 enum Filter {
@@ -439,6 +441,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         busy_prefill_tokens: cfg.busy_prefill,
         max_queued_requests: cfg.max_queued,
         request_timeout: TIMEOUT,
+        queue_timeout: QUEUE_TIMEOUT,
         seed: cfg.seed,
         policy: RoutingPolicy::Kv,
     };
@@ -612,7 +615,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 let mut out = out.into_iter();
                 let queue = std::mem::take(&mut m.queue);
                 for r in queue {
-                    if now.duration_since(r.at) >= TIMEOUT {
+                    if now.duration_since(r.at) >= QUEUE_TIMEOUT {
                         let (token, res) = out.next().expect("timed-out request reported");
                         assert_eq!((token, res), (r.token, Err(ScheduleError::QueueTimeout)));
                         continue;

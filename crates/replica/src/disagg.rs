@@ -79,6 +79,13 @@ impl Layouts {
         self.0.read().get(&worker_id).copied()
     }
 
+    /// Whether `key` is a rank of a registered worker (within its data-parallel ranks).
+    pub fn has_rank(&self, key: WorkerKey) -> bool {
+        self.get(key.worker_id).is_some_and(|l| {
+            (l.dp_start_rank..l.dp_start_rank.saturating_add(l.dp_size)).contains(&key.dp_rank)
+        })
+    }
+
     /// Workers of a role, sorted, that `allowed` (if any) lists.
     pub fn workers_with(&self, role: WorkerRole, allowed: Option<&[WorkerId]>) -> Vec<WorkerId> {
         let mut out: Vec<WorkerId> = self

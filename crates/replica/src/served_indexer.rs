@@ -189,10 +189,22 @@ impl HeldRecords {
     }
 }
 
-/// Records one published decision (an encoded [`IndexerRecord`]) in the index.
-async fn record(model: &str, payload: &[u8], index: &ShardedIndex, metrics: &Metrics) {
-    let labels: ModelLabels = Metrics::model(model);
+/// Records one published decision (an encoded [`IndexerRecord`]) in the index. With
+/// `registered_only`, a decision for a key that is no registered worker's rank is dropped:
+/// it would bring back the index state of a worker that left (or make up a new one). Off
+/// while catching up, when discovery may not have heard of every worker yet.
+async fn record(
+    model: &ModelShared,
+    payload: &[u8],
+    index: &ShardedIndex,
+    metrics: &Metrics,
+    registered_only: bool,
+) {
+    let labels: ModelLabels = Metrics::model(&model.name);
     let result = match decode::<IndexerRecord>(payload) {
+        Ok(r) if registered_only && !model.status.layouts.has_rank(r.key) => {
+            Err(format!("{} is no registered worker's rank", r.key))
+        }
         Ok(r) => index
             .record_routing_decision(r.key, r.local_hashes, r.sequence_hashes)
             .await
@@ -202,7 +214,7 @@ async fn record(model: &str, payload: &[u8], index: &ShardedIndex, metrics: &Met
     match result {
         Ok(()) => metrics.served_indexer_records.get_or_create(&labels).inc(),
         Err(e) => {
-            tracing::debug!(%model, error = %e, "published route decision not recorded");
+            tracing::debug!(model = %model.name, error = %e, "published route decision not recorded");
             metrics.approx_record_failures.get_or_create(&labels).inc()
         }
     };
@@ -351,14 +363,14 @@ pub fn spawn_approx(a: ApproxServing) -> JoinHandle<()> {
                 .inc_by(dropped);
         }
         for payload in &held {
-            record(&model.name, payload, &index, &metrics).await;
+            record(&model, payload, &index, &metrics, false).await;
         }
         model
             .status
             .index_catching_up
             .store(false, Ordering::Relaxed);
         while let Some(msg) = records.next().await {
-            record(&model.name, &msg.payload, &index, &metrics).await;
+            record(&model, &msg.payload, &index, &metrics, true).await;
         }
     })
 }

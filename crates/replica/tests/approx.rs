@@ -355,3 +355,86 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
     s2.shutdown().await;
     s1.shutdown().await;
 }
+
+/// A serving indexer records published decisions only for registered workers' ranks: one
+/// for a worker that left (or that never was) would bring its index state back for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_decisions_for_unregistered_ranks_are_not_recorded() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config())
+        .await
+        .unwrap();
+    let s1 = Replica::start(
+        ReplicaConfig {
+            serve_indexer: true,
+            ..approx_config(Duration::from_secs(120))
+        },
+        bus.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(s1.wait_ready(Duration::from_secs(5)).await);
+    let subject = Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .indexer_record();
+    let publish = |key: WorkerKey, tokens: &[u32]| {
+        let local = kvrouter_protocol::local_block_hashes(tokens, BLOCK as usize, None).unwrap();
+        let record = kvrouter_protocol::IndexerRecord {
+            key,
+            sequence_hashes: kvrouter_protocol::sequence_hashes(&local),
+            local_hashes: local,
+        };
+        let (bus, subject) = (bus.clone(), subject.clone());
+        async move {
+            bus.publish(&subject, kvrouter_protocol::encode(&record).unwrap().into())
+                .await
+                .unwrap()
+        }
+    };
+    let settled = |records: u64, failures: u64| {
+        let s1 = &s1;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while (
+                metric(s1, "kvrouter_served_indexer_records_total"),
+                metric(s1, "kvrouter_approx_record_failures_total"),
+            ) != (records, failures)
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "records {records}, failures {failures}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let (live, stranger, bad_rank) = (
+        WorkerKey::new(10, 0),
+        WorkerKey::new(77, 0),
+        WorkerKey::new(10, 5),
+    );
+    publish(live, &prompt(1, 3)).await;
+    publish(stranger, &prompt(2, 3)).await;
+    publish(bad_rank, &prompt(3, 3)).await;
+    settled(1, 2).await;
+    assert_eq!(index_overlaps(&s1, &prompt(1, 3)), vec![(live, 3)]);
+    assert!(index_overlaps(&s1, &prompt(2, 3)).is_empty());
+    assert!(index_overlaps(&s1, &prompt(3, 3)).is_empty());
+
+    // The fleet leaves: its entries go, and a late decision for it does not bring it back.
+    fleet.shutdown().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !index_overlaps(&s1, &prompt(1, 3)).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the departed worker's entries stay"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    publish(live, &prompt(4, 3)).await;
+    settled(1, 3).await;
+    assert!(index_overlaps(&s1, &prompt(4, 3)).is_empty());
+    s1.shutdown().await;
+}

@@ -190,6 +190,7 @@ pub async fn start(
     max_prompt_tokens: usize,
     transfer_timeout: Duration,
     subjects: &Subjects,
+    gate: &mut crate::route_gate::RouteGate,
 ) -> Result<(Vec<JoinHandle<()>>, Vec<JoinHandle<()>>), ReplicaError> {
     let bus = &shared.bus;
     // Overdue transfers are found at most a quarter of the timeout late (a short timeout is
@@ -237,14 +238,10 @@ pub async fn start(
         );
     }
     let models = Arc::new(models);
-    let mut sub = subscribe(
-        bus,
-        subjects.route_disagg(),
-        Some(kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP),
-    )
-    .await?;
+    let sub = gate.subscribe_later(subjects.route_disagg());
     let (shared, inflight) = (shared.clone(), inflight.clone());
     let front = tokio::spawn(async move {
+        let Ok(mut sub) = sub.await else { return };
         while let Some(msg) = sub.next().await {
             spawn_route(
                 shared.clone(),

@@ -31,6 +31,7 @@ pub mod rank_sync;
 pub mod remote_indexer;
 pub mod replica;
 pub mod replica_sync;
+pub mod route_gate;
 pub mod scheduler_actor;
 pub mod served_indexer;
 pub mod state;

@@ -7,6 +7,7 @@ use crate::endpoints::{spawn_handler, Endpoint, InFlight};
 use crate::fleet::{ask_who_is_there, FleetActor, FleetArgs, FleetMsg};
 use crate::metrics::Metrics;
 use crate::remote_indexer::{DecisionPublisher, RemoteIndexer};
+use crate::route_gate::RouteGate;
 use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg, SyncLink};
 use crate::served_indexer;
 use crate::state::{ModelShared, ModelStatus, ReplicaShared};
@@ -449,6 +450,7 @@ impl Replica {
             draining: Default::default(),
             replica_sync: config.replica_sync,
             sync_caught_up: Default::default(),
+            routes_open: Default::default(),
         });
         let inflight = Arc::new(InFlight::default());
         let mut back = sync_tasks;
@@ -541,32 +543,35 @@ impl Replica {
             }
         }
 
-        // Router endpoints.
-        let group = Some(kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP);
+        // Router endpoints: updates to this replica at once; the queue-group ones (any
+        // replica may answer) once the route gate opens.
         let max_prompt = config.max_prompt_tokens;
-        for (subject, endpoint, queue) in [
-            (subjects.route(), Endpoint::Route, group),
-            (subjects.overlap_scores(), Endpoint::OverlapScores, group),
-            (subjects.potential_loads(), Endpoint::PotentialLoads, group),
-            (
-                subjects.mark_prefill(&replica_id),
-                Endpoint::MarkPrefill,
-                None,
-            ),
-            (subjects.free(&replica_id), Endpoint::Free, None),
+        let mut gate = RouteGate::default();
+        for (subject, endpoint) in [
+            (subjects.mark_prefill(&replica_id), Endpoint::MarkPrefill),
+            (subjects.free(&replica_id), Endpoint::Free),
         ] {
-            let mut sub = subscribe(&bus, subject, queue).await?;
-            let shared = shared.clone();
-            let inflight = inflight.clone();
-            let task = tokio::spawn(async move {
+            let mut sub = subscribe(&bus, subject, None).await?;
+            let (shared, inflight) = (shared.clone(), inflight.clone());
+            back.push(tokio::spawn(async move {
                 while let Some(msg) = sub.next().await {
                     spawn_handler(shared.clone(), &inflight, max_prompt, endpoint, msg);
                 }
-            });
-            match endpoint {
-                Endpoint::MarkPrefill | Endpoint::Free => back.push(task),
-                _ => front.push(task),
-            }
+            }));
+        }
+        for (subject, endpoint) in [
+            (subjects.route(), Endpoint::Route),
+            (subjects.overlap_scores(), Endpoint::OverlapScores),
+            (subjects.potential_loads(), Endpoint::PotentialLoads),
+        ] {
+            let sub = gate.subscribe_later(subject);
+            let (shared, inflight) = (shared.clone(), inflight.clone());
+            front.push(tokio::spawn(async move {
+                let Ok(mut sub) = sub.await else { return };
+                while let Some(msg) = sub.next().await {
+                    spawn_handler(shared.clone(), &inflight, max_prompt, endpoint, msg);
+                }
+            }));
         }
         // Disaggregated prefill/decode: route_disagg and KV transfer reports.
         let (disagg_front, disagg_back) = crate::disagg::start(
@@ -575,6 +580,7 @@ impl Replica {
             max_prompt,
             config.transfer_timeout,
             &subjects,
+            &mut gate,
         )
         .await?;
         front.extend(disagg_front);
@@ -595,6 +601,10 @@ impl Replica {
                 m.status.discovered.store(true, Ordering::Relaxed);
             }
         }));
+        back.push(gate.spawn(
+            shared.clone(),
+            config.discovery_window + config.state_fetch_timeout,
+        ));
 
         let admin_addr = match config.admin_addr {
             Some(addr) => {

@@ -37,6 +37,10 @@ pub struct ReplicaSync {
     dropped: u64,
     /// Live peers and when each was last heard from.
     peers: FxHashMap<String, Instant>,
+    /// Origins of catch-up snapshot entries not heard from themselves yet (e.g. crashed
+    /// before we joined), since when: they expire on the same lease as peers, so their
+    /// requests do not wait for the request-timeout sweep. Not counted as live peers.
+    unconfirmed: FxHashMap<String, Instant>,
     last_sent: Option<Instant>,
 }
 
@@ -49,6 +53,7 @@ impl ReplicaSync {
             buffer: catch_up.then(Vec::new),
             dropped: 0,
             peers: FxHashMap::default(),
+            unconfirmed: FxHashMap::default(),
             last_sent: None,
         }
     }
@@ -118,6 +123,7 @@ impl ReplicaSync {
             return (Vec::new(), false);
         }
         let new = self.peers.insert(from.to_string(), now).is_none();
+        self.unconfirmed.remove(from);
         let apply = match &mut self.buffer {
             None => changes,
             Some(buf) => {
@@ -132,18 +138,20 @@ impl ReplicaSync {
         (apply, new)
     }
 
-    /// Forgets peers silent for [`PEER_LEASE`]; returns them.
+    /// Forgets peers (and snapshot origins never heard from) silent for [`PEER_LEASE`];
+    /// returns them.
     pub fn expire_peers(&mut self, now: Instant) -> Vec<String> {
-        let mut gone: Vec<String> = self
-            .peers
-            .iter()
-            .filter(|(_, &seen)| now.saturating_duration_since(seen) >= PEER_LEASE)
-            .map(|(id, _)| id.clone())
-            .collect();
-        gone.sort_unstable();
-        for id in &gone {
-            self.peers.remove(id);
+        let mut gone = Vec::new();
+        for map in [&mut self.peers, &mut self.unconfirmed] {
+            map.retain(|id, &mut seen| {
+                let live = now.saturating_duration_since(seen) < PEER_LEASE;
+                if !live {
+                    gone.push(id.clone());
+                }
+                live
+            });
         }
+        gone.sort_unstable();
         gone
     }
 
@@ -174,7 +182,10 @@ impl ReplicaSync {
     /// freed a request whose `Free` the peer had not yet applied when it answered; that
     /// `Free` is in no buffer (our own changes never come back to us), so applying the
     /// peer's `Add` would bring the request back until the request-timeout sweep.
-    pub fn on_snapshot(&mut self, snapshot: Vec<SeqChange>) -> Vec<SeqChange> {
+    ///
+    /// The origins of its requests that are no live peer are remembered from `now`: if they
+    /// stay silent for the lease, their requests are dropped like a lost peer's.
+    pub fn on_snapshot(&mut self, snapshot: Vec<SeqChange>, now: Instant) -> Vec<SeqChange> {
         match self.buffer.take() {
             None => Vec::new(),
             Some(buf) => {
@@ -182,6 +193,13 @@ impl ReplicaSync {
                     .into_iter()
                     .filter(|c| !Self::is_from(change_id(c), &self.replica_id))
                     .collect();
+                for c in &out {
+                    if let Some((origin, _)) = change_id(c).split_once(':') {
+                        if !self.peers.contains_key(origin) {
+                            self.unconfirmed.entry(origin.to_string()).or_insert(now);
+                        }
+                    }
+                }
                 out.extend(buf);
                 out
             }
@@ -300,10 +318,10 @@ mod tests {
             request_id: "r1:x".into(),
         };
         assert!(s.on_peer_batch("r1", vec![free.clone()], now).0.is_empty());
-        let out = s.on_snapshot(vec![add("r1:x")]);
+        let out = s.on_snapshot(vec![add("r1:x")], now);
         assert_eq!(out, vec![add("r1:x"), add("r2:y"), free]);
         assert!(s.is_caught_up());
-        assert!(s.on_snapshot(vec![add("r9:z")]).is_empty());
+        assert!(s.on_snapshot(vec![add("r9:z")], now).is_empty());
     }
 
     #[test]
@@ -311,8 +329,29 @@ mod tests {
         // r3 routed r3:a while catching up and freed it; the peer answering had the add
         // but not yet the free.
         let mut s = ReplicaSync::new("r3", true);
-        let out = s.on_snapshot(vec![add("r3:a"), add("r1:x"), add("r31:b")]);
+        let out = s.on_snapshot(vec![add("r3:a"), add("r1:x"), add("r31:b")], Instant::now());
         assert_eq!(out, vec![add("r1:x"), add("r31:b")]);
+    }
+
+    #[test]
+    fn a_snapshot_origin_never_heard_from_expires_like_a_silent_peer() {
+        let t0 = Instant::now();
+        let mut s = ReplicaSync::new("r3", true);
+        s.on_peer_batch("r2", Vec::new(), t0);
+        // r1 crashed before r3 joined; r2's snapshot still holds r1's request.
+        let out = s.on_snapshot(vec![add("r1:x"), add("r2:y")], t0);
+        assert_eq!(out.len(), 2);
+        assert_eq!(s.live_peers(), 1, "r1 is no live peer");
+        let half = t0 + PEER_LEASE / 2;
+        s.on_peer_batch("r2", Vec::new(), half);
+        assert!(s.expire_peers(half).is_empty());
+        assert_eq!(s.expire_peers(t0 + PEER_LEASE), vec!["r1".to_string()]);
+        // One heard from after the snapshot is a live peer like any other.
+        let mut s = ReplicaSync::new("r3", true);
+        s.on_snapshot(vec![add("r1:x")], t0);
+        s.on_peer_batch("r1", Vec::new(), half);
+        assert!(s.expire_peers(t0 + PEER_LEASE).is_empty());
+        assert_eq!(s.live_peers(), 1);
     }
 
     #[test]

@@ -414,7 +414,7 @@ impl Actor for SchedulerActor {
             // Applied above.
             SchedulerMsg::PeerBatches => {}
             SchedulerMsg::PeerSnapshot(snapshot) => {
-                let changes = state.ids.on_snapshot(snapshot);
+                let changes = state.ids.on_snapshot(snapshot, now);
                 state.apply_peer(changes, now);
             }
             SchedulerMsg::ExportActive(reply) => {

@@ -63,10 +63,13 @@ pub struct ReplicaShared {
     /// Replica sync is on, and whether the catch-up from a peer has landed.
     pub replica_sync: bool,
     pub sync_caught_up: AtomicBool,
+    /// The router queue-group endpoints are subscribed ([`crate::route_gate`]).
+    pub routes_open: AtomicBool,
 }
 
 impl ReplicaShared {
-    /// Ready once connected and every known rank of every model is synced.
+    /// Ready once connected, every known rank of every model is synced, and the replica
+    /// takes routes.
     pub fn readiness(&self) -> (bool, String) {
         if self.draining.load(Ordering::Relaxed) {
             return (false, "draining: shutting down".into());
@@ -74,6 +77,24 @@ impl ReplicaShared {
         if !self.bus.is_connected() {
             return (false, "not connected to the bus".into());
         }
+        let mut waiting = self.models_waiting();
+        if self.replica_sync && !self.sync_caught_up.load(Ordering::Relaxed) {
+            waiting.push("replica sync: catching up from a peer".into());
+        }
+        if waiting.is_empty() && !self.routes_open.load(Ordering::Relaxed) {
+            waiting.push("route endpoints not subscribed yet".into());
+        }
+        if waiting.is_empty() {
+            (true, "ready".into())
+        } else {
+            waiting.sort();
+            (false, format!("not ready: {}", waiting.join("; ")))
+        }
+    }
+
+    /// What keeps models from being routable: workers still being discovered, ranks still
+    /// syncing, an approximate index still loading. Empty when every model is routable.
+    pub fn models_waiting(&self) -> Vec<String> {
         let mut waiting = Vec::new();
         for m in self.models.values() {
             let st = &m.status;
@@ -96,15 +117,7 @@ impl ReplicaShared {
                 ));
             }
         }
-        if self.replica_sync && !self.sync_caught_up.load(Ordering::Relaxed) {
-            waiting.push("replica sync: catching up from a peer".into());
-        }
-        if waiting.is_empty() {
-            (true, "ready".into())
-        } else {
-            waiting.sort();
-            (false, format!("not ready: {}", waiting.join("; ")))
-        }
+        waiting
     }
 
     /// Gauges computed at scrape time.

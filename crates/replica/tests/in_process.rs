@@ -470,3 +470,47 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
     replica.shutdown().await;
     fleet.shutdown().await.unwrap();
 }
+
+/// A replica joins the route queue group only once it can route (NATS knows nothing of
+/// readiness probes): while a late one discovers its workers, the ready one answers every
+/// route; then both do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
+    let bus = Bus::local();
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap();
+    let start = |id: &str, window_ms: u64| {
+        let config = ReplicaConfig {
+            replica_id: Some(id.into()),
+            discovery_window: Duration::from_millis(window_ms),
+            ..replica_config(SchedulerConfig::default())
+        };
+        Replica::start(config, bus.clone())
+    };
+    let first = start("first", 100).await.unwrap();
+    assert!(first.wait_ready(Duration::from_secs(5)).await);
+    let late = start("late", 800).await.unwrap();
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let route = |i: u32| {
+        let client = client.clone();
+        async move {
+            let mut req = kvrouter_client::route_request(MODEL, prompt(i, i, 2));
+            req.update_states = false;
+            client.route(&req).await.unwrap().replica_id
+        }
+    };
+    for i in 0..40 {
+        assert_eq!(route(i).await, "first", "route {i} during late's discovery");
+    }
+    let (ready, why) = late.shared().readiness();
+    assert!(!ready && why.contains("discovering"), "{why}");
+    assert!(late.wait_ready(Duration::from_secs(5)).await);
+    let mut by = std::collections::BTreeSet::new();
+    for i in 0..40 {
+        by.insert(route(i).await);
+    }
+    assert_eq!(by, ["first".to_string(), "late".to_string()].into());
+    late.shutdown().await;
+    first.shutdown().await;
+}

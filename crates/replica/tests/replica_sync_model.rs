@@ -279,7 +279,7 @@ impl World {
         let snapshot = export_active(&self.replicas[src].core);
         let now = self.tick();
         let rep = &mut self.replicas[l];
-        let apply = rep.sync.on_snapshot(snapshot);
+        let apply = rep.sync.on_snapshot(snapshot, now);
         apply_changes(&mut rep.core, apply, now);
         assert!(rep.sync.is_caught_up());
     }

@@ -17,6 +17,7 @@ use kvrouter_protocol::{
     ModelSubjects, Registration, Reply, StateChunk, StateQuery, WhoIsThere, WorkerKey,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use rustc_hash::FxHashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,8 +27,19 @@ use uuid::Uuid;
 const TICK: Duration = Duration::from_millis(250);
 /// Least time between two "who is there" calls caused by unknown senders.
 const ROLL_CALL_EVERY: Duration = Duration::from_secs(1);
-/// Wait before retrying a failed state fetch.
+/// Wait before retrying a failed state fetch; doubled by each further failure in a row.
 const FETCH_RETRY: Duration = Duration::from_millis(500);
+/// The longest wait between retries of one rank's fetch.
+const FETCH_RETRY_MAX: Duration = Duration::from_secs(8);
+
+/// Wait before the next fetch of a rank whose last `failures` fetches failed (≥ 1): 0.5 s,
+/// doubling, at most [`FETCH_RETRY_MAX`], so a worker whose state endpoint is broken is not
+/// asked (and logged) twice a second forever.
+fn fetch_retry_delay(failures: u32) -> Duration {
+    FETCH_RETRY
+        .saturating_mul(1 << failures.saturating_sub(1).min(5))
+        .min(FETCH_RETRY_MAX)
+}
 
 pub enum FleetMsg {
     Registration(Registration),
@@ -69,6 +81,8 @@ pub struct FleetState {
     sync: RankSync,
     /// Fetches waiting for a retry: (key, not before).
     retries: Vec<(WorkerKey, Instant)>,
+    /// Failed fetches in a row, per rank (cleared when one succeeds or the rank leaves).
+    fetch_failures: FxHashMap<WorkerKey, u32>,
     last_roll_call: Option<Instant>,
 }
 
@@ -160,6 +174,7 @@ impl FleetState {
                     tracing::info!(%model, worker = key.worker_id, dp_rank = key.dp_rank, "worker rank left");
                     self.sync.remove(key);
                     self.retries.retain(|(k, _)| *k != key);
+                    self.fetch_failures.remove(&key);
                     let _ = self.args.index.remove_worker_rank(key);
                     let _ = self
                         .args
@@ -171,6 +186,7 @@ impl FleetState {
                     self.args.status.layouts.remove(worker_id);
                     self.sync.remove_worker(worker_id);
                     self.retries.retain(|(k, _)| k.worker_id != worker_id);
+                    self.fetch_failures.retain(|k, _| k.worker_id != worker_id);
                     let _ = self.args.index.remove_worker(worker_id);
                     let _ = self
                         .args
@@ -260,9 +276,17 @@ impl FleetState {
         let (last_event_id, events) = match result {
             Ok(v) => v,
             Err(e) => {
-                tracing::warn!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, "rank state fetch failed; retrying");
+                let failures = self.fetch_failures.entry(key).or_insert(0);
+                *failures += 1;
+                let (failures, wait) = (*failures, fetch_retry_delay(*failures));
+                // Logged on the 1st, 2nd, 4th, 8th... failure in a row.
+                if failures.is_power_of_two() {
+                    tracing::warn!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, failures, retry_in_ms = wait.as_millis() as u64, "rank state fetch failed; retrying");
+                } else {
+                    tracing::debug!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, failures, "rank state fetch failed again");
+                }
                 self.metrics(|m| m.recovery_failures.get_or_create(&self.labels).inc());
-                self.retries.push((key, Instant::now() + FETCH_RETRY));
+                self.retries.push((key, Instant::now() + wait));
                 return;
             }
         };
@@ -281,7 +305,8 @@ impl FleetState {
             let _ = self.args.index.apply_batch(after.apply);
         }
         self.metrics(|m| m.recoveries.get_or_create(&self.labels).inc());
-        tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, ?last_event_id, "rank state synced");
+        let failed_before = self.fetch_failures.remove(&key).unwrap_or(0);
+        tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, ?last_event_id, failed_before, "rank state synced");
         if after.refetch {
             self.retries.push((key, Instant::now()));
         }
@@ -349,6 +374,7 @@ impl Actor for FleetActor {
             discovery: Discovery::new(&args.model, args.block_size, args.lease),
             sync: RankSync::default(),
             retries: Vec::new(),
+            fetch_failures: FxHashMap::default(),
             last_roll_call: None,
             args,
         })
@@ -435,5 +461,20 @@ pub async fn ask_who_is_there(bus: &Bus, subjects: &ModelSubjects, replica_id: &
         {
             tracing::warn!(error = %e, "cannot ask who is there");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetch_retries_back_off_to_a_cap() {
+        let ms = |n| fetch_retry_delay(n).as_millis();
+        assert_eq!(
+            (1..=7).map(ms).collect::<Vec<_>>(),
+            vec![500, 1000, 2000, 4000, 8000, 8000, 8000]
+        );
+        assert_eq!(fetch_retry_delay(u32::MAX), FETCH_RETRY_MAX);
     }
 }

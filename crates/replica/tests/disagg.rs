@@ -56,6 +56,22 @@ fn kind<T>(r: Result<T, ClientError>) -> Option<ErrorKind> {
     }
 }
 
+/// A replica of the model, quick to discover (override fields as needed).
+fn config() -> ReplicaConfig {
+    ReplicaConfig {
+        models: vec![MODEL.into()],
+        discovery_window: Duration::from_millis(100),
+        ..ReplicaConfig::default()
+    }
+}
+
+/// Starts a replica and waits until it is ready.
+async fn ready_replica(bus: &Bus, config: ReplicaConfig) -> Replica {
+    let replica = Replica::start(config, bus.clone()).await.unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    replica
+}
+
 /// The decode rank the offset rule gives: prefill ranks 2..4, decode ranks 0..4.
 fn expected_decode_rank(prefill_rank: u32) -> u32 {
     (prefill_rank - 2) % 4
@@ -81,17 +97,7 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
     )
     .await
     .unwrap();
-    let replica = Replica::start(
-        ReplicaConfig {
-            models: vec![MODEL.into()],
-            discovery_window: Duration::from_millis(100),
-            ..ReplicaConfig::default()
-        },
-        bus.clone(),
-    )
-    .await
-    .unwrap();
-    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let replica = ready_replica(&bus, config()).await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
 
     // Fresh prompts: both keys named, each in its pool, the decode rank by the offset rule.
@@ -230,17 +236,7 @@ async fn a_model_without_pools_refuses_disagg_and_routes_aggregated_over_all() {
     let prefill = MockerFleet::start(bus.clone(), pool(WorkerRole::Prefill, 100, 2, 2))
         .await
         .unwrap();
-    let replica = Replica::start(
-        ReplicaConfig {
-            models: vec![MODEL.into()],
-            discovery_window: Duration::from_millis(100),
-            ..ReplicaConfig::default()
-        },
-        bus.clone(),
-    )
-    .await
-    .unwrap();
-    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let replica = ready_replica(&bus, config()).await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     assert_eq!(
         kind(
@@ -334,20 +330,16 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
     let bus = Bus::local();
     let (silenced, healthy, decode) = tp_pools(&bus).await;
     let timeout = Duration::from_millis(400);
-    let replica = Replica::start(
+    let replica = ready_replica(
+        &bus,
         ReplicaConfig {
-            models: vec![MODEL.into()],
-            discovery_window: Duration::from_millis(100),
             transfer_timeout: timeout,
             // The scheduler counts prefill tokens in blocks of this size.
             block_sizes: [(MODEL.to_string(), 16)].into(),
-            ..ReplicaConfig::default()
+            ..config()
         },
-        bus.clone(),
     )
-    .await
-    .unwrap();
-    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    .await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let overdue = || {
         replica
@@ -437,19 +429,15 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
     let timeout = Duration::from_millis(600);
     let mut replicas = Vec::new();
     for id in ["ra", "rb"] {
-        let r = Replica::start(
+        let r = ready_replica(
+            &bus,
             ReplicaConfig {
-                models: vec![MODEL.into()],
                 replica_id: Some(id.into()),
-                discovery_window: Duration::from_millis(100),
                 transfer_timeout: timeout,
-                ..ReplicaConfig::default()
+                ..config()
             },
-            bus.clone(),
         )
-        .await
-        .unwrap();
-        assert!(r.wait_ready(Duration::from_secs(5)).await);
+        .await;
         replicas.push(r);
     }
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
@@ -549,17 +537,7 @@ async fn the_rank_offset_wraps_onto_a_narrower_decode_pool() {
     let decode = MockerFleet::start(bus.clone(), pool(WorkerRole::Decode, 200, 2, 6))
         .await
         .unwrap();
-    let replica = Replica::start(
-        ReplicaConfig {
-            models: vec![MODEL.into()],
-            discovery_window: Duration::from_millis(100),
-            ..ReplicaConfig::default()
-        },
-        bus.clone(),
-    )
-    .await
-    .unwrap();
-    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let replica = ready_replica(&bus, config()).await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let mut prefill_ranks = std::collections::BTreeSet::new();
     for i in 0..40 {

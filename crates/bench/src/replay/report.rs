@@ -130,9 +130,6 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
     ttft.sort_unstable();
     let mut e2e: Vec<u64> = ok.iter().map(|r| r.e2e_us).collect();
     e2e.sort_unstable();
-    let mut route: Vec<u64> = ok.iter().map(|r| r.route_wall_us).collect();
-    route.sort_unstable();
-    let route_us = |q| percentile(&route, q).unwrap_or(0) as f64;
 
     // Failed requests as infinitely late: the p90 over all requests is the nearest-rank
     // sample among the successes, if it falls there.
@@ -215,10 +212,16 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
         output_tokens,
         duration_s,
         cluster: outcome.cluster.clone(),
-        route_wall_us: outcome.real_clock.then(|| RouteUs {
-            mean: mean(&route),
-            p50: route_us(0.50),
-            p99: route_us(0.99),
+        // Only on the wall clock: on the virtual one these are not route costs.
+        route_wall_us: outcome.real_clock.then(|| {
+            let mut route: Vec<u64> = ok.iter().map(|r| r.route_wall_us).collect();
+            route.sort_unstable();
+            let at = |q| percentile(&route, q).unwrap_or(0) as f64;
+            RouteUs {
+                mean: mean(&route),
+                p50: at(0.50),
+                p99: at(0.99),
+            }
         }),
     }
 }

@@ -3,7 +3,7 @@
 use super::nats_args::NatsArgs;
 use anyhow::Context;
 use clap::Args;
-use kvrouter_replica::{Replica, ReplicaConfig};
+use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -164,6 +164,16 @@ impl ServeArgs {
             ..SchedulerConfig::default()
         };
         let block_sizes: HashMap<String, u32> = self.block_sizes.iter().cloned().collect();
+        let index = IndexFlags {
+            no_kv_events: self.no_kv_events,
+            router_ttl: secs("router-ttl-secs", self.router_ttl_secs)?,
+            serve_indexer: self.serve_indexer,
+            use_remote_indexer: self.use_remote_indexer,
+            remote_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),
+            breaker_failures: self.remote_indexer_breaker_failures,
+            breaker_cooldown: Duration::from_millis(self.remote_indexer_breaker_cooldown_ms),
+        }
+        .source()?;
         Ok(ReplicaConfig {
             namespace: self.nats.namespace.clone(),
             replica_id: self.replica_id.clone(),
@@ -176,18 +186,16 @@ impl ServeArgs {
             index_shards: self.index_shards,
             drain_timeout: secs("drain-timeout-secs", self.drain_timeout_secs)?,
             admin_addr: self.admin_addr,
-            no_kv_events: self.no_kv_events,
-            router_ttl: secs("router-ttl-secs", self.router_ttl_secs)?,
-            replica_sync: self.replica_sync,
-            replica_sync_echo: millis("replica-sync-echo-ms", self.replica_sync_echo_ms)?,
-            serve_indexer: self.serve_indexer,
-            use_remote_indexer: self.use_remote_indexer,
-            remote_indexer_timeout: Duration::from_millis(self.remote_indexer_timeout_ms),
+            index,
+            sync: self
+                .replica_sync
+                .then(|| -> anyhow::Result<SyncConfig> {
+                    Ok(SyncConfig {
+                        echo: millis("replica-sync-echo-ms", self.replica_sync_echo_ms)?,
+                    })
+                })
+                .transpose()?,
             transfer_timeout: secs("transfer-timeout-secs", self.transfer_timeout_secs)?,
-            remote_indexer_breaker_failures: self.remote_indexer_breaker_failures,
-            remote_indexer_breaker_cooldown: Duration::from_millis(
-                self.remote_indexer_breaker_cooldown_ms,
-            ),
             ..ReplicaConfig::default()
         })
     }

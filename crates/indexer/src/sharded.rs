@@ -74,6 +74,9 @@ struct ShardCore {
 /// Messages a shard actor handles; writes are applied in mailbox order.
 pub enum ShardMsg {
     Apply(Vec<KvEvent>),
+    /// A rank's dump, loaded in mailbox order with no answer (see
+    /// [`ShardedIndex::queue_load_rank`]).
+    LoadQueued(RankDump),
     Record {
         key: WorkerKey,
         local: Vec<LocalBlockHash>,
@@ -199,6 +202,15 @@ impl Actor for ShardActor {
             ShardMsg::Dump(key, reply) => {
                 let dump = core_lock.read().index.dump(key);
                 let _ = reply.send(dump);
+            }
+            ShardMsg::LoadQueued(dump) => {
+                let mut core = core_lock.write();
+                let result = core.index.load_rank(&dump);
+                state.after_write(&mut core);
+                drop(core);
+                if let Err(e) = result {
+                    tracing::warn!(worker = dump.key.worker_id, dp_rank = dump.key.dp_rank, error = %e, "rank state partly refused by the index");
+                }
             }
             ShardMsg::Load(dump, reply) => {
                 let mut core = core_lock.write();
@@ -558,6 +570,14 @@ impl ShardedIndex {
             .await
             .map_err(|_| ShardError::ShardDown(shard))?
             .success_or(ShardError::ShardDown(shard))
+    }
+
+    /// Replaces a rank's state with a dump without waiting: it is loaded before any event
+    /// queued after it (one shard's mailbox keeps order), so the caller never stalls other
+    /// ranks' events on a big snapshot. A partly refused dump is logged by the shard.
+    pub fn queue_load_rank(&self, dump: RankDump) -> Result<(), ShardError> {
+        let shard = self.shard_of(dump.key.worker_id);
+        self.send(shard, ShardMsg::LoadQueued(dump))
     }
 
     /// Replaces a rank's state with a dump.

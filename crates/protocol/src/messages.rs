@@ -351,6 +351,12 @@ pub struct IndexerDumpChunk {
     pub entries: Vec<ApproxEntry>,
 }
 
+/// A serving indexer is synced and answers lookups (`NS.model.MODEL.indexer.announce`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexerAnnouncement {
+    pub replica_id: String,
+}
+
 /// Runs a request on one rank of a worker (answered as a stream of [`GenerateEvent`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenerateRequest {

@@ -179,6 +179,13 @@ impl ModelSubjects {
         format!("{}.indexer.record", self.prefix)
     }
 
+    /// `IndexerAnnouncement`, published by a serving indexer once it is synced and answering
+    /// (no queue group): remote replicas ask it from their next lookup, whatever their
+    /// breaker's cooldown.
+    pub fn indexer_announce(&self) -> String {
+        format!("{}.indexer.announce", self.prefix)
+    }
+
     /// `IndexerDumpRequest` → stream of `Reply<IndexerDumpChunk>`: a serving indexer starting in
     /// approximate mode asks a peer (queue group [`INDEXER_QUEUE_GROUP`]) for its entries.
     pub fn indexer_dump(&self) -> String {
@@ -223,6 +230,7 @@ pub fn fleet_subjects(
         ("indexer_find_matches", m.indexer_find_matches()),
         ("indexer_record", m.indexer_record()),
         ("indexer_dump", m.indexer_dump()),
+        ("indexer_announce", m.indexer_announce()),
         ("generate", m.generate_wildcard()),
         ("state", m.state_wildcard()),
     ])

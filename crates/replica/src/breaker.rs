@@ -12,10 +12,10 @@
 
 use std::time::{Duration, Instant};
 
-/// Default of `--remote-indexer-breaker-failures`.
-pub const DEFAULT_FAILURES: u32 = 3;
 /// Default of `--remote-indexer-breaker-cooldown-ms`.
-pub const DEFAULT_COOLDOWN: Duration = Duration::from_secs(1);
+pub use crate::config::DEFAULT_BREAKER_COOLDOWN as DEFAULT_COOLDOWN;
+/// Default of `--remote-indexer-breaker-failures`.
+pub use crate::config::DEFAULT_BREAKER_FAILURES as DEFAULT_FAILURES;
 /// The cooldown doubles after each failed probe, up to this multiple of the first one.
 pub const MAX_COOLDOWN_FACTOR: u32 = 4;
 
@@ -49,7 +49,7 @@ impl Default for BreakerConfig {
         Self::new(
             DEFAULT_FAILURES,
             DEFAULT_COOLDOWN,
-            crate::remote_indexer::DEFAULT_TIMEOUT,
+            crate::config::DEFAULT_REMOTE_TIMEOUT,
         )
     }
 }
@@ -127,6 +127,21 @@ impl Breaker {
     /// Open or half-open: lookups are skipped except for the probe.
     pub fn is_open(&self) -> bool {
         !matches!(self.state, State::Closed { .. })
+    }
+
+    /// A serving indexer announced itself synced: close at once rather than wait for a probe
+    /// (tickets handed out before are stale). `Some(Closed)` if it was open.
+    pub fn close_now(&mut self, now: Instant) -> Option<Transition> {
+        let was_open = self.is_open();
+        self.epoch += 1;
+        self.state = State::Closed { failures: 0 };
+        self.cooldown = self.config.cooldown;
+        let opened_at = self.opened_at.take();
+        let skipped = std::mem::take(&mut self.skipped);
+        was_open.then(|| Transition::Closed {
+            open_for: opened_at.map_or(Duration::ZERO, |t| now.saturating_duration_since(t)),
+            skipped,
+        })
     }
 
     /// Whether a lookup at `now` may ask.
@@ -486,5 +501,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_announcement_closes_an_open_breaker_at_once() {
+        let t0 = Instant::now();
+        let mut b = Breaker::new(BreakerConfig::new(
+            1,
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+        ));
+        assert_eq!(b.close_now(t0), None, "closed already: nothing to report");
+        let Admit::Ask(t) = b.admit(t0) else {
+            panic!("a closed breaker asks")
+        };
+        assert!(b.failed(t, t0).is_some());
+        assert_eq!(b.admit(t0), Admit::Skip);
+        let later = t0 + Duration::from_secs(1);
+        assert!(matches!(
+            b.close_now(later),
+            Some(Transition::Closed { skipped: 1, .. })
+        ));
+        assert!(
+            matches!(b.admit(later), Admit::Ask(_)),
+            "no cooldown left to wait"
+        );
+        // A ticket from before the announcement changes nothing.
+        assert_eq!(b.failed(t, later), None);
+        assert!(!b.is_open());
     }
 }

@@ -1,14 +1,9 @@
-//! Disaggregated prefill and decode: worker roles, the `route_disagg` endpoint, and KV
-//! transfer reports.
+//! Disaggregated prefill and decode: the `route_disagg` endpoint and KV transfer reports.
+//! Worker roles and the candidate rules live in [`crate::layouts`].
 //!
-//! - [`Layouts`]: each registered worker's role and data-parallel layout, written by the
-//!   fleet actor, read by the endpoints.
-//! - Aggregated routes ([`aggregated_workers`]): when a model has aggregated workers as well
-//!   as prefill or decode ones, `route` considers the aggregated ones only (unless the
-//!   request pins a worker); a model with no aggregated worker routes over all its workers.
 //! - `route_disagg`: a prefill worker rank among the model's prefill workers by overlap and
 //!   load (the normal cost), then a decode worker among its decode workers by load, on the
-//!   rank [`decode_rank`] gives (the prefill's rank offset carried over). With
+//!   rank [`crate::layouts::decode_rank`] gives (the prefill's rank offset carried over). With
 //!   `update_states`, the prefill half is tracked as `{request_id}/prefill` with its
 //!   uncached prompt tokens as prefill load, the decode half as `{request_id}` with no
 //!   prefill load (its KV arrives by transfer).
@@ -18,152 +13,27 @@
 //!   counted (`transfers_overdue`); the prefill half then stays until its client frees it or
 //!   the scheduler's request timeout sweeps it.
 
-use crate::endpoints::{self, InFlight};
-use crate::replica::{subscribe, ReplicaError};
-use crate::scheduler_actor::{RouteJob, RouteToken, SchedulerMsg};
+use crate::config::ReplicaError;
+use crate::endpoints;
+use crate::layouts::decode_candidates;
+use crate::metrics::Metrics;
+use crate::route_gate::RouteGate;
+use crate::scheduler_actor::{route_job, SchedulerMsg};
+use crate::serve::{forward, serve_requests, subscribe, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
-use kvrouter_bus::Message;
 use kvrouter_protocol::{
-    decode, prefill_request_id, DisaggDecision, DisaggRouteRequest, DpRank, ErrorKind, ErrorReply,
-    Registration, RouteDecision, SequenceHash, Subjects, TransferReport, TransferSide, WorkerId,
-    WorkerKey, WorkerRole,
+    prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, ErrorReply, RouteDecision,
+    Subjects, TransferReport, TransferSide, WorkerKey, WorkerRole,
 };
-use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-/// How long a disaggregated request may wait for its transfer reports before it is logged
-/// and counted as overdue, by default ([`crate::ReplicaConfig::transfer_timeout`]).
-pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 /// When an incomplete transfer is dropped from tracking altogether.
 pub const TRANSFER_MAX_AGE: Duration = Duration::from_secs(300);
-
-/// A worker's role and data-parallel layout, from its registration.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct WorkerLayout {
-    pub role: WorkerRole,
-    pub dp_start_rank: DpRank,
-    pub dp_size: u32,
-    pub tp_size: u32,
-}
-
-impl WorkerLayout {
-    pub fn of(reg: &Registration) -> Self {
-        Self {
-            role: reg.role,
-            dp_start_rank: reg.dp_start_rank,
-            dp_size: reg.dp_size,
-            tp_size: reg.tp_size,
-        }
-    }
-}
-
-/// Every registered worker's layout (one model).
-#[derive(Default)]
-pub struct Layouts(RwLock<FxHashMap<WorkerId, WorkerLayout>>);
-
-impl Layouts {
-    pub fn set(&self, worker_id: WorkerId, layout: WorkerLayout) {
-        self.0.write().insert(worker_id, layout);
-    }
-
-    pub fn remove(&self, worker_id: WorkerId) {
-        self.0.write().remove(&worker_id);
-    }
-
-    pub fn get(&self, worker_id: WorkerId) -> Option<WorkerLayout> {
-        self.0.read().get(&worker_id).copied()
-    }
-
-    /// Whether `key` is a rank of a registered worker (within its data-parallel ranks).
-    pub fn has_rank(&self, key: WorkerKey) -> bool {
-        self.get(key.worker_id).is_some_and(|l| {
-            (l.dp_start_rank..l.dp_start_rank.saturating_add(l.dp_size)).contains(&key.dp_rank)
-        })
-    }
-
-    /// Workers of a role, sorted, that `allowed` (if any) lists.
-    pub fn workers_with(&self, role: WorkerRole, allowed: Option<&[WorkerId]>) -> Vec<WorkerId> {
-        let mut out: Vec<WorkerId> = self
-            .0
-            .read()
-            .iter()
-            .filter(|(w, l)| l.role == role && allowed.is_none_or(|a| a.contains(w)))
-            .map(|(&w, _)| w)
-            .collect();
-        out.sort_unstable();
-        out
-    }
-
-    /// (workers of role `role`, workers of any other role).
-    fn role_counts(&self, role: WorkerRole) -> (usize, usize) {
-        let map = self.0.read();
-        let n = map.values().filter(|l| l.role == role).count();
-        (n, map.len() - n)
-    }
-}
-
-/// The workers an aggregated `route` may use: unchanged when it pins a worker or when the
-/// model's workers are all of one kind; otherwise its aggregated workers (within
-/// `allowed`). A model with no aggregated worker routes over all of them.
-pub fn aggregated_workers(
-    layouts: &Layouts,
-    allowed: Option<Vec<WorkerId>>,
-    pinned: bool,
-) -> Option<Vec<WorkerId>> {
-    if pinned {
-        return allowed;
-    }
-    match layouts.role_counts(WorkerRole::Aggregated) {
-        (agg, others) if agg > 0 && others > 0 => {
-            Some(layouts.workers_with(WorkerRole::Aggregated, allowed.as_deref()))
-        }
-        _ => allowed,
-    }
-}
-
-/// The decode rank for a prefill on `prefill_rank` of a worker starting at
-/// `prefill_start`: the decode worker's `decode_start + (offset mod decode_size)`.
-pub fn decode_rank(
-    prefill_rank: DpRank,
-    prefill_start: DpRank,
-    decode_start: DpRank,
-    decode_size: u32,
-) -> DpRank {
-    let offset = prefill_rank.saturating_sub(prefill_start);
-    decode_start.saturating_add(offset % decode_size.max(1))
-}
-
-/// One key per decode worker (within `allowed`): the rank the prefill's offset maps to.
-pub fn decode_candidates(
-    layouts: &Layouts,
-    prefill: WorkerKey,
-    prefill_layout: WorkerLayout,
-    allowed: Option<&[WorkerId]>,
-) -> Vec<WorkerKey> {
-    let map = layouts.0.read();
-    let mut out: Vec<WorkerKey> = map
-        .iter()
-        .filter(|(w, l)| l.role == WorkerRole::Decode && allowed.is_none_or(|a| a.contains(w)))
-        .map(|(&w, l)| {
-            WorkerKey::new(
-                w,
-                decode_rank(
-                    prefill.dp_rank,
-                    prefill_layout.dp_start_rank,
-                    l.dp_start_rank,
-                    l.dp_size,
-                ),
-            )
-        })
-        .collect();
-    out.sort_unstable_by_key(|k| (k.worker_id, k.dp_rank));
-    out
-}
 
 /// What the transfer task of one model takes.
 pub enum TransferMsg {
@@ -186,11 +56,11 @@ struct DisaggModel {
 /// model, the KV transfer tracker and its report subscription.
 pub async fn start(
     shared: &Arc<ReplicaShared>,
-    inflight: &Arc<InFlight>,
+    server: &Server,
     max_prompt_tokens: usize,
     transfer_timeout: Duration,
     subjects: &Subjects,
-    gate: &mut crate::route_gate::RouteGate,
+    gate: &mut RouteGate,
 ) -> Result<(Vec<JoinHandle<()>>, Vec<JoinHandle<()>>), ReplicaError> {
     let bus = &shared.bus;
     // Overdue transfers are found at most a quarter of the timeout late (a short timeout is
@@ -207,18 +77,15 @@ pub async fn start(
             transfer_timeout,
             rx,
         )));
-        let mut sub = subscribe(bus, m.subjects.kv_transfer(), None).await?;
         let to = tx.clone();
-        back.push(tokio::spawn(async move {
-            while let Some(msg) = sub.next().await {
-                match decode::<TransferReport>(&msg.payload) {
-                    Ok(r) => {
-                        let _ = to.send(TransferMsg::Report(r));
-                    }
-                    Err(e) => tracing::debug!(error = %e, "undecodable transfer report dropped"),
-                }
-            }
-        }));
+        back.push(forward(
+            subscribe(bus, m.subjects.kv_transfer(), None).await?,
+            shared.metrics.clone(),
+            "kv_transfer",
+            move |r: TransferReport| {
+                let _ = to.send(TransferMsg::Report(r));
+            },
+        ));
         let tick = tx.clone();
         back.push(tokio::spawn(async move {
             let mut every = tokio::time::interval(tick_every);
@@ -239,84 +106,22 @@ pub async fn start(
     }
     let models = Arc::new(models);
     let sub = gate.subscribe_later(subjects.route_disagg());
-    let (shared, inflight) = (shared.clone(), inflight.clone());
+    let (shared, server) = (shared.clone(), server.clone());
     let front = tokio::spawn(async move {
-        let Ok(mut sub) = sub.await else { return };
-        while let Some(msg) = sub.next().await {
-            spawn_route(
-                shared.clone(),
-                models.clone(),
-                &inflight,
-                max_prompt_tokens,
-                msg,
-            );
-        }
+        let Ok(sub) = sub.await else { return };
+        serve_requests(sub, server, "route_disagg", OneWay::Drop, move |req| {
+            let (shared, models) = (shared.clone(), models.clone());
+            async move {
+                let (model, decision) =
+                    route_disagg(&shared, &models, max_prompt_tokens, req).await?;
+                let labels = Metrics::model(&model);
+                shared.metrics.disagg_routes.get_or_create(&labels).inc();
+                Ok(decision)
+            }
+        })
+        .await;
     });
     Ok((vec![front], back))
-}
-
-fn spawn_route(
-    shared: Arc<ReplicaShared>,
-    models: Arc<FxHashMap<String, Arc<DisaggModel>>>,
-    inflight: &Arc<InFlight>,
-    max_prompt_tokens: usize,
-    msg: Message,
-) {
-    let guard = endpoints::InFlightGuard::new(inflight);
-    tokio::spawn(async move {
-        let _guard = guard;
-        let Some(reply_to) = msg.reply.clone() else {
-            tracing::debug!(subject = %msg.subject, "request without a reply subject dropped");
-            return;
-        };
-        let result = route_disagg(&shared, &models, max_prompt_tokens, &msg.payload).await;
-        if let Ok(d) = &result {
-            let labels = crate::metrics::Metrics::model(&d.0);
-            shared.metrics.disagg_routes.get_or_create(&labels).inc();
-        }
-        let payload = endpoints::encode_reply(result.map(|(_, d)| d));
-        if let Err(e) = shared.bus.publish(&reply_to, payload).await {
-            tracing::debug!(error = %e, "cannot send a reply (the requester may have gone)");
-        }
-    });
-}
-
-/// Sends one route job to the model's scheduler and waits for the answer.
-#[allow(clippy::too_many_arguments)]
-async fn schedule(
-    shared: &ReplicaShared,
-    m: &ModelShared,
-    request_id: String,
-    prompt_tokens: usize,
-    sequence_hashes: Vec<SequenceHash>,
-    allowed_workers: Option<Vec<WorkerId>>,
-    allowed_keys: Option<Vec<WorkerKey>>,
-    overlaps: Vec<(WorkerKey, u32)>,
-    update_states: bool,
-) -> Result<kvrouter_scheduler::Selection, ErrorReply> {
-    let (tx, rx) = oneshot::channel();
-    let job = RouteJob {
-        request_id,
-        prompt_tokens,
-        sequence_hashes,
-        allowed_workers,
-        pinned: None,
-        pinned_worker: None,
-        allowed_keys,
-        overlaps,
-        update_states,
-        enqueued_at: crate::clock::now(),
-        token: RouteToken {
-            reply: tx,
-            request_id: String::new(),
-        },
-    };
-    m.scheduler
-        .send_message(SchedulerMsg::Route(job))
-        .map_err(|_| endpoints::unavailable(shared, &m.name))?;
-    rx.await
-        .map_err(|_| endpoints::unavailable(shared, &m.name))?
-        .map_err(|e| endpoints::error(shared, &m.name, e))
 }
 
 /// Tells the scheduler to mark or free a request (fire and forget).
@@ -345,10 +150,8 @@ async fn route_disagg(
     shared: &ReplicaShared,
     models: &FxHashMap<String, Arc<DisaggModel>>,
     max_prompt_tokens: usize,
-    payload: &[u8],
+    req: DisaggRouteRequest,
 ) -> Result<(String, DisaggDecision), ErrorReply> {
-    let req: DisaggRouteRequest =
-        decode(payload).map_err(|e| endpoints::error(shared, "", endpoints::malformed(e)))?;
     let dm = models.get(&req.model).ok_or_else(|| {
         let e = match endpoints::model(shared, &req.model) {
             Err(e) => e,
@@ -387,18 +190,15 @@ async fn route_disagg(
         Some(r) if req.update_states => Some((r, local)),
         _ => None,
     };
-    let pre = schedule(
-        shared,
-        m,
+    let (mut job, rx) = route_job(
         prefill_id.clone(),
         req.tokens.len(),
         seq.clone(),
-        Some(prefill_workers),
-        None,
         overlaps,
         req.update_states,
-    )
-    .await?;
+    );
+    job.allowed_workers = Some(prefill_workers);
+    let pre = endpoints::schedule(shared, m, job, rx).await?;
     let undo_prefill = || {
         if req.update_states {
             scheduler_update(m, prefill_id.clone(), true);
@@ -415,19 +215,15 @@ async fn route_disagg(
         undo_prefill();
         return Err(no_pool(shared, &req.model, WorkerRole::Decode));
     }
-    let dec = match schedule(
-        shared,
-        m,
+    let (mut job, rx) = route_job(
         req.request_id.clone(),
         req.tokens.len(),
         seq.clone(),
-        None,
-        Some(candidates),
         Vec::new(),
         req.update_states,
-    )
-    .await
-    {
+    );
+    job.allowed_keys = Some(candidates);
+    let dec = match endpoints::schedule(shared, m, job, rx).await {
         Ok(d) => d,
         Err(e) => {
             undo_prefill();
@@ -553,56 +349,5 @@ async fn run_transfers(
             .transfers_pending
             .get_or_create(&labels)
             .set(t.pending_count() as i64);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn layout(role: WorkerRole, start: u32, size: u32) -> WorkerLayout {
-        WorkerLayout {
-            role,
-            dp_start_rank: start,
-            dp_size: size,
-            tp_size: 1,
-        }
-    }
-
-    #[test]
-    fn decode_rank_carries_the_prefill_offset() {
-        // Prefill ranks 2..4, decode ranks 0..4: offsets 0, 1.
-        assert_eq!(decode_rank(2, 2, 0, 4), 0);
-        assert_eq!(decode_rank(3, 2, 0, 4), 1);
-        // Offset modulo the decode worker's dp size.
-        assert_eq!(decode_rank(7, 2, 10, 2), 11);
-        assert_eq!(decode_rank(6, 2, 10, 2), 10);
-        assert_eq!(decode_rank(0, 0, 5, 1), 5);
-    }
-
-    #[test]
-    fn candidates_and_aggregated_filter() {
-        let l = Layouts::default();
-        l.set(1, layout(WorkerRole::Prefill, 2, 2));
-        l.set(2, layout(WorkerRole::Decode, 0, 4));
-        l.set(3, layout(WorkerRole::Decode, 8, 1));
-        let pre = WorkerKey::new(1, 3);
-        assert_eq!(
-            decode_candidates(&l, pre, l.get(1).unwrap(), None),
-            vec![WorkerKey::new(2, 1), WorkerKey::new(3, 8)]
-        );
-        assert_eq!(
-            decode_candidates(&l, pre, l.get(1).unwrap(), Some(&[1, 3])),
-            vec![WorkerKey::new(3, 8)]
-        );
-        // No aggregated worker: aggregated routes keep every worker.
-        assert_eq!(aggregated_workers(&l, None, false), None);
-        l.set(4, layout(WorkerRole::Aggregated, 0, 1));
-        assert_eq!(aggregated_workers(&l, None, false), Some(vec![4]));
-        assert_eq!(aggregated_workers(&l, Some(vec![1]), false), Some(vec![]));
-        assert_eq!(aggregated_workers(&l, Some(vec![1]), true), Some(vec![1]));
-        assert_eq!(l.workers_with(WorkerRole::Decode, Some(&[2, 4])), vec![2]);
-        l.remove(2);
-        assert_eq!(l.workers_with(WorkerRole::Decode, None), vec![3]);
     }
 }

@@ -34,7 +34,21 @@ pub enum Change {
     /// A heartbeat or event came from a worker (or instance) we have no registration for:
     /// ask the fleet who is there.
     Unknown { worker_id: WorkerId },
+    /// A new instance registered under a worker id whose instance was still live (within its
+    /// lease): a restart, or two engines configured with one id. Allowed (the old instance's
+    /// state is dropped, a `WorkerRemoved` follows) but worth a warning and a count.
+    InstanceTakeover {
+        worker_id: WorkerId,
+        old: Uuid,
+        new: Uuid,
+    },
 }
+
+/// Largest `capacity_blocks` a registration may claim: 2^36 blocks (over a trillion tokens
+/// at block size 16) is beyond any cache tier; the scheduler does arithmetic on it.
+pub const MAX_CAPACITY_BLOCKS: u64 = 1 << 36;
+/// Longest heartbeat interval accepted.
+pub const MAX_HEARTBEAT_INTERVAL_MS: u32 = 60_000;
 
 struct Entry {
     instance_id: Uuid,
@@ -92,6 +106,10 @@ impl Discovery {
             .flat_map(|(&w, e)| e.ranks.iter().map(move |&r| WorkerKey::new(w, r)))
     }
 
+    pub fn capacity_blocks(&self, worker_id: WorkerId) -> Option<u64> {
+        self.workers.get(&worker_id).map(|e| e.capacity_blocks)
+    }
+
     pub fn instance(&self, worker_id: WorkerId) -> Option<Uuid> {
         self.workers.get(&worker_id).map(|e| e.instance_id)
     }
@@ -135,8 +153,24 @@ impl Discovery {
                 reg.tp_size
             ));
         }
-        if reg.capacity_blocks == 0 {
-            return Err("capacity 0 blocks".into());
+        if reg.capacity_blocks == 0 || reg.capacity_blocks > MAX_CAPACITY_BLOCKS {
+            return Err(format!(
+                "capacity {} blocks (1..={MAX_CAPACITY_BLOCKS})",
+                reg.capacity_blocks
+            ));
+        }
+        if reg.heartbeat_interval_ms == 0 || reg.heartbeat_interval_ms > MAX_HEARTBEAT_INTERVAL_MS {
+            return Err(format!(
+                "heartbeat interval {} ms (1..={MAX_HEARTBEAT_INTERVAL_MS})",
+                reg.heartbeat_interval_ms
+            ));
+        }
+        if u128::from(reg.heartbeat_interval_ms) >= self.lease.as_millis() {
+            return Err(format!(
+                "heartbeat interval {} ms is not shorter than this replica's worker lease of {} ms: it would expire between heartbeats (raise --worker-lease-secs or heartbeat more often)",
+                reg.heartbeat_interval_ms,
+                self.lease.as_millis()
+            ));
         }
         if let Some(r) = reg.live_ranks.iter().find(|r| !reg.ranks().contains(r)) {
             return Err(format!(
@@ -171,6 +205,13 @@ impl Discovery {
                 let live: BTreeSet<DpRank> = reg.live_ranks.iter().copied().collect();
                 Self::diff_ranks(reg.worker_id, e, live, &mut out);
                 return out;
+            }
+            if now.saturating_duration_since(e.last_seen) <= self.lease {
+                out.push(Change::InstanceTakeover {
+                    worker_id: reg.worker_id,
+                    old: e.instance_id,
+                    new: reg.instance_id,
+                });
             }
             self.workers.remove(&reg.worker_id);
             out.push(Change::WorkerRemoved {
@@ -335,12 +376,53 @@ mod tests {
         let mut d = Discovery::new("m", None, Duration::from_secs(3));
         d.on_registration(&reg(1, 1, &[0]), now);
         let ch = d.on_registration(&reg(1, 2, &[0]), now);
+        // The old instance was live: a takeover, logged and counted, then replaced.
+        assert_eq!(
+            ch[0],
+            Change::InstanceTakeover {
+                worker_id: 1,
+                old: Uuid::from_u128(1),
+                new: Uuid::from_u128(2)
+            }
+        );
+        assert!(matches!(ch[1], Change::WorkerRemoved { worker_id: 1, .. }));
+        assert_eq!(ch[2], added(1, 0));
+        // A restart after the old instance's lease ran out is no takeover.
+        let later = now + Duration::from_secs(4);
+        let ch = d.on_registration(&reg(1, 3, &[0]), later);
         assert!(matches!(ch[0], Change::WorkerRemoved { worker_id: 1, .. }));
-        assert_eq!(ch[1], added(1, 0));
+        d.on_registration(&reg(1, 2, &[0]), later);
         // The old instance's deregistration does not remove the new one.
         assert!(d.on_deregistration(1, Uuid::from_u128(1)).is_empty());
         assert_eq!(d.on_deregistration(1, Uuid::from_u128(2)).len(), 1);
         assert_eq!(d.worker_count(), 0);
+    }
+
+    #[test]
+    fn absurd_registrations_are_refused_with_a_reason() {
+        let now = Instant::now();
+        type Change_ = fn(&mut Registration);
+        let cases: Vec<(Change_, &str)> = vec![
+            (|r| r.capacity_blocks = 1 << 63, "capacity"),
+            (|r| r.capacity_blocks = 0, "capacity"),
+            (|r| r.heartbeat_interval_ms = 0, "heartbeat interval 0"),
+            (|r| r.heartbeat_interval_ms = 120_000, "heartbeat interval"),
+            (|r| r.heartbeat_interval_ms = 3_000, "not shorter than"),
+            (|r| r.dp_size = MAX_PARALLEL_SIZE + 1, "data-parallel"),
+            (|r| r.tp_size = 0, "tp_size"),
+        ];
+        for (i, (change, words)) in cases.into_iter().enumerate() {
+            let mut d = Discovery::new("m", None, Duration::from_secs(3));
+            let mut r = reg(i as u64, i as u128, &[0]);
+            change(&mut r);
+            match d.on_registration(&r, now).as_slice() {
+                [Change::Refused { reason, .. }] => {
+                    assert!(reason.contains(words), "{words:?} not in {reason:?}")
+                }
+                other => panic!("{words}: {other:?}"),
+            }
+            assert_eq!(d.worker_count(), 0);
+        }
     }
 
     #[test]

@@ -1,51 +1,26 @@
 //! The router endpoints: decode, validate, hash, read the index, ask the scheduler actor.
 //!
-//! Each request is handled in its own task, so a request waiting in the scheduler's queue
-//! holds up nobody. Every failure is answered with an [`ErrorReply`]; nothing a peer sends
-//! can stop the loop.
+//! Each request is handled in its own task ([`crate::serve`]), so a request waiting in the
+//! scheduler's queue holds up nobody. Every failure is answered with an [`ErrorReply`].
 
-use crate::scheduler_actor::{RouteJob, RouteToken, SchedulerMsg};
+use crate::layouts::aggregated_workers;
+use crate::scheduler_actor::{route_job, RouteJob, SchedulerMsg};
+use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
-use bytes::Bytes;
-use kvrouter_bus::Message;
+use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    decode, encode, local_block_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash,
-    OverlapRequest, OverlapScoresReply, Pin, PotentialLoad, Reply, RequestUpdate, RouteDecision,
-    RouteRequest, SequenceHash, WorkerKey,
+    local_block_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OverlapRequest,
+    OverlapScoresReply, Pin, PotentialLoad, RequestUpdate, RouteDecision, RouteRequest,
+    SequenceHash, WorkerKey,
 };
-use serde::Serialize;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use kvrouter_scheduler::Selection;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-/// Requests being answered; shutdown waits for them.
-#[derive(Default)]
-pub struct InFlight(AtomicUsize);
-
-impl InFlight {
-    pub fn count(&self) -> usize {
-        self.0.load(Ordering::Acquire)
-    }
-}
-
-pub(crate) struct InFlightGuard(Arc<InFlight>);
-
-impl InFlightGuard {
-    pub(crate) fn new(f: &Arc<InFlight>) -> Self {
-        f.0.fetch_add(1, Ordering::AcqRel);
-        Self(f.clone())
-    }
-}
-
-impl Drop for InFlightGuard {
-    fn drop(&mut self) {
-        self.0 .0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Which endpoint a message arrived on.
+/// Which endpoint a subscription serves.
 #[derive(Copy, Clone, Debug)]
 pub enum Endpoint {
     Route,
@@ -55,60 +30,87 @@ pub enum Endpoint {
     Free,
 }
 
-/// Handles one request in a task of its own.
-pub fn spawn_handler(
-    shared: Arc<ReplicaShared>,
-    inflight: &Arc<InFlight>,
-    max_prompt_tokens: usize,
-    endpoint: Endpoint,
-    msg: Message,
-) {
-    let guard = InFlightGuard::new(inflight);
-    tokio::spawn(async move {
-        let _guard = guard;
-        let Some(reply_to) = msg.reply.clone() else {
-            // mark_prefill and free may be fire-and-forget; the others need an answer.
-            match endpoint {
-                Endpoint::MarkPrefill | Endpoint::Free => {
-                    let _ = update(&shared, endpoint, &msg.payload).await;
-                }
-                _ => {
-                    tracing::debug!(subject = %msg.subject, "request without a reply subject dropped")
-                }
-            }
-            return;
-        };
-        let started = Instant::now();
-        let payload = match endpoint {
-            Endpoint::Route => {
-                let result = route(&shared, max_prompt_tokens, &msg.payload).await;
-                observe_route(&shared, &result, started);
-                encode_reply(result.map(|(_, d)| d))
-            }
-            Endpoint::OverlapScores => {
-                encode_reply(overlap_scores(&shared, max_prompt_tokens, &msg.payload).await)
-            }
-            Endpoint::PotentialLoads => {
-                encode_reply(potential_loads(&shared, max_prompt_tokens, &msg.payload).await)
-            }
-            Endpoint::MarkPrefill | Endpoint::Free => {
-                encode_reply(update(&shared, endpoint, &msg.payload).await)
-            }
-        };
-        if let Err(e) = shared.bus.publish(&reply_to, payload).await {
-            tracing::debug!(error = %e, "cannot send a reply (the requester may have gone)");
+impl Endpoint {
+    /// The subject kind, as metrics name it.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Self::Route => "route",
+            Self::OverlapScores => "overlap_scores",
+            Self::PotentialLoads => "potential_loads",
+            Self::MarkPrefill => "mark_prefill",
+            Self::Free => "free",
         }
-    });
+    }
 }
 
-pub(crate) fn encode_reply<T: Serialize>(result: Result<T, ErrorReply>) -> Bytes {
-    let reply: Reply<T> = result.into();
-    match encode(&reply) {
-        Ok(b) => Bytes::from(b),
-        Err(e) => {
-            let err: Reply<()> = Reply::Err(ErrorReply::new(ErrorKind::Internal, e.to_string()));
-            Bytes::from(encode(&err).unwrap_or_default())
-        }
+/// Serves one endpoint's subscription in a task of its own.
+pub fn spawn(
+    endpoint: Endpoint,
+    sub: Subscription,
+    server: Server,
+    shared: Arc<ReplicaShared>,
+    max_prompt_tokens: usize,
+) -> JoinHandle<()> {
+    tokio::spawn(serve(endpoint, sub, server, shared, max_prompt_tokens))
+}
+
+type Serving = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Serves one endpoint's subscription until it ends (see [`crate::serve::serve_requests`]).
+pub fn serve(
+    endpoint: Endpoint,
+    sub: Subscription,
+    server: Server,
+    shared: Arc<ReplicaShared>,
+    max_prompt_tokens: usize,
+) -> Serving {
+    let kind = endpoint.kind();
+    match endpoint {
+        Endpoint::Route => Box::pin(serve_requests(
+            sub,
+            server,
+            kind,
+            OneWay::Drop,
+            move |req| {
+                let shared = shared.clone();
+                async move {
+                    let started = Instant::now();
+                    let result = route(&shared, max_prompt_tokens, req).await;
+                    observe_route(&shared, &result, started);
+                    result.map(|(_, d)| d)
+                }
+            },
+        )),
+        Endpoint::OverlapScores => Box::pin(serve_requests(
+            sub,
+            server,
+            kind,
+            OneWay::Drop,
+            move |req| {
+                let shared = shared.clone();
+                async move { overlap_scores(&shared, max_prompt_tokens, req).await }
+            },
+        )),
+        Endpoint::PotentialLoads => Box::pin(serve_requests(
+            sub,
+            server,
+            kind,
+            OneWay::Drop,
+            move |req| {
+                let shared = shared.clone();
+                async move { potential_loads(&shared, max_prompt_tokens, req).await }
+            },
+        )),
+        Endpoint::MarkPrefill | Endpoint::Free => Box::pin(serve_requests(
+            sub,
+            server,
+            kind,
+            OneWay::Handle,
+            move |req| {
+                let shared = shared.clone();
+                async move { update(&shared, endpoint, req).await }
+            },
+        )),
     }
 }
 
@@ -129,13 +131,6 @@ fn observe_route(
             .get_or_create(&labels)
             .observe(started.elapsed().as_secs_f64());
     }
-}
-
-pub(crate) fn malformed(e: impl std::fmt::Display) -> ErrorReply {
-    ErrorReply::new(
-        ErrorKind::Malformed,
-        format!("cannot decode the request: {e}"),
-    )
 }
 
 pub(crate) fn error(shared: &ReplicaShared, model: &str, e: ErrorReply) -> ErrorReply {
@@ -198,9 +193,8 @@ pub(crate) fn hash_prompt(
 async fn route(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
-    payload: &[u8],
+    req: RouteRequest,
 ) -> Result<(String, RouteDecision), ErrorReply> {
-    let req: RouteRequest = decode(payload).map_err(|e| error(shared, "", malformed(e)))?;
     // Not entered: the overlap query may await (an entered span is not Send).
     let _span = tracing::debug_span!("route", model = %req.model, request_id = %req.request_id);
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
@@ -233,36 +227,19 @@ async fn route(
         }) => (None, Some(worker_id)),
         None => (None, None),
     };
-    let (tx, rx) = oneshot::channel();
-    let job = RouteJob {
-        request_id: req.request_id,
-        prompt_tokens: req.tokens.len(),
-        sequence_hashes: seq,
-        // Aggregated workers only, when the model also has prefill/decode ones.
-        allowed_workers: crate::disagg::aggregated_workers(
-            &m.status.layouts,
-            req.allowed_workers,
-            req.pin.is_some(),
-        ),
-        pinned,
-        pinned_worker,
-        allowed_keys: None,
+    let (mut job, rx) = route_job(
+        req.request_id,
+        req.tokens.len(),
+        seq,
         overlaps,
-        update_states: req.update_states,
-        enqueued_at: crate::clock::now(),
-        token: RouteToken {
-            reply: tx,
-            request_id: String::new(),
-        },
-    };
+        req.update_states,
+    );
+    // Aggregated workers only, when the model also has prefill/decode ones.
+    job.allowed_workers =
+        aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
+    (job.pinned, job.pinned_worker) = (pinned, pinned_worker);
     drop(_span);
-    m.scheduler
-        .send_message(SchedulerMsg::Route(job))
-        .map_err(|_| unavailable(shared, &req.model))?;
-    let sel = rx
-        .await
-        .map_err(|_| unavailable(shared, &req.model))?
-        .map_err(|e| error(shared, &req.model, e))?;
+    let sel = schedule(shared, m, job, rx).await?;
     if let Some((recorder, local, seq)) = record {
         recorder.record(sel.key, local, seq);
     }
@@ -275,6 +252,21 @@ async fn route(
             replica_id: shared.replica_id.clone(),
         },
     ))
+}
+
+/// Hands a route job to the model's scheduler actor and waits for its answer.
+pub(crate) async fn schedule(
+    shared: &ReplicaShared,
+    m: &ModelShared,
+    job: RouteJob,
+    rx: oneshot::Receiver<Result<Selection, ErrorReply>>,
+) -> Result<Selection, ErrorReply> {
+    m.scheduler
+        .send_message(SchedulerMsg::Route(job))
+        .map_err(|_| unavailable(shared, &m.name))?;
+    rx.await
+        .map_err(|_| unavailable(shared, &m.name))?
+        .map_err(|e| error(shared, &m.name, e))
 }
 
 pub(crate) fn unavailable(shared: &ReplicaShared, model: &str) -> ErrorReply {
@@ -291,9 +283,8 @@ pub(crate) fn unavailable(shared: &ReplicaShared, model: &str) -> ErrorReply {
 async fn overlap_scores(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
-    payload: &[u8],
+    req: OverlapRequest,
 ) -> Result<OverlapScoresReply, ErrorReply> {
-    let req: OverlapRequest = decode(payload).map_err(|e| error(shared, "", malformed(e)))?;
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (local, _) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
@@ -310,9 +301,8 @@ async fn overlap_scores(
 async fn potential_loads(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
-    payload: &[u8],
+    req: OverlapRequest,
 ) -> Result<Vec<PotentialLoad>, ErrorReply> {
-    let req: OverlapRequest = decode(payload).map_err(|e| error(shared, "", malformed(e)))?;
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
@@ -341,9 +331,8 @@ async fn potential_loads(
 async fn update(
     shared: &ReplicaShared,
     endpoint: Endpoint,
-    payload: &[u8],
+    req: RequestUpdate,
 ) -> Result<(), ErrorReply> {
-    let req: RequestUpdate = decode(payload).map_err(|e| error(shared, "", malformed(e)))?;
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (tx, rx) = oneshot::channel();
     let msg = match endpoint {

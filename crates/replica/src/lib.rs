@@ -1,41 +1,45 @@
-//! A router replica: discovery, state sync, event ingest, scheduler actors, endpoints, admin
-//! HTTP.
+//! A router replica: discovery, worker-state sync, event ingest, scheduler actors, bus
+//! handlers, admin HTTP. See docs/architecture.md for the picture.
 //!
-//! Plain cores, thin actors:
-//! - [`discovery`]: which worker ranks are alive (registrations, heartbeats, leases).
-//! - [`rank_sync`]: event-id continuity per rank and merging fetched snapshots with live
-//!   events.
-//! - [`fleet`]: the actor per model that owns both, feeds the index and tells the scheduler.
-//! - [`scheduler_actor`]: the actor per model that owns the scheduling core.
-//! - [`replica_sync`]: sharing active sequences with peer replicas (`--replica-sync`).
-//! - [`endpoints`]: route, overlap_scores, potential_loads, mark_prefill, free.
-//! - [`admin`] and [`metrics`]: `/healthz`, `/readyz`, `/metrics`.
-//! - [`approx`]: approximate mode (`--no-kv-events`), route decisions feeding the index.
-//! - [`served_indexer`] and [`remote_indexer`]: `--serve-indexer` answers other replicas'
-//!   overlap queries; `--use-remote-indexer` asks them instead of keeping an index, through
-//!   the circuit breaker of [`breaker`].
-//! - [`disagg`] and [`transfer`]: disaggregated prefill/decode routing (`route_disagg`) and
-//!   KV transfer tracking across tensor-parallel ranks.
-//! - [`replica`]: starting, wiring and draining it all.
+//! Layers, each importing only from the ones below it:
+//! - plain cores, no I/O: [`config`] (the pipeline, validated once), [`discovery`] (which
+//!   worker ranks are alive), [`worker_state`] (event ids, state fetches and their schedule),
+//!   [`layouts`] (worker roles and candidate rules), [`transfer`] (KV transfer tracking),
+//!   [`breaker`], [`replica_sync`] (sharing active sequences with peers), [`status`] (what
+//!   readiness reads), [`metrics`];
+//! - actors and clients that own them: [`scheduler_actor`], [`worker_tracker`] (discovery,
+//!   event ingest and state fetches of one model), [`remote_indexer`], [`approx`];
+//! - the shared read view the handlers use: [`state`];
+//! - bus and HTTP handlers: [`serve`] (the one way a subject is served), [`endpoints`],
+//!   [`disagg`], [`served_indexer`], [`replica_sync_bus`], [`route_gate`], [`admin`];
+//! - [`replica`]: starting, wiring and stopping it all.
 
 pub mod admin;
 pub mod approx;
 pub mod breaker;
 mod clock;
+pub mod config;
 pub mod disagg;
 pub mod discovery;
 pub mod endpoints;
-pub mod fleet;
+pub mod layouts;
 pub mod metrics;
-pub mod rank_sync;
 pub mod remote_indexer;
 pub mod replica;
 pub mod replica_sync;
+pub mod replica_sync_bus;
 pub mod route_gate;
 pub mod scheduler_actor;
+pub mod serve;
 pub mod served_indexer;
 pub mod state;
-pub mod sync_bus;
+pub mod status;
 pub mod transfer;
+pub mod worker_state;
+pub mod worker_tracker;
 
-pub use replica::{Replica, ReplicaConfig, ReplicaError, DEFAULT_SYNC_ECHO};
+pub use config::{
+    IndexFlags, IndexSource, RemoteIndex, ReplicaConfig, ReplicaError, SyncConfig,
+    DEFAULT_SYNC_ECHO,
+};
+pub use replica::Replica;

@@ -51,6 +51,11 @@ impl KeyLabels {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SubjectLabels {
+    pub subject: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -111,6 +116,17 @@ pub struct Metrics {
     pub transfer_reports_dropped: Family<ReasonLabels, Counter>,
     pub transfers_overdue: Family<ModelLabels, Counter>,
     pub transfers_pending: Family<ModelLabels, Gauge>,
+    /// Messages that could not be decoded, by subject kind (route, registration ...).
+    pub undecodable: Family<SubjectLabels, Counter>,
+    /// The bus connection: 1 while connected; times it was lost.
+    pub bus_connected: Gauge,
+    pub bus_disconnects: Counter,
+    /// Registrations of a new instance under a worker id whose instance was still live.
+    pub instance_takeovers: Family<ModelLabels, Counter>,
+    /// Ranks left out of routing because their state cannot be fetched.
+    pub unroutable_ranks: Family<ModelLabels, Gauge>,
+    /// `--use-remote-indexer`: serving indexers that announced themselves synced.
+    pub indexer_announcements: Family<ModelLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -283,8 +299,44 @@ impl Metrics {
                 "Disaggregated requests waiting for KV transfer reports",
                 Family::default()
             ),
+            undecodable: reg!(
+                "undecodable_messages",
+                "Bus messages that could not be decoded (dropped, or answered malformed), by subject kind",
+                Family::default()
+            ),
+            bus_connected: reg!(
+                "bus_connected",
+                "1 while the bus (NATS) connection is up",
+                Gauge::default()
+            ),
+            bus_disconnects: reg!(
+                "bus_disconnects",
+                "Times the bus connection was seen lost",
+                Counter::default()
+            ),
+            instance_takeovers: reg!(
+                "worker_instance_takeovers",
+                "Registrations of a new worker instance under an id whose instance was still live (a restart, or a misconfigured duplicate)",
+                Family::default()
+            ),
+            unroutable_ranks: reg!(
+                "unroutable_ranks",
+                "Worker ranks left out of routing because their state cannot be fetched",
+                Family::default()
+            ),
+            indexer_announcements: reg!(
+                "remote_indexer_announcements",
+                "Serving indexers that announced themselves synced (the breaker closes at once)",
+                Family::default()
+            ),
             registry,
         }
+    }
+
+    pub fn undecodable(&self, subject: &'static str) {
+        self.undecodable
+            .get_or_create(&SubjectLabels { subject })
+            .inc();
     }
 
     pub fn model(model: &str) -> ModelLabels {

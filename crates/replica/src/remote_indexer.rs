@@ -1,5 +1,5 @@
 //! The remote indexer client (`--use-remote-indexer`): the replica keeps no KV index of its
-//! own and asks a serving indexer (`--serve-indexer`, see [`crate::served_indexer`]) for the
+//! own and asks a serving indexer (`--serve-indexer`, see the served_indexer module) for the
 //! overlaps of each request, on the model's `indexer.find_matches` subject (a queue group, so
 //! any serving indexer may answer).
 //!
@@ -27,7 +27,6 @@
 use crate::breaker::{Admit, Breaker, BreakerConfig, Transition};
 use crate::clock::now;
 use crate::metrics::{Metrics, ModelLabels};
-use crate::state::ModelShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
@@ -40,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Default of `--remote-indexer-timeout-ms`.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+pub use crate::config::DEFAULT_REMOTE_TIMEOUT as DEFAULT_TIMEOUT;
 
 /// What changed in the outage state after a query.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,6 +124,20 @@ impl RemoteIndexer {
     /// Whether the breaker skips lookups (open, or half-open with its probe out).
     pub fn breaker_open(&self) -> bool {
         self.breaker.lock().is_open()
+    }
+
+    /// A serving indexer announced that it is synced and answering: ask it from the next
+    /// lookup on, whatever the breaker's cooldown (a new serving replica is used at once).
+    pub fn on_announcement(&self, replica_id: &str) {
+        self.metrics
+            .indexer_announcements
+            .get_or_create(&self.labels)
+            .inc();
+        let change = self.breaker.lock().close_now(now());
+        tracing::info!(model = %self.model, serving_replica = %replica_id, breaker_was_open = change.is_some(), "a serving indexer announced itself synced");
+        if let Some(change) = change {
+            self.log_breaker(change);
+        }
     }
 
     /// Whether the last query found no serving indexer.
@@ -360,20 +373,6 @@ impl DecisionPublisher {
             .publish(&self.subject, Bytes::from(payload))
             .await
             .map_err(|e| e.to_string())
-    }
-}
-
-impl ModelShared {
-    /// The overlaps of a request: from the local index, or from a serving indexer with
-    /// `--use-remote-indexer` (empty when none answers).
-    pub async fn find_overlaps(&self, local: &[LocalBlockHash]) -> Vec<(WorkerKey, u32)> {
-        match &self.remote_index {
-            Some(remote) => {
-                let block_size = self.status.block_size().unwrap_or(0);
-                remote.find_matches(block_size, local).await
-            }
-            None => self.index.find_matches(local).scores,
-        }
     }
 }
 

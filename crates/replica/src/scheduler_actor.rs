@@ -35,6 +35,35 @@ pub struct RouteToken {
 /// value waits in the core's queue when every worker is busy.
 pub type RouteJob = Queued<RouteToken>;
 
+/// A route job with no filter (set `allowed_workers`, `pinned` ... on it as needed), and
+/// where its answer will arrive.
+pub fn route_job(
+    request_id: String,
+    prompt_tokens: usize,
+    sequence_hashes: Vec<kvrouter_protocol::SequenceHash>,
+    overlaps: Vec<(WorkerKey, u32)>,
+    update_states: bool,
+) -> (RouteJob, oneshot::Receiver<Result<Selection, ErrorReply>>) {
+    let (tx, rx) = oneshot::channel();
+    let job = RouteJob {
+        request_id,
+        prompt_tokens,
+        sequence_hashes,
+        allowed_workers: None,
+        pinned: None,
+        pinned_worker: None,
+        allowed_keys: None,
+        overlaps,
+        update_states,
+        enqueued_at: crate::clock::now(),
+        token: RouteToken {
+            reply: tx,
+            request_id: String::new(),
+        },
+    };
+    (job, rx)
+}
+
 /// Peers' sync batches waiting for one model's scheduler actor. The sync listener puts them
 /// here rather than in the mailbox, so a decision first applies every batch that has
 /// arrived, even one that arrived behind queued route requests: otherwise a replica handed

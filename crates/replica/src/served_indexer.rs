@@ -23,14 +23,15 @@
 //! peer (the first serving indexer) or a failed fetch, it starts empty, as before.
 
 use crate::metrics::{Metrics, ModelLabels};
-use crate::state::{ModelShared, ModelStatus};
+use crate::serve::{serve_requests, OneWay, Server};
+use crate::state::ModelShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Subscription};
 use kvrouter_indexer::ShardedIndex;
 use kvrouter_protocol::{
-    chunk_approx_entries, decode, encode, ApproxEntry, ErrorKind, ErrorReply, IndexerDumpChunk,
-    IndexerDumpRequest, IndexerQuery, IndexerRecord, LocalBlockHash, OverlapScoresReply, Reply,
-    WorkerKey,
+    chunk_approx_entries, decode, encode, ApproxEntry, ErrorKind, ErrorReply, IndexerAnnouncement,
+    IndexerDumpChunk, IndexerDumpRequest, IndexerQuery, IndexerRecord, LocalBlockHash,
+    OverlapScoresReply, Reply, WorkerKey,
 };
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -42,25 +43,6 @@ use tokio::task::JoinHandle;
 const READY_POLL: Duration = Duration::from_millis(20);
 /// Wait before retrying a failed subscription.
 const SUBSCRIBE_RETRY: Duration = Duration::from_secs(1);
-
-/// Whether a model's index may answer: the first roll call had its window and every known
-/// rank is synced (the per-model part of `/readyz`).
-pub fn model_ready(status: &ModelStatus) -> Result<(), String> {
-    if !status.discovered.load(Ordering::Relaxed) {
-        return Err("discovering workers".into());
-    }
-    if status.index_catching_up.load(Ordering::Relaxed) {
-        return Err("loading the approximate index from a peer".into());
-    }
-    let unsynced = status.unsynced.load(Ordering::Relaxed);
-    if unsynced > 0 {
-        return Err(format!(
-            "{unsynced} of {} worker ranks still syncing",
-            status.ranks.load(Ordering::Relaxed)
-        ));
-    }
-    Ok(())
-}
 
 /// Plain core: the answer to one query, given readiness, this index's block size and its
 /// lookup.
@@ -93,28 +75,22 @@ pub fn answer(
     })
 }
 
-fn encode_reply(result: Result<OverlapScoresReply, ErrorReply>) -> Bytes {
-    let reply: Reply<OverlapScoresReply> = result.into();
-    match encode(&reply) {
-        Ok(b) => Bytes::from(b),
-        Err(e) => {
-            let err: Reply<OverlapScoresReply> =
-                Reply::Err(ErrorReply::new(ErrorKind::Internal, e.to_string()));
-            Bytes::from(encode(&err).unwrap_or_default())
-        }
-    }
-}
-
-/// Answers one model's find_matches queries once it is ready (see the module docs).
-pub fn spawn_queries(model: Arc<ModelShared>, bus: Bus, metrics: Arc<Metrics>) -> JoinHandle<()> {
+/// Answers one model's find_matches queries once it is ready (see the module docs), and
+/// announces itself then, so remote replicas use it at once.
+pub fn spawn_queries(
+    model: Arc<ModelShared>,
+    server: Server,
+    replica_id: String,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
+        let bus = server.bus.clone();
         let labels = Metrics::model(&model.name);
         let subject = model.subjects.indexer_find_matches();
         let group = kvrouter_protocol::subjects::INDEXER_QUEUE_GROUP;
-        while model_ready(&model.status).is_err() {
+        while model.status.ready().is_err() {
             tokio::time::sleep(READY_POLL).await;
         }
-        let mut sub = loop {
+        let sub = loop {
             match bus.queue_subscribe(&subject, group).await {
                 Ok(s) => break s,
                 Err(e) => {
@@ -125,33 +101,51 @@ pub fn spawn_queries(model: Arc<ModelShared>, bus: Bus, metrics: Arc<Metrics>) -
         };
         let _ = bus.flush().await;
         tracing::info!(model = %model.name, %subject, "serving the index");
-        while let Some(msg) = sub.next().await {
-            let Some(reply_to) = msg.reply else {
-                continue;
-            };
-            let result = match decode::<IndexerQuery>(&msg.payload) {
-                Ok(q) => answer(
-                    &q,
-                    model_ready(&model.status),
-                    model.status.block_size(),
-                    |local| model.index.find_matches(local).scores,
-                ),
-                Err(e) => Err(ErrorReply::new(
-                    ErrorKind::Malformed,
-                    format!("cannot decode the query: {e}"),
-                )),
-            };
-            let counter = if result.is_ok() {
-                &metrics.served_indexer_queries
-            } else {
-                &metrics.served_indexer_refusals
-            };
-            counter.get_or_create(&labels).inc();
-            if let Err(e) = bus.publish(&reply_to, encode_reply(result)).await {
-                tracing::debug!(error = %e, "cannot answer an index query (the asker may have gone)");
-            }
-        }
+        announce(&bus, &model, &replica_id).await;
+        let metrics = server.metrics.clone();
+        serve_requests(
+            sub,
+            server,
+            "indexer_find_matches",
+            OneWay::Drop,
+            move |q| {
+                let (model, metrics, labels) = (model.clone(), metrics.clone(), labels.clone());
+                async move {
+                    let result = answer(
+                        &q,
+                        model.status.ready(),
+                        model.status.block_size(),
+                        |local| model.index.find_matches(local).scores,
+                    );
+                    let counter = if result.is_ok() {
+                        &metrics.served_indexer_queries
+                    } else {
+                        &metrics.served_indexer_refusals
+                    };
+                    counter.get_or_create(&labels).inc();
+                    result
+                }
+            },
+        )
+        .await;
     })
+}
+
+/// Tells remote replicas this serving indexer answers (see [`IndexerAnnouncement`]).
+async fn announce(bus: &Bus, model: &ModelShared, replica_id: &str) {
+    let msg = IndexerAnnouncement {
+        replica_id: replica_id.to_string(),
+    };
+    let sent = match encode(&msg) {
+        Ok(b) => bus
+            .publish(&model.subjects.indexer_announce(), Bytes::from(b))
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = sent {
+        tracing::warn!(model = %model.name, error = %e, "cannot announce the serving indexer (remote replicas find it on their next probe)");
+    }
 }
 
 /// Published decisions that arrive while a peer's dump is fetched, held to be recorded after
@@ -517,22 +511,5 @@ mod tests {
         let err = dump_chunks(Err("shard down".into()), None, max);
         let r: Reply<IndexerDumpChunk> = decode(&err[0]).unwrap();
         assert_eq!(r.into_result().unwrap_err().kind, ErrorKind::Internal);
-    }
-
-    #[test]
-    fn readiness_follows_discovery_and_sync() {
-        let st = ModelStatus::default();
-        assert!(model_ready(&st).is_err());
-        st.discovered.store(true, Ordering::Relaxed);
-        assert!(model_ready(&st).is_ok());
-        st.ranks.store(2, Ordering::Relaxed);
-        st.unsynced.store(1, Ordering::Relaxed);
-        assert_eq!(
-            model_ready(&st).unwrap_err(),
-            "1 of 2 worker ranks still syncing"
-        );
-        st.unsynced.store(0, Ordering::Relaxed);
-        st.index_catching_up.store(true, Ordering::Relaxed);
-        assert!(model_ready(&st).unwrap_err().contains("approximate index"));
     }
 }

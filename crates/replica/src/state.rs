@@ -1,42 +1,19 @@
 //! What a replica's tasks share without an actor hop: per-model read views and readiness.
 
 use crate::approx::DecisionRecorder;
-use crate::fleet::FleetMsg;
 use crate::metrics::Metrics;
+use crate::remote_indexer::RemoteIndexer;
 use crate::scheduler_actor::{PeerInbox, SchedulerMsg};
+use crate::status::ModelStatus;
+use crate::worker_tracker::TrackerMsg;
 use kvrouter_bus::Bus;
 use kvrouter_indexer::IndexReader;
-use kvrouter_protocol::ModelSubjects;
+use kvrouter_protocol::{LocalBlockHash, ModelSubjects, WorkerKey};
 use prometheus_client::metrics::gauge::Gauge;
 use ractor::ActorRef;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-/// Counts the fleet actor publishes for readiness and the endpoints.
-#[derive(Default)]
-pub struct ModelStatus {
-    /// 0 until the first worker registers (or `--block-size` sets it).
-    pub block_size: AtomicU32,
-    pub ranks: AtomicUsize,
-    pub unsynced: AtomicUsize,
-    /// The first roll call ("who is there") has had time to be answered.
-    pub discovered: AtomicBool,
-    /// A serving indexer in approximate mode is loading a peer's entries (see
-    /// `served_indexer::spawn_approx`): it must not answer from a half-loaded index.
-    pub index_catching_up: AtomicBool,
-    /// Each registered worker's role and data-parallel layout (disaggregation).
-    pub layouts: crate::disagg::Layouts,
-}
-
-impl ModelStatus {
-    pub fn block_size(&self) -> Option<u32> {
-        match self.block_size.load(Ordering::Relaxed) {
-            0 => None,
-            b => Some(b),
-        }
-    }
-}
 
 /// One model as the endpoints see it.
 pub struct ModelShared {
@@ -47,11 +24,25 @@ pub struct ModelShared {
     /// `Some` in approximate mode: route decisions that update state feed the index.
     pub recorder: Option<DecisionRecorder>,
     /// `Some` with `--use-remote-indexer`: overlaps come from a serving indexer.
-    pub remote_index: Option<Arc<crate::remote_indexer::RemoteIndexer>>,
+    pub remote_index: Option<Arc<RemoteIndexer>>,
     pub scheduler: ActorRef<SchedulerMsg>,
     /// With replica sync: where peers' batches wait for the scheduler actor.
     pub peer_inbox: Option<Arc<PeerInbox>>,
-    pub fleet: ActorRef<FleetMsg>,
+    pub tracker: ActorRef<TrackerMsg>,
+}
+
+impl ModelShared {
+    /// The overlaps of a request: from the local index, or from a serving indexer with
+    /// `--use-remote-indexer` (empty when none answers).
+    pub async fn find_overlaps(&self, local: &[LocalBlockHash]) -> Vec<(WorkerKey, u32)> {
+        match &self.remote_index {
+            Some(remote) => {
+                let block_size = self.status.block_size().unwrap_or(0);
+                remote.find_matches(block_size, local).await
+            }
+            None => self.index.find_matches(local).scores,
+        }
+    }
 }
 
 pub struct ReplicaShared {
@@ -63,7 +54,7 @@ pub struct ReplicaShared {
     /// Replica sync is on, and whether the catch-up from a peer has landed.
     pub replica_sync: bool,
     pub sync_caught_up: AtomicBool,
-    /// The router queue-group endpoints are subscribed ([`crate::route_gate`]).
+    /// The router queue-group endpoints are subscribed (the route gate).
     pub routes_open: AtomicBool,
 }
 
@@ -85,7 +76,21 @@ impl ReplicaShared {
             waiting.push("route endpoints not subscribed yet".into());
         }
         if waiting.is_empty() {
-            (true, "ready".into())
+            let mut notes: Vec<String> = self
+                .models
+                .values()
+                .filter_map(|m| {
+                    m.status
+                        .unroutable_summary(5)
+                        .map(|s| format!("{}: {s}", m.name))
+                })
+                .collect();
+            notes.sort();
+            if notes.is_empty() {
+                (true, "ready".into())
+            } else {
+                (true, format!("ready; {}", notes.join("; ")))
+            }
         } else {
             waiting.sort();
             (false, format!("not ready: {}", waiting.join("; ")))
@@ -98,23 +103,8 @@ impl ReplicaShared {
         let mut waiting = Vec::new();
         for m in self.models.values() {
             let st = &m.status;
-            if !st.discovered.load(Ordering::Relaxed) {
-                waiting.push(format!("{}: discovering workers", m.name));
-                continue;
-            }
-            let unsynced = st.unsynced.load(Ordering::Relaxed);
-            if unsynced > 0 {
-                waiting.push(format!(
-                    "{}: {unsynced} of {} ranks still syncing",
-                    m.name,
-                    st.ranks.load(Ordering::Relaxed)
-                ));
-            }
-            if st.index_catching_up.load(Ordering::Relaxed) {
-                waiting.push(format!(
-                    "{}: loading the approximate index from a peer serving indexer",
-                    m.name
-                ));
+            if let Err(why) = st.ready() {
+                waiting.push(format!("{}: {why}", m.name));
             }
         }
         waiting
@@ -122,6 +112,9 @@ impl ReplicaShared {
 
     /// Gauges computed at scrape time.
     pub fn refresh_gauges(&self) {
+        self.metrics
+            .bus_connected
+            .set(i64::from(self.bus.is_connected()));
         for m in self.models.values() {
             let labels = Metrics::model(&m.name);
             let blocks: &Gauge = &self.metrics.index_blocks.get_or_create(&labels);

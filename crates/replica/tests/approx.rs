@@ -6,7 +6,7 @@ use kvrouter_bus::{Bus, Subscription};
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{OverlapRequest, RouteDecision, RouteRequest, Subjects, WorkerKey};
-use kvrouter_replica::{Replica, ReplicaConfig};
+use kvrouter_replica::{IndexSource, Replica, ReplicaConfig};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "m";
@@ -33,8 +33,7 @@ fn approx_config(ttl: Duration) -> ReplicaConfig {
     ReplicaConfig {
         models: vec![MODEL.into()],
         discovery_window: Duration::from_millis(100),
-        no_kv_events: true,
-        router_ttl: ttl,
+        index: IndexSource::Approx { ttl, serve: false },
         ..ReplicaConfig::default()
     }
 }
@@ -262,8 +261,7 @@ async fn recorded_decisions_expire_after_the_router_ttl() {
 
 #[tokio::test]
 async fn a_zero_router_ttl_is_refused() {
-    let mut config = approx_config(Duration::ZERO);
-    config.no_kv_events = true;
+    let config = approx_config(Duration::ZERO);
     let err = Replica::start(config, Bus::local()).await.err().unwrap();
     assert!(err.to_string().contains("--router-ttl-secs"), "{err}");
 }
@@ -288,7 +286,10 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
         .unwrap();
     let serving = |id: &str| ReplicaConfig {
         replica_id: Some(id.into()),
-        serve_indexer: true,
+        index: IndexSource::Approx {
+            ttl: Duration::from_secs(120),
+            serve: true,
+        },
         max_prompt_tokens: 4096,
         ..approx_config(Duration::from_secs(120))
     };
@@ -366,7 +367,10 @@ async fn published_decisions_for_unregistered_ranks_are_not_recorded() {
         .unwrap();
     let s1 = Replica::start(
         ReplicaConfig {
-            serve_indexer: true,
+            index: IndexSource::Approx {
+                ttl: Duration::from_secs(120),
+                serve: true,
+            },
             ..approx_config(Duration::from_secs(120))
         },
         bus.clone(),

@@ -9,7 +9,7 @@ use kvrouter_protocol::{
     decode, encode, hashing::stored_sequence_hashes, ErrorKind, KvEvent, Reply, RouteRequest,
     SequenceHash, StateChunk, StateQuery, Subjects, WorkerKey,
 };
-use kvrouter_replica::{Replica, ReplicaConfig};
+use kvrouter_replica::{Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::SchedulerConfig;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -297,7 +297,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
         .await
         .unwrap();
     let synced = || ReplicaConfig {
-        replica_sync: true,
+        sync: Some(SyncConfig::default()),
         ..replica_config(SchedulerConfig::default())
     };
     let a = Replica::start(synced(), bus.clone()).await.unwrap();

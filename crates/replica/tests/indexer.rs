@@ -5,7 +5,9 @@ use kvrouter_bus::Bus;
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::RouteRequest;
-use kvrouter_replica::{Replica, ReplicaConfig, ReplicaError};
+use kvrouter_replica::{
+    IndexFlags, IndexSource, RemoteIndex, Replica, ReplicaConfig, ReplicaError,
+};
 use kvrouter_scheduler::SchedulerConfig;
 use std::time::{Duration, Instant};
 
@@ -39,16 +41,20 @@ async fn refused(config: ReplicaConfig) -> String {
 
 #[tokio::test]
 async fn conflicting_indexer_settings_are_refused() {
-    let mut c = config("a");
-    c.serve_indexer = true;
-    c.use_remote_indexer = true;
-    let e = refused(c).await;
+    let e = IndexFlags {
+        serve_indexer: true,
+        use_remote_indexer: true,
+        ..IndexFlags::default()
+    }
+    .source()
+    .unwrap_err()
+    .to_string();
     assert!(
         e.contains("--serve-indexer") && e.contains("--use-remote-indexer"),
         "{e}"
     );
     let mut c = config("a");
-    c.serve_indexer = true;
+    c.index = IndexSource::Events { serve: true };
     c.scheduler = SchedulerConfig {
         overlap_credit: 0.0,
         ..SchedulerConfig::default()
@@ -56,13 +62,17 @@ async fn conflicting_indexer_settings_are_refused() {
     let e = refused(c).await;
     assert!(e.contains("--overlap-credit 0"), "{e}");
     let mut c = config("a");
-    c.use_remote_indexer = true;
-    c.remote_indexer_timeout = Duration::ZERO;
+    c.index = IndexSource::Remote(RemoteIndex {
+        timeout: Duration::ZERO,
+        ..RemoteIndex::default()
+    });
     let e = refused(c).await;
     assert!(e.contains("--remote-indexer-timeout-ms"), "{e}");
     let mut c = config("a");
-    c.use_remote_indexer = true;
-    c.remote_indexer_breaker_cooldown = Duration::ZERO;
+    c.index = IndexSource::Remote(RemoteIndex {
+        breaker_cooldown: Duration::ZERO,
+        ..RemoteIndex::default()
+    });
     let e = refused(c).await;
     assert!(e.contains("--remote-indexer-breaker-cooldown-ms"), "{e}");
 }
@@ -106,7 +116,7 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     let bus = Bus::local();
     let _fleet = two_workers(&bus).await;
     let mut c = config("remote");
-    c.use_remote_indexer = true;
+    c.index = IndexSource::Remote(RemoteIndex::default());
     let remote = Replica::start(c, bus.clone()).await.unwrap();
     assert!(remote.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
@@ -132,7 +142,7 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     // A serving indexer fetches the workers' state; the remote replica's routes find the
     // prefix through it.
     let mut c = config("serving");
-    c.serve_indexer = true;
+    c.index = IndexSource::Events { serve: true };
     let serving = Replica::start(c, bus.clone()).await.unwrap();
     assert!(serving.wait_ready(Duration::from_secs(5)).await);
     let remote_index = remote.shared().models[MODEL].remote_index.clone().unwrap();
@@ -159,13 +169,13 @@ async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
     let mut serving = Vec::new();
     for id in ["s1", "s2"] {
         let mut c = config(id);
-        c.serve_indexer = true;
+        c.index = IndexSource::Events { serve: true };
         let r = Replica::start(c, bus.clone()).await.unwrap();
         assert!(r.wait_ready(Duration::from_secs(5)).await);
         serving.push(r);
     }
     let mut c = config("remote");
-    c.use_remote_indexer = true;
+    c.index = IndexSource::Remote(RemoteIndex::default());
     let remote = Replica::start(c, bus.clone()).await.unwrap();
     assert!(remote.wait_ready(Duration::from_secs(5)).await);
     let remote_index = remote.shared().models[MODEL].remote_index.clone().unwrap();
@@ -243,10 +253,12 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
 
     let cooldown = Duration::from_millis(800);
     let mut c = config("remote");
-    c.use_remote_indexer = true;
-    c.remote_indexer_timeout = Duration::from_millis(200);
-    c.remote_indexer_breaker_failures = 3;
-    c.remote_indexer_breaker_cooldown = cooldown;
+    c.index = IndexSource::Remote(RemoteIndex {
+        timeout: Duration::from_millis(200),
+        breaker_failures: 3,
+        breaker_cooldown: cooldown,
+        publish_decisions: false,
+    });
     let remote = Replica::start(c, bus.clone()).await.unwrap();
     assert!(remote.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
@@ -287,7 +299,7 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
         .unwrap();
     let holder = done.decision.key();
     let mut s = config("serving");
-    s.serve_indexer = true;
+    s.index = IndexSource::Events { serve: true };
     let serving = Replica::start(s, bus.clone()).await.unwrap();
     assert!(serving.wait_ready(Duration::from_secs(5)).await);
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -1,4 +1,4 @@
-//! Property test of state sync: a real engine rank emits events; the replica side (RankSync
+//! Property test of state sync: a real engine rank emits events; the replica side (WorkerStateSync
 //! gluing snapshots and live events into an index core) sees them with losses, a snapshot
 //! requested at a random moment and answered at another. After the last event and any
 //! refetch it asks for, the index must hold exactly the engine's cache.
@@ -6,7 +6,7 @@
 use kvrouter_indexer::{Index, RankDump};
 use kvrouter_mocker::{EngineConfig, RankEngine, Request};
 use kvrouter_protocol::{local_block_hashes, EventId, KvEvent, WorkerKey};
-use kvrouter_replica::rank_sync::{EventOutcome, RankSync};
+use kvrouter_replica::worker_state::{EventOutcome, WorkerStateSync};
 use proptest::prelude::*;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -73,7 +73,20 @@ fn run_engine(prompts: &[(u8, u8)]) -> Run {
     run
 }
 
-fn load(index: &mut Index, sync: &mut RankSync, snapshot: &(usize, Vec<KvEvent>, Option<EventId>)) {
+/// The replica starts fetching the rank: on join (it is new) or again.
+fn start_fetch(sync: &mut WorkerStateSync) {
+    if sync.is_tracked(KEY) {
+        sync.refetch(KEY);
+    } else {
+        sync.add(KEY, std::time::Instant::now());
+    }
+}
+
+fn load(
+    index: &mut Index,
+    sync: &mut WorkerStateSync,
+    snapshot: &(usize, Vec<KvEvent>, Option<EventId>),
+) {
     let (_, events, last) = snapshot;
     if let Some(after) = sync.on_snapshot(KEY, *last) {
         index
@@ -87,7 +100,7 @@ fn load(index: &mut Index, sync: &mut RankSync, snapshot: &(usize, Vec<KvEvent>,
             index.apply(ev).unwrap();
         }
         if after.refetch {
-            sync.start_fetch(KEY);
+            start_fetch(sync);
         }
     }
 }
@@ -143,10 +156,10 @@ proptest! {
         };
 
         let mut index = Index::new();
-        let mut sync = RankSync::default();
+        let mut sync = WorkerStateSync::default();
         for (j, ev) in run.events.iter().enumerate() {
             if j == f {
-                sync.start_fetch(KEY);
+                start_fetch(&mut sync);
             }
             if j == d {
                 load(&mut index, &mut sync, &run.snapshots[snap]);
@@ -161,7 +174,7 @@ proptest! {
             }
         }
         if f == n {
-            sync.start_fetch(KEY);
+            start_fetch(&mut sync);
         }
         if d == n {
             load(&mut index, &mut sync, &run.snapshots[snap]);

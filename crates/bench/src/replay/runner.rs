@@ -16,7 +16,7 @@ use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{decode, LoadReport, Subjects, WorkerKey};
-use kvrouter_replica::{Replica, ReplicaConfig};
+use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -203,13 +203,20 @@ pub async fn run_policy(
                     ..config.scheduler.clone()
                 },
                 discovery_window: Duration::from_millis(100),
-                no_kv_events: config.no_kv_events,
                 // Every prompt the bus can carry (the traces hold prompts over 128k tokens).
                 max_prompt_tokens: kvrouter_protocol::max_prompt_tokens_for(bus.max_payload()),
-                replica_sync: config.replica_sync,
-                replica_sync_echo: config.replica_sync_echo,
-                serve_indexer: i < config.serving_indexers(),
-                use_remote_indexer: config.serving_indexers() > 0 && i >= config.serving_indexers(),
+                index: IndexFlags {
+                    no_kv_events: config.no_kv_events,
+                    serve_indexer: i < config.serving_indexers(),
+                    use_remote_indexer: config.serving_indexers() > 0
+                        && i >= config.serving_indexers(),
+                    ..IndexFlags::default()
+                }
+                .source()
+                .map_err(|e| RunError::Replica(e.to_string()))?,
+                sync: config.replica_sync.then(|| SyncConfig {
+                    echo: config.replica_sync_echo,
+                }),
                 ..ReplicaConfig::default()
             },
             bus.clone(),

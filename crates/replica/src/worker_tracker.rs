@@ -1,14 +1,17 @@
-//! The fleet actor of one model: discovery, event ingest and state sync.
+//! The worker tracker of one model: discovery, event ingest and worker-state sync.
 //!
-//! It owns the [`Discovery`] and [`RankSync`] cores, writes the model's index (through its
-//! shard actors) and tells the scheduler actor which worker ranks exist and how loaded their
-//! engines say they are. State fetches run as tasks that report back as messages.
+//! It owns the [`Discovery`] and [`WorkerStateSync`] cores, writes the model's index (through
+//! its shard actors, never waiting on them) and tells the scheduler actor which worker ranks
+//! are routable and how loaded their engines say they are. A rank becomes routable once its
+//! state is synced (with KV events; at once otherwise). State fetches run as tasks that
+//! report back as messages, as many at once as the core allows.
 
 use crate::discovery::{Change, Discovery};
+use crate::layouts::WorkerLayout;
 use crate::metrics::{Metrics, ModelLabels};
-use crate::rank_sync::{EventOutcome, RankSync};
 use crate::scheduler_actor::SchedulerMsg;
-use crate::state::ModelStatus;
+use crate::status::ModelStatus;
+use crate::worker_state::{EventOutcome, FetchLimits, WorkerStateSync};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_indexer::{block_limit_for_capacity, RankDump, ShardedIndex};
@@ -27,21 +30,8 @@ use uuid::Uuid;
 const TICK: Duration = Duration::from_millis(250);
 /// Least time between two "who is there" calls caused by unknown senders.
 const ROLL_CALL_EVERY: Duration = Duration::from_secs(1);
-/// Wait before retrying a failed state fetch; doubled by each further failure in a row.
-const FETCH_RETRY: Duration = Duration::from_millis(500);
-/// The longest wait between retries of one rank's fetch.
-const FETCH_RETRY_MAX: Duration = Duration::from_secs(8);
 
-/// Wait before the next fetch of a rank whose last `failures` fetches failed (≥ 1): 0.5 s,
-/// doubling, at most [`FETCH_RETRY_MAX`], so a worker whose state endpoint is broken is not
-/// asked (and logged) twice a second forever.
-fn fetch_retry_delay(failures: u32) -> Duration {
-    FETCH_RETRY
-        .saturating_mul(1 << failures.saturating_sub(1).min(5))
-        .min(FETCH_RETRY_MAX)
-}
-
-pub enum FleetMsg {
+pub enum TrackerMsg {
     Registration(Registration),
     Heartbeat(Heartbeat),
     Deregistration(Deregistration),
@@ -53,12 +43,10 @@ pub enum FleetMsg {
         instance_id: Uuid,
         result: Result<(Option<EventId>, Vec<KvEvent>), String>,
     },
-    /// The index saw an event-id gap that event ingest did not (a safety net).
-    IndexGap(WorkerKey),
     Tick,
 }
 
-pub struct FleetArgs {
+pub struct TrackerArgs {
     pub model: String,
     pub block_size: Option<u32>,
     pub lease: Duration,
@@ -70,25 +58,24 @@ pub struct FleetArgs {
     pub replica_id: String,
     pub status: Arc<ModelStatus>,
     pub metrics: Arc<Metrics>,
-    /// Approximate mode: no KV events and no state fetches; a rank is synced once it joins.
-    pub no_kv_events: bool,
+    /// KV events and state fetches; otherwise (approximate mode, remote indexer) a rank is
+    /// routable as soon as it joins.
+    pub follows_events: bool,
 }
 
-pub struct FleetState {
-    args: FleetArgs,
+pub struct TrackerState {
+    args: TrackerArgs,
     labels: ModelLabels,
     discovery: Discovery,
-    sync: RankSync,
-    /// Fetches waiting for a retry: (key, not before).
-    retries: Vec<(WorkerKey, Instant)>,
-    /// Failed fetches in a row, per rank (cleared when one succeeds or the rank leaves).
-    fetch_failures: FxHashMap<WorkerKey, u32>,
+    sync: WorkerStateSync,
+    /// Ranks the scheduler routes to (without KV events: every live rank).
+    routable: FxHashMap<WorkerKey, u64>,
     last_roll_call: Option<Instant>,
 }
 
-pub struct FleetActor;
+pub struct WorkerTracker;
 
-impl FleetState {
+impl TrackerState {
     fn metrics<R>(&self, f: impl FnOnce(&Metrics) -> R) -> R {
         f(&self.args.metrics)
     }
@@ -99,6 +86,16 @@ impl FleetState {
         let ranks = self.discovery.keys().count();
         st.ranks.store(ranks, Ordering::Relaxed);
         st.unsynced.store(self.sync.unsynced(), Ordering::Relaxed);
+        let now = Instant::now();
+        st.first_syncs
+            .store(self.sync.first_syncs(now), Ordering::Relaxed);
+        let unroutable = self.sync.unroutable(now);
+        self.args
+            .metrics
+            .unroutable_ranks
+            .get_or_create(&self.labels)
+            .set(unroutable.len() as i64);
+        *st.unroutable.write() = unroutable;
         if let Some(b) = self.discovery.block_size() {
             st.block_size.store(b, Ordering::Relaxed);
         }
@@ -125,28 +122,41 @@ impl FleetState {
         ask_who_is_there(&self.args.bus, &self.args.subjects, &self.args.replica_id).await;
     }
 
-    fn start_fetch(&mut self, key: WorkerKey, myself: &ActorRef<FleetMsg>) {
-        self.sync.start_fetch(key);
-        self.retries.retain(|(k, _)| *k != key);
-        let Some(instance_id) = self.discovery.instance(key.worker_id) else {
-            return;
-        };
-        tracing::debug!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, "fetching rank state");
-        let bus = self.args.bus.clone();
-        let subject = self.args.subjects.state(key.worker_id);
-        let timeout = self.args.fetch_timeout;
-        let myself = myself.clone();
-        tokio::spawn(async move {
-            let result = fetch_state(&bus, &subject, key, instance_id, timeout).await;
-            let _ = myself.send_message(FleetMsg::Snapshot {
-                key,
-                instance_id,
-                result,
+    /// Starts every fetch the core says is due (within its limits).
+    fn start_due_fetches(&mut self, myself: &ActorRef<TrackerMsg>) {
+        for key in self.sync.due_fetches(Instant::now()) {
+            let Some(instance_id) = self.discovery.instance(key.worker_id) else {
+                self.sync.remove(key);
+                continue;
+            };
+            tracing::debug!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, "fetching rank state");
+            let bus = self.args.bus.clone();
+            let subject = self.args.subjects.state(key.worker_id);
+            let timeout = self.args.fetch_timeout;
+            let myself = myself.clone();
+            tokio::spawn(async move {
+                let result = fetch_state(&bus, &subject, key, instance_id, timeout).await;
+                let _ = myself.send_message(TrackerMsg::Snapshot {
+                    key,
+                    instance_id,
+                    result,
+                });
             });
-        });
+        }
     }
 
-    async fn apply_changes(&mut self, changes: Vec<Change>, myself: &ActorRef<FleetMsg>) {
+    /// Puts a rank in the scheduler's candidates.
+    fn make_routable(&mut self, key: WorkerKey, capacity_blocks: u64) {
+        if self.routable.insert(key, capacity_blocks).is_none() {
+            let _ = self.args.scheduler.send_message(SchedulerMsg::AddKey {
+                key,
+                capacity_blocks,
+                block_size: self.discovery.block_size(),
+            });
+        }
+    }
+
+    async fn apply_changes(&mut self, changes: Vec<Change>, myself: &ActorRef<TrackerMsg>) {
         let model = self.args.model.clone();
         for change in changes {
             match change {
@@ -161,20 +171,17 @@ impl FleetState {
                     if let Err(e) = self.args.index.set_block_limit(key.worker_id, limit) {
                         tracing::error!(%model, error = %e, "index shard unavailable");
                     }
-                    let _ = self.args.scheduler.send_message(SchedulerMsg::AddKey {
-                        key,
-                        capacity_blocks,
-                        block_size: self.discovery.block_size(),
-                    });
-                    if !self.args.no_kv_events {
-                        self.start_fetch(key, myself);
+                    if self.args.follows_events {
+                        // Routable once its state is synced (see on_snapshot).
+                        self.sync.add(key, Instant::now());
+                    } else {
+                        self.make_routable(key, capacity_blocks);
                     }
                 }
                 Change::RankRemoved(key) => {
                     tracing::info!(%model, worker = key.worker_id, dp_rank = key.dp_rank, "worker rank left");
                     self.sync.remove(key);
-                    self.retries.retain(|(k, _)| *k != key);
-                    self.fetch_failures.remove(&key);
+                    self.routable.remove(&key);
                     let _ = self.args.index.remove_worker_rank(key);
                     let _ = self
                         .args
@@ -185,8 +192,7 @@ impl FleetState {
                     tracing::info!(%model, worker = worker_id, reason, "worker left");
                     self.args.status.layouts.remove(worker_id);
                     self.sync.remove_worker(worker_id);
-                    self.retries.retain(|(k, _)| k.worker_id != worker_id);
-                    self.fetch_failures.retain(|k, _| k.worker_id != worker_id);
+                    self.routable.retain(|k, _| k.worker_id != worker_id);
                     let _ = self.args.index.remove_worker(worker_id);
                     let _ = self
                         .args
@@ -205,16 +211,25 @@ impl FleetState {
                         tracing::debug!(%model, worker = worker_id, %reason, "worker registration refused again");
                     }
                 }
+                Change::InstanceTakeover {
+                    worker_id,
+                    old,
+                    new,
+                } => {
+                    tracing::warn!(%model, worker = worker_id, old_instance = %old, new_instance = %new, "a new instance took over a live worker id (a restart, or two engines sharing one id); dropping the old instance's state");
+                    self.metrics(|m| m.instance_takeovers.get_or_create(&self.labels).inc());
+                }
                 Change::Unknown { worker_id } => {
                     tracing::debug!(%model, worker = worker_id, "message from an unregistered worker; asking who is there");
                     self.roll_call(false).await;
                 }
             }
         }
+        self.start_due_fetches(myself);
         self.publish_status();
     }
 
-    async fn on_events(&mut self, batch: KvEventBatch, myself: &ActorRef<FleetMsg>) {
+    async fn on_events(&mut self, batch: KvEventBatch, myself: &ActorRef<TrackerMsg>) {
         if self.discovery.instance(batch.worker_id) != Some(batch.instance_id) {
             if self
                 .discovery
@@ -249,8 +264,8 @@ impl FleetState {
             }
         }
         let gap_count = gaps.len() as u64;
-        for key in gaps {
-            self.start_fetch(key, myself);
+        if gap_count > 0 {
+            self.start_due_fetches(myself);
         }
         self.metrics(|m| {
             m.events_applied.get_or_create(&self.labels).inc_by(applied);
@@ -262,11 +277,12 @@ impl FleetState {
         }
     }
 
-    async fn on_snapshot(
+    fn on_snapshot(
         &mut self,
         key: WorkerKey,
         instance_id: Uuid,
         result: Result<(Option<EventId>, Vec<KvEvent>), String>,
+        myself: &ActorRef<TrackerMsg>,
     ) {
         if self.discovery.instance(key.worker_id) != Some(instance_id)
             || !self.discovery.has_key(key)
@@ -276,40 +292,44 @@ impl FleetState {
         let (last_event_id, events) = match result {
             Ok(v) => v,
             Err(e) => {
-                let failures = self.fetch_failures.entry(key).or_insert(0);
-                *failures += 1;
-                let (failures, wait) = (*failures, fetch_retry_delay(*failures));
-                // Logged on the 1st, 2nd, 4th, 8th... failure in a row.
-                if failures.is_power_of_two() {
-                    tracing::warn!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, failures, retry_in_ms = wait.as_millis() as u64, "rank state fetch failed; retrying");
-                } else {
-                    tracing::debug!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, failures, "rank state fetch failed again");
+                if let Some(f) = self.sync.on_fetch_failed(key, Instant::now()) {
+                    let retry_in_ms = f.retry_in.as_millis() as u64;
+                    if f.worth_a_warning() {
+                        tracing::warn!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, rank_failures = f.failures, worker_failures = f.worker_failures, retry_in_ms, "rank state fetch failed; the rank gets no routes until it syncs (retrying)");
+                    } else {
+                        tracing::debug!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, error = %e, rank_failures = f.failures, "rank state fetch failed again");
+                    }
+                    self.metrics(|m| m.recovery_failures.get_or_create(&self.labels).inc());
                 }
-                self.metrics(|m| m.recovery_failures.get_or_create(&self.labels).inc());
-                self.retries.push((key, Instant::now() + wait));
+                self.start_due_fetches(myself);
+                self.publish_status();
                 return;
             }
         };
         let Some(after) = self.sync.on_snapshot(key, last_event_id) else {
             return;
         };
+        // Queued, not awaited: other ranks' events keep flowing while the shard loads it,
+        // and events sent after it are applied after it.
         let dump = RankDump {
             key,
             last_event_id,
             events,
         };
-        if let Err(e) = self.args.index.load_rank(dump).await {
-            tracing::warn!(model = %self.args.model, worker = key.worker_id, error = %e, "rank state partly refused by the index");
+        if let Err(e) = self.args.index.queue_load_rank(dump) {
+            tracing::error!(model = %self.args.model, error = %e, "index shard unavailable");
         }
         if !after.apply.is_empty() {
             let _ = self.args.index.apply_batch(after.apply);
         }
         self.metrics(|m| m.recoveries.get_or_create(&self.labels).inc());
-        let failed_before = self.fetch_failures.remove(&key).unwrap_or(0);
-        tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, ?last_event_id, failed_before, "rank state synced");
-        if after.refetch {
-            self.retries.push((key, Instant::now()));
+        tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, ?last_event_id, first_sync = after.first_sync, "rank state synced");
+        if after.first_sync {
+            if let Some(capacity) = self.discovery.capacity_blocks(key.worker_id) {
+                self.make_routable(key, capacity);
+            }
         }
+        self.start_due_fetches(myself);
         self.publish_status();
     }
 }
@@ -358,23 +378,23 @@ async fn fetch_state(
     Ok((last, events))
 }
 
-impl Actor for FleetActor {
-    type Msg = FleetMsg;
-    type State = FleetState;
-    type Arguments = FleetArgs;
+impl Actor for WorkerTracker {
+    type Msg = TrackerMsg;
+    type State = TrackerState;
+    type Arguments = TrackerArgs;
 
     async fn pre_start(
         &self,
-        myself: ActorRef<FleetMsg>,
-        args: FleetArgs,
-    ) -> Result<FleetState, ActorProcessingErr> {
-        myself.send_interval(TICK, || FleetMsg::Tick);
-        Ok(FleetState {
+        myself: ActorRef<TrackerMsg>,
+        args: TrackerArgs,
+    ) -> Result<TrackerState, ActorProcessingErr> {
+        myself.send_interval(TICK, || TrackerMsg::Tick);
+        Ok(TrackerState {
             labels: Metrics::model(&args.model),
             discovery: Discovery::new(&args.model, args.block_size, args.lease),
-            sync: RankSync::default(),
-            retries: Vec::new(),
-            fetch_failures: FxHashMap::default(),
+            // Readiness waits for a first sync as long as one fetch may stay silent.
+            sync: WorkerStateSync::new(FetchLimits::default(), args.fetch_timeout),
+            routable: FxHashMap::default(),
             last_roll_call: None,
             args,
         })
@@ -382,32 +402,32 @@ impl Actor for FleetActor {
 
     async fn handle(
         &self,
-        myself: ActorRef<FleetMsg>,
-        msg: FleetMsg,
-        state: &mut FleetState,
+        myself: ActorRef<TrackerMsg>,
+        msg: TrackerMsg,
+        state: &mut TrackerState,
     ) -> Result<(), ActorProcessingErr> {
         let now = Instant::now();
         match msg {
-            FleetMsg::Registration(reg) => {
+            TrackerMsg::Registration(reg) => {
                 let changes = state.discovery.on_registration(&reg, now);
                 state.apply_changes(changes, &myself).await;
                 if state.discovery.instance(reg.worker_id) == Some(reg.instance_id) {
-                    let layout = crate::disagg::WorkerLayout::of(&reg);
+                    let layout = WorkerLayout::of(&reg);
                     state.args.status.layouts.set(reg.worker_id, layout);
                 }
             }
-            FleetMsg::Heartbeat(hb) => {
+            TrackerMsg::Heartbeat(hb) => {
                 let changes = state.discovery.on_heartbeat(&hb, now);
                 state.apply_changes(changes, &myself).await;
             }
-            FleetMsg::Deregistration(d) => {
+            TrackerMsg::Deregistration(d) => {
                 let changes = state
                     .discovery
                     .on_deregistration(d.worker_id, d.instance_id);
                 state.apply_changes(changes, &myself).await;
             }
-            FleetMsg::Events(batch) => state.on_events(batch, &myself).await,
-            FleetMsg::Load(report) => {
+            TrackerMsg::Events(batch) => state.on_events(batch, &myself).await,
+            TrackerMsg::Load(report) => {
                 if state.discovery.instance(report.worker_id) == Some(report.instance_id) {
                     let _ = state
                         .args
@@ -415,35 +435,18 @@ impl Actor for FleetActor {
                         .send_message(SchedulerMsg::ReportedLoad(report));
                 }
             }
-            FleetMsg::Snapshot {
+            TrackerMsg::Snapshot {
                 key,
                 instance_id,
                 result,
-            } => state.on_snapshot(key, instance_id, result).await,
-            FleetMsg::IndexGap(key) => {
-                if state.sync.is_synced(key) {
-                    state.start_fetch(key, &myself);
-                    state.publish_status();
-                }
-            }
-            FleetMsg::Tick => {
+            } => state.on_snapshot(key, instance_id, result, &myself),
+            TrackerMsg::Tick => {
                 let changes = state.discovery.expire(now);
                 if !changes.is_empty() {
                     state.apply_changes(changes, &myself).await;
                 }
-                let due: Vec<WorkerKey> = state
-                    .retries
-                    .iter()
-                    .filter(|(_, t)| *t <= now)
-                    .map(|(k, _)| *k)
-                    .collect();
-                for key in due {
-                    if state.discovery.has_key(key) {
-                        state.start_fetch(key, &myself);
-                    } else {
-                        state.retries.retain(|(k, _)| *k != key);
-                    }
-                }
+                state.start_due_fetches(&myself);
+                state.publish_status();
             }
         }
         Ok(())
@@ -461,20 +464,5 @@ pub async fn ask_who_is_there(bus: &Bus, subjects: &ModelSubjects, replica_id: &
         {
             tracing::warn!(error = %e, "cannot ask who is there");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fetch_retries_back_off_to_a_cap() {
-        let ms = |n| fetch_retry_delay(n).as_millis();
-        assert_eq!(
-            (1..=7).map(ms).collect::<Vec<_>>(),
-            vec![500, 1000, 2000, 4000, 8000, 8000, 8000]
-        );
-        assert_eq!(fetch_retry_delay(u32::MAX), FETCH_RETRY_MAX);
     }
 }

@@ -2,6 +2,7 @@
 //! peers', and the catch-up snapshot a joining replica asks a peer for.
 
 use crate::scheduler_actor::SchedulerMsg;
+use crate::serve::forward;
 use crate::state::ReplicaShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError, Subscription};
@@ -82,24 +83,16 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
 }
 
 /// Hands every peer batch to its model's scheduler actor (through its [`PeerInbox`](crate::scheduler_actor::PeerInbox)).
-pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
-            let batch: SyncBatch = match decode(&msg.payload) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::debug!(error = %e, "undecodable sync batch dropped");
-                    continue;
-                }
-            };
-            if batch.replica_id == shared.replica_id {
-                continue;
-            }
-            if let Some(m) = shared.models.get(&batch.model) {
-                if let Some(inbox) = &m.peer_inbox {
-                    if inbox.push(batch) {
-                        let _ = m.scheduler.send_message(SchedulerMsg::PeerBatches);
-                    }
+pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, sub: Subscription) -> JoinHandle<()> {
+    let metrics = shared.metrics.clone();
+    forward(sub, metrics, "sync", move |batch: SyncBatch| {
+        if batch.replica_id == shared.replica_id {
+            return;
+        }
+        if let Some(m) = shared.models.get(&batch.model) {
+            if let Some(inbox) = &m.peer_inbox {
+                if inbox.push(batch) {
+                    let _ = m.scheduler.send_message(SchedulerMsg::PeerBatches);
                 }
             }
         }
@@ -111,11 +104,8 @@ pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, mut sub: Subscription) ->
 pub fn spawn_catch_up(shared: Arc<ReplicaShared>, subjects: Subjects) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
-            let fleets_synced = shared.models.values().all(|m| {
-                m.status.discovered.load(Ordering::Relaxed)
-                    && m.status.unsynced.load(Ordering::Relaxed) == 0
-            });
-            if fleets_synced {
+            // Ranks that cannot be synced do not hold the catch-up (they get no routes).
+            if shared.models.values().all(|m| m.status.ready().is_ok()) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

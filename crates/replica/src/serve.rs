@@ -1,0 +1,194 @@
+//! Serving a bus subject, the one way every handler does it.
+//!
+//! - [`serve_requests`]: request subjects (route, mark_prefill, overlap lookups ...): each
+//!   message is decoded, handled in a task of its own (counted in flight, so shutdown can wait
+//!   for it) and answered in the format version it came in; a request that cannot be decoded
+//!   is counted and answered `malformed`. Nothing a peer sends stops the loop.
+//! - [`forward`]: one-way subjects (registrations, heartbeats, events ...): each message is
+//!   decoded and handed on; an undecodable one is counted and dropped, logged at most every
+//!   10 s per subject.
+
+use crate::config::ReplicaError;
+use crate::metrics::Metrics;
+use bytes::Bytes;
+use kvrouter_bus::{Bus, Subscription};
+use kvrouter_protocol::{ErrorKind, ErrorReply, Reply, FORMAT_VERSION};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+use wire_shim::{decode_versioned, encode_as, readable_version, Wire};
+
+/// Requests being answered; shutdown waits for them.
+#[derive(Default)]
+pub struct InFlight(AtomicUsize);
+
+impl InFlight {
+    pub fn count(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+struct InFlightGuard(Arc<InFlight>);
+
+impl InFlightGuard {
+    fn new(f: &Arc<InFlight>) -> Self {
+        f.0.fetch_add(1, Ordering::AcqRel);
+        Self(f.clone())
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Subscribes (in a queue group when given), naming the subject in the error.
+pub async fn subscribe(
+    bus: &Bus,
+    subject: String,
+    group: Option<&str>,
+) -> Result<Subscription, ReplicaError> {
+    let r = match group {
+        Some(g) => bus.queue_subscribe(&subject, g).await,
+        None => bus.subscribe(&subject).await,
+    };
+    r.map_err(|source| ReplicaError::Subscribe { subject, source })
+}
+
+/// What every request loop needs besides its handler.
+#[derive(Clone)]
+pub struct Server {
+    pub bus: Bus,
+    pub inflight: Arc<InFlight>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Whether a request without a reply subject is still handled.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum OneWay {
+    /// Handled, the answer dropped (mark_prefill and free may be fire-and-forget).
+    Handle,
+    /// Dropped: an answer nobody reads is work (and maybe load) for nothing.
+    Drop,
+}
+
+/// A reply in format `version`; an encoding failure becomes an `internal` error reply.
+pub fn encode_reply<T: Wire>(result: Result<T, ErrorReply>, version: u8) -> Bytes {
+    let reply: Reply<T> = result.into();
+    match encode_as(&reply, version) {
+        Ok(b) => Bytes::from(b),
+        Err(e) => {
+            let err: Reply<T> = Reply::Err(ErrorReply::new(ErrorKind::Internal, e.to_string()));
+            Bytes::from(encode_as(&err, version).unwrap_or_default())
+        }
+    }
+}
+
+/// The error answer to a request that cannot be decoded.
+pub fn malformed(e: impl std::fmt::Display) -> ErrorReply {
+    ErrorReply::new(
+        ErrorKind::Malformed,
+        format!("cannot decode the request: {e}"),
+    )
+}
+
+/// Serves the requests of `sub` with `handler`, each in a task of its own, until the
+/// subscription ends (run it in a task; aborting that task stops taking requests). `kind`
+/// names the subject in metrics (`kvrouter_undecodable_messages_total{subject}`).
+pub async fn serve_requests<Req, Resp, F, Fut>(
+    mut sub: Subscription,
+    server: Server,
+    kind: &'static str,
+    one_way: OneWay,
+    handler: F,
+) where
+    Req: Wire + Send + 'static,
+    Resp: Wire + Send + 'static,
+    F: Fn(Req) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ErrorReply>> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    {
+        while let Some(msg) = sub.next().await {
+            let guard = InFlightGuard::new(&server.inflight);
+            let (server, handler) = (server.clone(), handler.clone());
+            tokio::spawn(async move {
+                let _guard = guard;
+                let (result, version) = match decode_versioned::<Req>(&msg.payload) {
+                    Ok((req, version)) => {
+                        if msg.reply.is_none() && one_way == OneWay::Drop {
+                            tracing::debug!(subject = %msg.subject, "request without a reply subject dropped");
+                            return;
+                        }
+                        (handler(req).await, version)
+                    }
+                    Err(e) => {
+                        server.metrics.undecodable(kind);
+                        server.metrics.error("", ErrorKind::Malformed);
+                        tracing::debug!(subject = %msg.subject, error = %e, "undecodable request");
+                        // Answered in the version it claims when this build reads it.
+                        let version = msg
+                            .payload
+                            .first()
+                            .copied()
+                            .filter(|v| readable_version(*v))
+                            .unwrap_or(FORMAT_VERSION);
+                        (Err(malformed(e)), version)
+                    }
+                };
+                let Some(reply_to) = msg.reply else { return };
+                let payload = encode_reply(result, version);
+                if let Err(e) = server.bus.publish(&reply_to, payload).await {
+                    tracing::debug!(error = %e, "cannot send a reply (the requester may have gone)");
+                }
+            });
+        }
+    }
+}
+
+/// Decodes every message of a one-way subscription and hands it on; undecodable ones are
+/// counted, logged (at most every 10 s per subject) and dropped.
+pub fn forward<T: Wire + Send + 'static>(
+    mut sub: Subscription,
+    metrics: Arc<Metrics>,
+    kind: &'static str,
+    mut to: impl FnMut(T) + Send + 'static,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut dropped = 0u64;
+        let mut last_warn: Option<Instant> = None;
+        while let Some(msg) = sub.next().await {
+            match decode_versioned::<T>(&msg.payload) {
+                Ok((v, _)) => to(v),
+                Err(e) => {
+                    dropped += 1;
+                    metrics.undecodable(kind);
+                    if last_warn.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        tracing::warn!(subject = %msg.subject, error = %e, dropped, "undecodable {kind} dropped");
+                        last_warn = Some(Instant::now());
+                    }
+                }
+            }
+        }
+    })
+}
+
+// TEMPORARY until the versioned codec lands.
+mod wire_shim {
+    use kvrouter_protocol::{decode, encode, CodecError, FORMAT_VERSION};
+    use serde::{de::DeserializeOwned, Serialize};
+    pub trait Wire: Serialize + DeserializeOwned {}
+    impl<T: Serialize + DeserializeOwned> Wire for T {}
+    pub fn decode_versioned<T: Wire>(b: &[u8]) -> Result<(T, u8), CodecError> {
+        decode(b).map(|v| (v, FORMAT_VERSION))
+    }
+    pub fn encode_as<T: Wire>(v: &T, _version: u8) -> Result<Vec<u8>, CodecError> {
+        encode(v)
+    }
+    pub fn readable_version(v: u8) -> bool {
+        v == FORMAT_VERSION
+    }
+}

@@ -1,0 +1,252 @@
+//! Bounded peers and honest readiness, on the in-process bus: a worker that never answers
+//! state queries gets no routes and does not keep the replica unready; a huge registration
+//! cannot make a replica fetch without bound; undecodable messages are counted per subject.
+
+use bytes::Bytes;
+use kvrouter_bus::Bus;
+use kvrouter_client::{GenerateParams, KvRouterClient};
+use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_protocol::{encode, Heartbeat, Registration, RouteRequest, Subjects, WorkerRole};
+use kvrouter_replica::{Replica, ReplicaConfig};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+const MODEL: &str = "m";
+const BLOCK: u32 = 16;
+/// The worker id of the silent worker (the mocker's start at 10).
+const SILENT: u64 = 500;
+
+fn subjects() -> kvrouter_protocol::ModelSubjects {
+    Subjects::new("kvrouter").unwrap().model(MODEL).unwrap()
+}
+
+fn fleet_config() -> FleetConfig {
+    FleetConfig {
+        model: MODEL.into(),
+        workers: 2,
+        worker_id_start: 10,
+        engine: EngineConfig {
+            block_size: BLOCK as usize,
+            capacity_blocks: 1024,
+            ..EngineConfig::default()
+        },
+        speedup: 1000.0,
+        heartbeat_interval: Duration::from_millis(200),
+        ..FleetConfig::default()
+    }
+}
+
+fn replica_config() -> ReplicaConfig {
+    ReplicaConfig {
+        models: vec![MODEL.into()],
+        discovery_window: Duration::from_millis(100),
+        state_fetch_timeout: Duration::from_millis(200),
+        ..ReplicaConfig::default()
+    }
+}
+
+fn registration(worker_id: u64, instance_id: Uuid, dp_size: u32) -> Registration {
+    Registration {
+        worker_id,
+        instance_id,
+        model: MODEL.into(),
+        role: WorkerRole::Aggregated,
+        block_size: BLOCK,
+        dp_size,
+        dp_start_rank: 0,
+        live_ranks: (0..dp_size).collect(),
+        tp_size: 1,
+        capacity_blocks: 1024,
+        heartbeat_interval_ms: 200,
+    }
+}
+
+/// A worker that registers, heartbeats and answers roll calls, but never answers a state
+/// query; counts the queries it gets. Stops when the returned handle is aborted.
+async fn silent_worker(
+    bus: &Bus,
+    worker_id: u64,
+    dp_size: u32,
+) -> (Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+    let s = subjects();
+    let queries = Arc::new(AtomicUsize::new(0));
+    let mut state = bus.subscribe(&s.state(worker_id)).await.unwrap();
+    let mut roll_call = bus.subscribe(&s.who_is_there()).await.unwrap();
+    bus.flush().await.unwrap();
+    let instance = Uuid::new_v4();
+    let reg = Bytes::from(encode(&registration(worker_id, instance, dp_size)).unwrap());
+    let hb = Bytes::from(
+        encode(&Heartbeat {
+            worker_id,
+            instance_id: instance,
+            live_ranks: (0..dp_size).collect(),
+        })
+        .unwrap(),
+    );
+    let (bus, q) = (bus.clone(), queries.clone());
+    let task = tokio::spawn(async move {
+        let _ = bus.publish(&s.register(), reg.clone()).await;
+        let mut beat = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = beat.tick() => { let _ = bus.publish(&s.heartbeat(), hb.clone()).await; }
+                Some(_) = roll_call.next() => { let _ = bus.publish(&s.register(), reg.clone()).await; }
+                Some(_) = state.next() => { q.fetch_add(1, Ordering::SeqCst); }
+            }
+        }
+    });
+    (queries, task)
+}
+
+fn metric(replica: &Replica, line_start: &str) -> Option<i64> {
+    let text = replica.shared().metrics.render();
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|v| v as i64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() {
+    let bus = Bus::local();
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config())
+        .await
+        .unwrap();
+    let (queries, silent) = silent_worker(&bus, SILENT, 1).await;
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    assert!(
+        replica.wait_ready(Duration::from_secs(5)).await,
+        "a silent worker kept the replica unready: {}",
+        replica.shared().readiness().1
+    );
+    // Its first fetch has failed by now (else readiness would still wait for it).
+    let (ready, body) = replica.shared().readiness();
+    assert!(ready);
+    assert!(
+        body.contains("left out of routing") && body.contains(&format!("{SILENT}/0")),
+        "{body}"
+    );
+    assert_eq!(
+        metric(&replica, "kvrouter_unroutable_ranks{"),
+        Some(1),
+        "the metric names it"
+    );
+    assert!(queries.load(Ordering::SeqCst) >= 1, "it was asked");
+
+    // Routes go to the two synced workers only, whatever the load.
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    for i in 0..30u32 {
+        let tokens: Vec<u32> = (0..4 * BLOCK).map(|t| i * 10_000 + t).collect();
+        let done = client
+            .generate(&GenerateParams::new(MODEL, tokens, 1))
+            .await
+            .unwrap();
+        assert_ne!(
+            done.decision.worker_id, SILENT,
+            "route {i} went to the silent worker"
+        );
+    }
+    // A pin to it is refused rather than routed blind.
+    let pinned = client
+        .route(&RouteRequest {
+            model: MODEL.into(),
+            request_id: String::new(),
+            tokens: (0..2 * BLOCK).collect(),
+            lora: None,
+            allowed_workers: Some(vec![SILENT]),
+            pin: None,
+            update_states: false,
+        })
+        .await;
+    assert!(pinned.is_err(), "{pinned:?}");
+    silent.abort();
+    replica.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_with_thousands_of_ranks_is_fetched_a_few_at_a_time() {
+    let bus = Bus::local();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let (queries, silent) = silent_worker(&bus, SILENT, 4096).await;
+    // Over one second with a 200 ms fetch timeout: at most 4 at a time, each slot turning
+    // over about every 200 ms (plus backoff), so a few dozen at most, not 4,096.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let asked = queries.load(Ordering::SeqCst);
+    assert!(asked >= 4, "{asked}: fetches started");
+    assert!(asked <= 4 * 6, "{asked} state queries in one second");
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    silent.abort();
+    replica.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_registrations_are_refused_and_takeovers_counted() {
+    let bus = Bus::local();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let s = subjects();
+    let publish = |r: Registration| {
+        let bus = bus.clone();
+        let subject = s.register();
+        async move {
+            bus.publish(&subject, Bytes::from(encode(&r).unwrap()))
+                .await
+                .unwrap()
+        }
+    };
+    let mut huge = registration(1, Uuid::new_v4(), 1);
+    huge.capacity_blocks = 1 << 63;
+    publish(huge).await;
+    let mut no_beat = registration(2, Uuid::new_v4(), 1);
+    no_beat.heartbeat_interval_ms = 0;
+    publish(no_beat).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&replica, "kvrouter_refused_registrations_total{") != Some(2) {
+        assert!(Instant::now() < deadline, "refusals never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&replica, "kvrouter_workers{"), Some(0));
+
+    // The same worker id from a new instance while the first is live: allowed, counted.
+    publish(registration(3, Uuid::new_v4(), 1)).await;
+    publish(registration(3, Uuid::new_v4(), 1)).await;
+    while metric(&replica, "kvrouter_worker_instance_takeovers_total{") != Some(1) {
+        assert!(Instant::now() < deadline, "the takeover was never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&replica, "kvrouter_workers{"), Some(1));
+    replica.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
+    let bus = Bus::local();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let s = subjects();
+    let garbage = Bytes::from_static(&[1, 0xff, 0xff, 0xff]);
+    bus.publish(&s.register(), garbage.clone()).await.unwrap();
+    bus.publish(&s.heartbeat(), garbage.clone()).await.unwrap();
+    let route = Subjects::new("kvrouter").unwrap().route();
+    let answer = bus
+        .request(&route, garbage.clone(), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let reply: kvrouter_protocol::Reply<kvrouter_protocol::RouteDecision> =
+        kvrouter_protocol::decode(&answer.payload).unwrap();
+    let err = reply.into_result().unwrap_err();
+    assert_eq!(err.kind, kvrouter_protocol::ErrorKind::Malformed);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for kind in ["registration", "heartbeat", "route"] {
+        let line = format!("kvrouter_undecodable_messages_total{{subject=\"{kind}\"}}");
+        while metric(&replica, &line) != Some(1) {
+            assert!(Instant::now() < deadline, "{line} never reached 1");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(metric(&replica, "kvrouter_bus_connected "), Some(1));
+    replica.shutdown().await;
+}

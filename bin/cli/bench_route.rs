@@ -1,11 +1,11 @@
 //! `kvrouter bench route-latency`: open-loop route latency against running replicas.
-//! The measurement lives in `kvrouter_client::latency`.
+//! The measurement lives in `kvrouter_bench::route_latency`.
 
 use super::nats_args::NatsArgs;
 use anyhow::{bail, Context};
 use clap::Args;
 use kvrouter_bench::replay::requests::{build_requests, load_trace};
-use kvrouter_client::latency::{
+use kvrouter_bench::route_latency::{
     run_route_latency, LatencySummary, RouteLatencyConfig, RouteLatencyReport,
 };
 use kvrouter_client::KvRouterClient;

@@ -1,8 +1,11 @@
-//! Benchmarks: Mooncake traces, the indexer event stream and its measurement, and the trace
-//! replay through router replicas and a mocker fleet.
+//! Benchmarks: Mooncake traces, the indexer event stream and its measurement, the trace
+//! replay through router replicas and a mocker fleet, and open-loop route latency against
+//! running replicas.
 
 pub mod indexer_bench;
 pub mod indexer_stream;
+mod percentile;
 pub mod replay;
+pub mod route_latency;
 pub mod stream_file;
 pub mod trace;

@@ -26,7 +26,6 @@ mod client;
 mod disagg;
 mod error;
 mod generate;
-pub mod latency;
 
 pub use client::{
     new_request_id, route_request, KvRouterClient, DEFAULT_GENERATE_IDLE_TIMEOUT,

@@ -434,38 +434,3 @@ fn bad_namespaces_are_refused() {
         Err(ClientError::Subject(_))
     ));
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn route_latency_bench_sends_on_schedule() {
-    use kvrouter_client::latency::{run_route_latency, RouteLatencyConfig};
-    let bus = Bus::local();
-    let subjects = Subjects::new(NS).unwrap();
-    let seen = responder(&bus, &subjects.route(), |_| enc(&Reply::Ok(decision("r1")))).await;
-    let config = RouteLatencyConfig {
-        warm_up: false, // the fake replica has no workers to generate on
-        ..RouteLatencyConfig::new(MODEL, 400.0, 32, Duration::from_millis(500))
-    };
-    let report = run_route_latency(&client(&bus), &config).await.unwrap();
-    assert_eq!(report.sent, 200);
-    assert_eq!(report.ok, 200, "{report:?}");
-    assert!(report.errors.is_empty());
-    assert_eq!(report.latency.count, 200);
-    assert!(report.latency.p50_us <= report.latency.p99_us);
-    assert!(report.latency.p99_us <= report.latency.max_us);
-    assert!(report.send_rate > 200.0, "{report:?}");
-    let sent = seen.lock().unwrap().clone();
-    let reqs: Vec<RouteRequest> = sent.iter().map(|b| decode(b).unwrap()).collect();
-    assert!(reqs
-        .iter()
-        .all(|r| !r.update_states && r.tokens.len() == 32));
-
-    // Without a replica, every request is counted as a no_router error.
-    let bus = Bus::local();
-    let config = RouteLatencyConfig {
-        warm_up: false,
-        ..RouteLatencyConfig::new(MODEL, 200.0, 8, Duration::from_millis(100))
-    };
-    let report = run_route_latency(&client(&bus), &config).await.unwrap();
-    assert_eq!(report.ok, 0);
-    assert_eq!(report.errors.get("no_router"), Some(&report.sent));
-}

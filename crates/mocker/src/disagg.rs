@@ -18,8 +18,10 @@
 //! Reports go out one message per tp rank, as separate engines' ranks would send them.
 
 use crate::engine::{OutputKind, Request};
-use crate::rank_task::{sim_to_wall, stopped, RankCmd, RankOut};
-use crate::worker::{publish_msg, WorkerInfo};
+use crate::publish::publish_msg;
+use crate::rank_task::{sim_to_wall, RankCmd, RankOut};
+use crate::shutdown::stopped;
+use crate::worker_info::WorkerInfo;
 use kvrouter_bus::Bus;
 use kvrouter_protocol::{DpRank, ErrorKind, ErrorReply, TransferReport, TransferSide, WorkerRole};
 use std::sync::Arc;

@@ -29,8 +29,12 @@
 
 use crate::config::{ConfigError, EngineConfig};
 use crate::engine::RankEngine;
-use crate::rank_task::{stopped, RankCmd, RankTask};
-use crate::worker::{publish_msg, EndpointSubs, Endpoints, Publisher, TransferConfig, WorkerInfo};
+use crate::publish::publish_msg;
+use crate::publisher::Publisher;
+use crate::rank_task::{RankCmd, RankTask};
+use crate::shutdown::stopped;
+use crate::worker::{EndpointSubs, Endpoints};
+use crate::worker_info::{TransferConfig, WorkerInfo};
 use kvrouter_bus::{Bus, BusError, Subscription};
 use kvrouter_protocol::{
     Deregistration, DpRank, EventId, ModelSubjects, SubjectError, Subjects, WorkerId, WorkerKey,

@@ -13,7 +13,9 @@
 //! snapshot includes is in the publisher's channel before the snapshot is taken.
 
 use crate::engine::{OutputKind, RankEngine, Request, SimTime, StepOutcome, SubmitError};
-use crate::worker::{PubMsg, WorkerInfo};
+use crate::publisher::PubMsg;
+use crate::shutdown::stopped;
+use crate::worker_info::WorkerInfo;
 use kvrouter_protocol::{ErrorReply, EventId, KvEvent, RankLoad};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -72,11 +74,6 @@ pub(crate) fn wall_to_sim(wall: Duration, speedup: f64) -> Duration {
     Duration::try_from_secs_f64(wall.as_secs_f64() * speedup)
         .unwrap_or(MAX_SPAN)
         .min(MAX_SPAN)
-}
-
-/// Resolves once the fleet is shutting down (or the fleet handle is gone).
-pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 pub(crate) struct RankTask {

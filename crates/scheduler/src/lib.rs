@@ -29,10 +29,12 @@ pub mod cost;
 mod echo;
 mod error;
 mod queue;
+mod route_query;
 mod scheduler;
 
 pub use active::{KeyLoad, ReportedLoad, RequestId};
 pub use config::{RoutingPolicy, SchedulerConfig};
 pub use error::ScheduleError;
 pub use queue::{Overloaded, Queued};
-pub use scheduler::{PotentialLoad, RouteQuery, Scheduler, Selection};
+pub use route_query::RouteQuery;
+pub use scheduler::{PotentialLoad, Scheduler, Selection};

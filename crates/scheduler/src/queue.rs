@@ -2,7 +2,7 @@
 
 use crate::active::RequestId;
 use crate::error::ScheduleError;
-use crate::scheduler::RouteQuery;
+use crate::route_query::RouteQuery;
 use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
 use std::collections::VecDeque;
 use std::time::Instant;

@@ -5,7 +5,7 @@
 
 use super::ideal::Ideals;
 use super::{RequestResult, RunOutcome};
-use kvrouter_client::latency::percentile;
+use crate::percentile::percentile;
 use serde::Serialize;
 use std::fmt::Write as _;
 

@@ -6,7 +6,8 @@
 //! its own OS thread (`std::thread::sleep` is precise to tens of µs; the tokio timer ticks in
 //! milliseconds) and every request runs as its own task.
 
-use crate::client::KvRouterClient;
+use crate::percentile::percentile;
+use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_protocol::RouteRequest;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -114,17 +115,6 @@ impl LatencySummary {
     }
 }
 
-/// Nearest-rank percentile of sorted samples: the smallest sample with at least a fraction
-/// `q` of all samples at or below it. `None` for no samples.
-pub fn percentile(sorted: &[u64], q: f64) -> Option<u64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let n = sorted.len();
-    let rank = (q.clamp(0.0, 1.0) * n as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, n) - 1])
-}
-
 /// When request `i` should go out: `start + i / rate`.
 pub fn intended_send_time(start: Instant, rate: f64, i: u64) -> Instant {
     start + Duration::from_secs_f64(i as f64 / rate)
@@ -224,7 +214,7 @@ pub struct RouteLatencyReport {
     pub sent: u64,
     /// Successful decisions.
     pub ok: u64,
-    /// Failed requests by [`ClientError::kind_label`](crate::ClientError::kind_label).
+    /// Failed requests by [`ClientError::kind_label`](kvrouter_client::ClientError::kind_label).
     pub errors: BTreeMap<String, u64>,
     /// Requests sent per second of the send window.
     pub send_rate: f64,
@@ -262,7 +252,7 @@ pub async fn run_route_latency(
     let mut prompts = PromptSource::of(config);
     if config.warm_up {
         for prefix in prompts.prefixes() {
-            let params = crate::GenerateParams::new(config.model.clone(), prefix.clone(), 1);
+            let params = GenerateParams::new(config.model.clone(), prefix.clone(), 1);
             client
                 .generate(&params)
                 .await
@@ -374,26 +364,6 @@ pub async fn run_route_latency(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<u64> = (1..=100).collect();
-        assert_eq!(percentile(&v, 0.50), Some(50));
-        assert_eq!(percentile(&v, 0.99), Some(99));
-        assert_eq!(percentile(&v, 0.999), Some(100));
-        assert_eq!(percentile(&v, 1.0), Some(100));
-        assert_eq!(percentile(&v, 0.0), Some(1));
-        assert_eq!(percentile(&[], 0.5), None);
-        assert_eq!(percentile(&[7], 0.999), Some(7));
-        let v: Vec<u64> = (1..=1000).collect();
-        assert_eq!(percentile(&v, 0.999), Some(999));
-        assert_eq!(percentile(&v, 0.99), Some(990));
-        let v: Vec<u64> = (1..=10_000).collect();
-        assert_eq!(percentile(&v, 0.999), Some(9990));
-        // Two samples: the median is the lower one.
-        assert_eq!(percentile(&[10, 20], 0.5), Some(10));
-        assert_eq!(percentile(&[10, 20], 0.51), Some(20));
-    }
 
     #[test]
     fn summaries_sort_and_average() {

@@ -1,0 +1,67 @@
+//! Encoding messages for the bus and publishing them.
+
+use bytes::Bytes;
+use kvrouter_bus::Bus;
+use kvrouter_protocol::{chunk_events, encode, KvEvent};
+use serde::Serialize;
+
+/// Publishes an encodable message; failures are logged (the bus is at most once anyway).
+pub(crate) async fn publish_msg<T: Serialize>(bus: &Bus, subject: &str, msg: &T) -> bool {
+    match encode(msg) {
+        Ok(bytes) => match bus.publish(subject, Bytes::from(bytes)).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(subject, error = %e, "publish failed");
+                false
+            }
+        },
+        Err(e) => {
+            tracing::error!(subject, error = %e, "cannot encode a message");
+            false
+        }
+    }
+}
+
+/// Encodes `events` as one or more messages, each under `max_payload` bytes and at most
+/// `max_blocks` blocks, in order. `wrap` builds the message around a slice of events. A
+/// single event too large for any message is logged and left out.
+pub(crate) fn encode_chunked<T: Serialize>(
+    events: Vec<KvEvent>,
+    max_payload: usize,
+    wrap: &dyn Fn(Vec<KvEvent>) -> T,
+) -> Vec<Bytes> {
+    fn push<T: Serialize>(
+        events: Vec<KvEvent>,
+        max_payload: usize,
+        wrap: &dyn Fn(Vec<KvEvent>) -> T,
+        out: &mut Vec<Bytes>,
+    ) {
+        let n = events.len();
+        let first_id = events.first().map(|e| e.event_id);
+        let encoded = encode(&wrap(events.clone()));
+        match encoded {
+            Ok(b) if b.len() <= max_payload => out.push(Bytes::from(b)),
+            _ if n > 1 => {
+                // Many small events can outgrow the block budget's estimate: halve.
+                let mut events = events;
+                let tail = events.split_off(n / 2);
+                push(events, max_payload, wrap, out);
+                push(tail, max_payload, wrap, out);
+            }
+            other => {
+                let size = other.as_ref().map(Vec::len).unwrap_or(usize::MAX);
+                tracing::error!(
+                    event_id = ?first_id,
+                    size,
+                    max_payload,
+                    "a KV event is larger than the bus payload limit; dropped"
+                );
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for chunk in chunk_events(events, max_payload) {
+        push(chunk, max_payload, wrap, &mut out);
+    }
+    out
+}

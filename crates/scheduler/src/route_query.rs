@@ -1,0 +1,40 @@
+//! A request to place: prompt, block hashes and the filters narrowing where it may go.
+
+use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+
+/// A request to place.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RouteQuery<'a> {
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Sequence hashes of the prompt's full blocks.
+    pub sequence_hashes: &'a [SequenceHash],
+    /// Only these workers may serve it (None: any).
+    pub allowed_workers: Option<&'a [WorkerId]>,
+    /// Only this worker key may serve it.
+    pub pinned: Option<WorkerKey>,
+    /// Only this worker (any of its ranks) may serve it.
+    pub pinned_worker: Option<WorkerId>,
+    /// Only these worker keys may serve it (None: any), on top of the other filters (e.g.
+    /// the decode ranks a disaggregated request may go to).
+    pub allowed_keys: Option<&'a [WorkerKey]>,
+}
+
+impl<'a> RouteQuery<'a> {
+    /// An unfiltered query.
+    pub fn new(prompt_tokens: usize, sequence_hashes: &'a [SequenceHash]) -> Self {
+        Self {
+            prompt_tokens,
+            sequence_hashes,
+            ..Self::default()
+        }
+    }
+
+    /// True if any filter (allowed workers or keys, pinned key, pinned worker) is set.
+    pub fn is_filtered(&self) -> bool {
+        self.allowed_workers.is_some()
+            || self.pinned.is_some()
+            || self.pinned_worker.is_some()
+            || self.allowed_keys.is_some()
+    }
+}

@@ -60,14 +60,12 @@ fn main() -> std::process::ExitCode {
     cli::init_tracing(if quiet { "warn" } else { "info" });
     let result = match cli.command {
         Command::Hash(args) => cli::hash::run(args),
-        Command::Serve(args) => cli::runtime().and_then(|rt| rt.block_on(cli::serve::run(args))),
-        Command::Mocker(args) => cli::runtime().and_then(|rt| rt.block_on(cli::mocker::run(args))),
+        Command::Serve(args) => cli::block_on(cli::serve::run(args)),
+        Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::replay::run_demo(args),
-        Command::Route(args) => cli::runtime().and_then(|rt| rt.block_on(cli::route::run(args))),
-        Command::Generate(args) => {
-            cli::runtime().and_then(|rt| rt.block_on(cli::generate::run(args)))
-        }
+        Command::Route(args) => cli::block_on(cli::route::run(args)),
+        Command::Generate(args) => cli::block_on(cli::generate::run(args)),
         Command::Subjects(args) => cli::subjects::run(args),
     };
     match result {

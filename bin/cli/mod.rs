@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_route;
 pub mod generate;
 pub mod hash;
+pub mod lifecycle;
 pub mod mocker;
 pub mod nats_args;
 pub mod replay;
@@ -29,6 +30,15 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")
+}
+
+/// Runs `fut` on a fresh runtime. Stopping the runtime afterwards is bounded too: a blocking
+/// task (a DNS lookup towards a NATS that is gone) must not hold up the exit.
+pub fn block_on<T>(fut: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    let rt = runtime()?;
+    let result = rt.block_on(fut);
+    rt.shutdown_timeout(std::time::Duration::from_millis(500));
+    result
 }
 
 /// Parses a u64 written in decimal or as 0x-prefixed hex.

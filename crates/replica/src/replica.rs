@@ -697,7 +697,11 @@ impl Replica {
         for t in &self.back {
             t.abort();
         }
-        let _ = self.shared.bus.flush().await;
+        let _ = self
+            .shared
+            .bus
+            .flush_within(kvrouter_bus::SHUTDOWN_FLUSH_TIMEOUT)
+            .await;
         for m in self.models {
             m.fleet.stop(None);
             m.scheduler.stop(None);

@@ -15,6 +15,11 @@ static GLOBAL: MiMalloc = MiMalloc;
     about = "KV-cache-aware router for LLM inference fleets"
 )]
 struct Cli {
+    /// More logs on stderr: -v info, -vv kvrouter debug, -vvv trace. Client commands show only
+    /// warnings by default, serve and mocker kvrouter's own info lines. KVROUTER_LOG (or
+    /// RUST_LOG), a tracing filter such as "info,kvrouter_replica=debug", overrides it.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count, env = "KVROUTER_VERBOSE")]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -55,25 +60,29 @@ fn tune_system_allocator() {
 fn main() -> std::process::ExitCode {
     tune_system_allocator();
     let cli = Cli::parse();
-    // Commands that run whole fleets in-process would drown their report in info logs.
-    let quiet = matches!(cli.command, Command::Demo(_) | Command::Bench(_));
-    cli::init_tracing(if quiet { "warn" } else { "info" });
+    let long_running = matches!(cli.command, Command::Serve(_) | Command::Mocker(_));
+    cli::init_tracing(
+        if long_running {
+            cli::LogDefault::Service
+        } else {
+            cli::LogDefault::Quiet
+        },
+        cli.verbose,
+    );
     let result = match cli.command {
         Command::Hash(args) => cli::hash::run(args),
-        Command::Serve(args) => cli::runtime().and_then(|rt| rt.block_on(cli::serve::run(args))),
-        Command::Mocker(args) => cli::runtime().and_then(|rt| rt.block_on(cli::mocker::run(args))),
+        Command::Serve(args) => cli::block_on(cli::serve::run(args)),
+        Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::replay::run_demo(args),
-        Command::Route(args) => cli::runtime().and_then(|rt| rt.block_on(cli::route::run(args))),
-        Command::Generate(args) => {
-            cli::runtime().and_then(|rt| rt.block_on(cli::generate::run(args)))
-        }
+        Command::Route(args) => cli::block_on(cli::route::run(args)),
+        Command::Generate(args) => cli::block_on(cli::generate::run(args)),
         Command::Subjects(args) => cli::subjects::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", cli::error_chain(&e));
             std::process::ExitCode::FAILURE
         }
     }

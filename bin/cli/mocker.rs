@@ -1,5 +1,6 @@
 //! `kvrouter mocker`: a fleet of simulated engine workers on NATS.
 
+use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
 use anyhow::Context;
 use clap::Args;
@@ -65,6 +66,11 @@ pub struct MockerArgs {
     /// seconds (wall time) fails.
     #[arg(long, env = "KVROUTER_KV_RECEIVE_TIMEOUT_SECS", default_value_t = 30.0)]
     kv_receive_timeout_secs: f64,
+    /// On SIGTERM or SIGINT, how long the workers may take to stop and publish their last KV
+    /// events; deregistering adds at most 1 s, the whole shutdown at most this plus 2 s (else
+    /// exit status 1). A second signal exits at once.
+    #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
+    drain_timeout_secs: f64,
     /// Test hook: this tp rank of every worker finishes no KV transfer (a prefill tp rank
     /// never reports the KV sent, a decode tp rank never receives it).
     #[arg(long, env = "KVROUTER_SILENCE_TP_RANK")]
@@ -116,10 +122,16 @@ fn random_worker_id_base(workers: u32) -> u64 {
 
 pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
     let config = args.config()?;
-    let bus = args.nats.connect("kvrouter-mocker").await?;
-    let fleet = MockerFleet::start(bus, config)
-        .await
-        .context("cannot start the mocker fleet")?;
+    let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
+    let mut life = Lifecycle::install("mocker", drain_timeout)?;
+    let fleet = life
+        .startup(async {
+            let bus = args.nats.connect("kvrouter-mocker").await?;
+            MockerFleet::start(bus, config)
+                .await
+                .context("cannot start the mocker fleet")
+        })
+        .await?;
     let worker_ids = fleet.worker_ids();
     let instance_ids: Vec<String> = worker_ids
         .iter()
@@ -145,11 +157,13 @@ pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
         writeln!(out, "{line}").context("cannot write to stdout")?;
         out.flush().context("cannot write to stdout")?;
     }
-    super::serve::shutdown_signal().await;
-    tracing::info!("shutdown requested: deregistering the workers");
-    fleet
-        .shutdown()
-        .await
-        .context("mocker shutdown did not complete cleanly")?;
-    Ok(())
+    life.wait().await;
+    let what = move || format!("stopping and deregistering workers {worker_ids:?}");
+    life.shutdown(what, async {
+        fleet
+            .shutdown_within(drain_timeout)
+            .await
+            .context("mocker shutdown did not complete cleanly")
+    })
+    .await
 }

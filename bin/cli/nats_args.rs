@@ -1,6 +1,5 @@
 //! How every networked command reaches NATS: `#[command(flatten)] nats: NatsArgs`.
 
-use anyhow::Context;
 use clap::Args;
 use kvrouter_bus::{Bus, NatsOptions, DEFAULT_NATS_URL};
 use std::path::PathBuf;
@@ -8,7 +7,10 @@ use std::path::PathBuf;
 /// NATS connection and namespace flags, shared by every command that talks to the bus.
 #[derive(Args, Clone, Debug)]
 pub struct NatsArgs {
-    /// NATS server URL, or a comma-separated list (credentials in the URL work too).
+    /// NATS server URL, or a comma-separated list. Credentials may be in the URL:
+    /// nats://user:password@host:4222 or nats://token@host:4222, percent-encoded (%40 for @,
+    /// %3A for :, %20 for a space, %25 for %); giving them also with --nats-user, --nats-token
+    /// or --nats-creds is refused.
     #[arg(long = "nats", env = "KVROUTER_NATS", default_value = DEFAULT_NATS_URL, value_name = "URL")]
     pub url: String,
     /// NATS user (with --nats-password).
@@ -63,11 +65,8 @@ impl NatsArgs {
         }
     }
 
-    /// Connects to NATS; the error names the (redacted) URL.
+    /// Connects to NATS; the error names the (redacted) URL already.
     pub async fn connect(&self, name: &str) -> anyhow::Result<Bus> {
-        let opts = self.options(name);
-        Bus::connect(&opts)
-            .await
-            .with_context(|| format!("cannot connect to NATS at {}", opts.redacted_url()))
+        Ok(Bus::connect(&self.options(name)).await?)
     }
 }

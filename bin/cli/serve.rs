@@ -1,5 +1,6 @@
 //! `kvrouter serve`: one router replica.
 
+use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
 use anyhow::Context;
 use clap::Args;
@@ -67,7 +68,8 @@ pub struct ServeArgs {
     /// How long a rank's state fetch may stay silent before it is retried.
     #[arg(long, env = "KVROUTER_STATE_FETCH_TIMEOUT_MS", default_value_t = 2000)]
     state_fetch_timeout_ms: u64,
-    /// On SIGTERM, how long to wait for in-flight requests.
+    /// On SIGTERM or SIGINT, how long to wait for in-flight requests; the whole shutdown takes
+    /// at most this plus 2 s, else it exits with status 1. A second signal exits at once.
     #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
     drain_timeout_secs: f64,
     /// How workers are chosen: kv (cached prefix and load), or a baseline for comparisons:
@@ -206,38 +208,37 @@ fn fastrand_seed() -> u64 {
     RandomState::new().hash_one(std::process::id())
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
     config.validate()?;
-    let bus = args.nats.connect("kvrouter-serve").await?;
-    let replica = Replica::start(config, bus)
-        .await
-        .context("cannot start the replica")?;
-    shutdown_signal().await;
-    tracing::info!("shutdown requested: draining");
-    replica.shutdown().await;
-    Ok(())
+    let mut life = Lifecycle::install("serve", config.drain_timeout)?;
+    let (replica, bus) = life
+        .startup(async {
+            let bus = args.nats.connect("kvrouter-serve").await?;
+            let replica = Replica::start(config, bus.clone())
+                .await
+                .context("cannot start the replica")?;
+            anyhow::Ok((replica, bus))
+        })
+        .await?;
+    life.wait().await;
+    let what = || {
+        let nats = if bus.is_connected() {
+            "connected"
+        } else {
+            "disconnected, so the final flush cannot complete"
+        };
+        format!("draining in-flight requests and stopping the replica (NATS {nats})")
+    };
+    life.shutdown(what, async {
+        replica.shutdown().await;
+        if !bus.is_connected() {
+            tracing::warn!(
+                "NATS was down during the shutdown: the replica's last messages (answers, \
+                 sync updates) may not have reached it"
+            );
+        }
+        Ok(())
+    })
+    .await
 }

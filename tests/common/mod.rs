@@ -138,6 +138,35 @@ impl Proc {
         }
     }
 
+    /// Starts a prepared `kvrouter` command (from [`kvrouter`], with its own env or stderr);
+    /// stdout is piped.
+    pub fn spawn(name: &str, mut cmd: Command) -> Self {
+        let child = cmd.stdout(Stdio::piped()).spawn().expect("kvrouter starts");
+        Self {
+            child,
+            name: name.to_string(),
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit (after a signal, say).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// The first line the process prints on stdout.
     pub fn first_line(&mut self) -> String {
         let out = self.child.stdout.take().expect("stdout piped");

@@ -172,6 +172,38 @@ impl Bus {
         }
     }
 
+    /// [`Bus::flush`] that gives up after `limit` with [`BusError::Stalled`]. Shutdown paths use
+    /// it: while NATS is down a flush waits for the reconnect, which may never come.
+    pub async fn flush_within(&self, limit: Duration) -> Result<(), BusError> {
+        tokio::time::timeout(limit, self.flush())
+            .await
+            .unwrap_or_else(|_| {
+                Err(BusError::Stalled {
+                    what: "flush".into(),
+                    after: limit,
+                })
+            })
+    }
+
+    /// [`Bus::publish`] that gives up after `limit` with [`BusError::Stalled`]: while NATS is
+    /// down, a publish waits once async-nats' outbound queue is full. A publish that returned
+    /// `Ok` is only queued; follow it with [`Bus::flush_within`] to know it reached the server.
+    pub async fn publish_within(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        limit: Duration,
+    ) -> Result<(), BusError> {
+        tokio::time::timeout(limit, self.publish(subject, payload))
+            .await
+            .unwrap_or_else(|_| {
+                Err(BusError::Stalled {
+                    what: format!("publish to '{subject}'"),
+                    after: limit,
+                })
+            })
+    }
+
     /// Whether the NATS connection is currently up (false while reconnecting); always true for
     /// the in-process bus.
     pub fn is_connected(&self) -> bool {

@@ -39,6 +39,16 @@ pub enum BusError {
     #[error("the bus is closed: the NATS connection was shut down or the in-process bus dropped")]
     Closed,
 
+    /// A bounded publish or flush ([`Bus::publish_within`](crate::Bus::publish_within),
+    /// [`Bus::flush_within`](crate::Bus::flush_within)) gave up: while NATS is disconnected a
+    /// flush waits for the reconnect and a publish waits once the client's outbound queue is
+    /// full, possibly for ever.
+    #[error(
+        "NATS did not take the {what} within {after:?}: the connection is down or its outbound \
+         queue is full (is nats-server reachable?)"
+    )]
+    Stalled { what: String, after: Duration },
+
     /// Anything else, with the underlying cause.
     #[error("bus error: {0}")]
     Other(String),

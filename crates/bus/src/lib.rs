@@ -25,7 +25,9 @@
 //!   returned as is.
 //! - **Connection** (NATS): the first connection must succeed (else [`BusError::Connect`],
 //!   promptly); after that the client reconnects without limit, subscriptions survive, and
-//!   [`Bus::is_connected`] tells whether the link is currently up.
+//!   [`Bus::is_connected`] tells whether the link is currently up. While it is down a flush
+//!   waits for the reconnect (and a publish, once the outbound queue is full): paths that must
+//!   finish, such as a shutdown, use [`Bus::flush_within`] and [`Bus::publish_within`].
 //!
 //! # Wire contract: streamed replies
 //! A requester calls [`Bus::request_stream`]; the request is an ordinary message whose reply
@@ -53,3 +55,8 @@ pub use message::Message;
 pub use nats::NatsBus;
 pub use options::{NatsOptions, DEFAULT_NATS_URL};
 pub use subscription::{ReplyStream, Subscription};
+
+/// How long a shutdown path may spend on its final [`Bus::flush_within`] (and bounded
+/// publishes): long enough for a live server, short enough that a dead one does not hold up
+/// the exit.
+pub const SHUTDOWN_FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);

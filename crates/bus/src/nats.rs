@@ -9,6 +9,7 @@ use async_nats::connection::State;
 use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerAddr};
 use bytes::Bytes;
 
+use crate::options::UrlAuth;
 use crate::{BusError, Message, NatsOptions};
 
 /// A NATS connection. Clones share it. async-nats reconnects on its own (without limit) after
@@ -37,18 +38,26 @@ impl NatsBus {
         let shown: Arc<str> = opts.redacted_url().into();
         let fail = |why: String| BusError::Connect(format!("cannot connect to '{shown}': {why}"));
 
+        // async-nats ignores credentials in a URL: they go in the connect options instead.
+        let (servers, url_auth) = opts.split_url_auth()?;
         let mut addrs = Vec::new();
-        for url in opts.urls() {
+        for url in &servers {
             let addr: ServerAddr = url.parse().map_err(|e| {
                 fail(format!(
-                    "'{}' is not a valid NATS URL ({e}); expected e.g. nats://host:4222",
-                    crate::options::redact_url(url)
+                    "'{url}' is not a valid NATS URL ({e}); expected e.g. nats://host:4222"
                 ))
             })?;
             addrs.push(addr);
         }
 
         let mut co = ConnectOptions::new();
+        match url_auth {
+            Some(UrlAuth::UserPassword { user, password }) => {
+                co = co.user_and_password(user, password);
+            }
+            Some(UrlAuth::Token(token)) => co = co.token(token),
+            None => {}
+        }
         if let Some(path) = &opts.credentials_file {
             co = co.credentials_file(path).await.map_err(|e| {
                 fail(format!(

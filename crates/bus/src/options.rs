@@ -7,8 +7,11 @@ use crate::BusError;
 
 /// Connection options for [`Bus::connect`](crate::Bus::connect).
 ///
-/// Authentication is at most one of: `user` + `password`, `token`, or `credentials_file`
-/// (credentials in the URL, `nats://user:pass@host:4222`, also work). TLS is used when the server
+/// Authentication is at most one of: `user` + `password`, `token`, `credentials_file`, or
+/// credentials in the URL: `nats://user:password@host:4222` or `nats://token@host:4222`, with
+/// special characters percent-encoded (`%40` for `@`, `%3A` for `:`, `%20` for a space, `%25` for
+/// `%`). Several URLs may carry credentials only if they carry the same ones; they are taken out
+/// of the URLs and sent like the fields above. TLS is used when the server
 /// asks for it or when `tls_required` is set; `tls_ca_file` adds a root certificate and
 /// `tls_client_cert` + `tls_client_key` present a client certificate (mutual TLS).
 #[derive(Clone, PartialEq, Eq)]
@@ -102,6 +105,37 @@ impl NatsOptions {
             .join(",")
     }
 
+    /// The server URLs with any credentials taken out, and those credentials (percent-decoded).
+    /// Fails if they cannot be decoded or two URLs carry different ones.
+    pub(crate) fn split_url_auth(&self) -> Result<(Vec<String>, Option<UrlAuth>), BusError> {
+        let fail = |why: String| {
+            BusError::Connect(format!(
+                "cannot connect to '{}': {why}",
+                self.redacted_url()
+            ))
+        };
+        let mut servers = Vec::new();
+        let mut auth: Option<UrlAuth> = None;
+        for url in self.urls() {
+            let (server, this) = split_userinfo(url)
+                .map_err(|why| fail(format!("the credentials in '{}' {why}", redact_url(url))))?;
+            servers.push(server);
+            match (&auth, this) {
+                (_, None) => {}
+                (None, Some(a)) => auth = Some(a),
+                (Some(a), Some(b)) if *a == b => {}
+                (Some(_), Some(_)) => {
+                    return Err(fail(
+                        "the server URLs carry different credentials; one connection uses one \
+                         set, give it once"
+                            .into(),
+                    ))
+                }
+            }
+        }
+        Ok((servers, auth))
+    }
+
     /// Checks that the options make sense together and that the files they name exist.
     /// Errors are [`BusError::Connect`] naming the URL and the problem.
     pub fn validate(&self) -> Result<(), BusError> {
@@ -123,7 +157,9 @@ impl NatsOptions {
             }
             _ => {}
         }
+        let (_, url_auth) = self.split_url_auth()?;
         let methods: Vec<&str> = [
+            url_auth.as_ref().map(|_| "credentials in the URL"),
             self.user.as_ref().map(|_| "user/password"),
             self.token.as_ref().map(|_| "token"),
             self.credentials_file.as_ref().map(|_| "credentials file"),
@@ -181,6 +217,78 @@ fn check_file(path: &Path) -> Result<(), String> {
         Ok(_) => Err("is not a regular file".into()),
         Err(e) => Err(format!("cannot be read ({e})")),
     }
+}
+
+/// Credentials written into a server URL, percent-decoded.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum UrlAuth {
+    UserPassword { user: String, password: String },
+    Token(String),
+}
+
+impl std::fmt::Debug for UrlAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UrlAuth::UserPassword { user, .. } => write!(f, "UserPassword({user:?}, ***)"),
+            UrlAuth::Token(_) => write!(f, "Token(***)"),
+        }
+    }
+}
+
+/// Splits `nats://user:password@host:port` (or `nats://token@host:port`) into the URL without
+/// its userinfo and the decoded credentials. async-nats ignores credentials in a URL, so they
+/// have to travel in the connect options. Errors say what is wrong without echoing secrets.
+pub(crate) fn split_userinfo(url: &str) -> Result<(String, Option<UrlAuth>), String> {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => (&url[..i + 3], &url[i + 3..]),
+        None => ("", url),
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return Ok((url.to_string(), None));
+    };
+    let (userinfo, host) = (&rest[..at], &rest[at + 1..]);
+    let server = format!("{scheme}{host}");
+    let decode = |part: &str, what: &str| {
+        percent_decode(part).ok_or_else(|| {
+            format!(
+                "are not valid: the {what} has a '%' not followed by two hex digits, or is not \
+                 UTF-8 once decoded (write '%' as %25)"
+            )
+        })
+    };
+    let auth = match userinfo.split_once(':') {
+        _ if userinfo.is_empty() => None,
+        Some(("", _)) => return Err("are not valid: a password but no user".into()),
+        Some((user, password)) => Some(UrlAuth::UserPassword {
+            user: decode(user, "user")?,
+            password: decode(password, "password")?,
+        }),
+        None => Some(UrlAuth::Token(decode(userinfo, "token")?)),
+    };
+    Ok((server, auth))
+}
+
+/// Decodes `%XX` escapes; `None` for a malformed escape or bytes that are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b.get(i + 1..i + 3)?;
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
+            // Two ASCII hex digits: always a valid u8.
+            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// Replaces the password (or token) of `nats://user:password@host` with `***`.
@@ -263,6 +371,78 @@ mod tests {
         let mut o = NatsOptions::new("nats://h:1");
         o.credentials_file = Some("/nonexistent/x.creds".into());
         assert!(err(&o).contains("/nonexistent/x.creds"));
+    }
+
+    fn up(user: &str, password: &str) -> Option<UrlAuth> {
+        Some(UrlAuth::UserPassword {
+            user: user.into(),
+            password: password.into(),
+        })
+    }
+
+    #[test]
+    fn url_credentials_are_split_out_and_decoded() {
+        let split = |u: &str| split_userinfo(u).unwrap();
+        assert_eq!(split("nats://h:4222"), ("nats://h:4222".into(), None));
+        assert_eq!(
+            split("nats://alice:s3cr%20et@127.0.0.1:4222"),
+            ("nats://127.0.0.1:4222".into(), up("alice", "s3cr et"))
+        );
+        // An encoded '@' or ':' belongs to the password; an unencoded ':' after the first too.
+        assert_eq!(
+            split("nats://a%40b:p%40ss%3Aw:x@h:1"),
+            ("nats://h:1".into(), up("a@b", "p@ss:w:x"))
+        );
+        assert_eq!(
+            split("tls://t%2Fok@h:1"),
+            ("tls://h:1".into(), Some(UrlAuth::Token("t/ok".into())))
+        );
+        assert_eq!(split("nats://u:@h"), ("nats://h".into(), up("u", "")));
+        assert_eq!(split("nats://@h:1"), ("nats://h:1".into(), None));
+        assert_eq!(split("u:p@h"), ("h".into(), up("u", "p")));
+        assert_eq!(split("nats://h:1/x@y"), ("nats://h:1/x@y".into(), None));
+        for bad in [
+            "nats://u:100%@h",
+            "nats://u:%zz@h",
+            "nats://u:%ff@h",
+            "nats://:p@h",
+        ] {
+            let e = split_userinfo(bad).unwrap_err();
+            assert!(!e.contains("100") && !e.contains("zz"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn url_credentials_conflict_with_other_auth_and_each_other() {
+        let o = NatsOptions::new("nats://u:p@a:1, nats://b:2,nats://u:p@c:3");
+        let (servers, auth) = o.split_url_auth().unwrap();
+        assert_eq!(servers, ["nats://a:1", "nats://b:2", "nats://c:3"]);
+        assert_eq!(auth, up("u", "p"));
+        assert!(o.validate().is_ok());
+
+        let m = err(&NatsOptions::new("nats://u:p@a:1,nats://u:q@b:2"));
+        assert!(
+            m.contains("different credentials") && !m.contains(":q@"),
+            "{m}"
+        );
+        let m = err(&NatsOptions::new("nats://u:%zzsecret@a:1"));
+        assert!(m.contains("'%'") && !m.contains("secret"), "{m}");
+
+        let mut o = NatsOptions::new("nats://u:url-secret@h:1");
+        o.user = Some("u".into());
+        o.password = Some("flag-secret".into());
+        let m = err(&o);
+        assert!(
+            m.contains("conflicting") && m.contains("credentials in the URL"),
+            "{m}"
+        );
+        assert!(!m.contains("secret"), "{m}");
+        let mut o = NatsOptions::new("nats://tok@h:1");
+        o.token = Some("t".into());
+        assert!(err(&o).contains("credentials in the URL and token"));
+        let mut o = NatsOptions::new("nats://tok@h:1");
+        o.credentials_file = Some("/nonexistent/x.creds".into());
+        assert!(err(&o).contains("credentials in the URL and credentials file"));
     }
 
     #[test]

@@ -35,7 +35,7 @@ use crate::rank_task::{RankCmd, RankTask};
 use crate::shutdown::stopped;
 use crate::worker::{EndpointSubs, Endpoints};
 use crate::worker_info::{TransferConfig, WorkerInfo};
-use kvrouter_bus::{Bus, BusError, Subscription};
+use kvrouter_bus::{Bus, BusError, Subscription, SHUTDOWN_FLUSH_TIMEOUT};
 use kvrouter_protocol::{
     Deregistration, DpRank, EventId, ModelSubjects, SubjectError, Subjects, WorkerId, WorkerKey,
     WorkerRole,
@@ -45,6 +45,7 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use uuid::Uuid;
 
 /// How long [`MockerFleet::shutdown`] waits for its tasks before aborting them.
@@ -216,6 +217,8 @@ pub enum FleetError {
     },
     #[error("the fleet is shutting down")]
     Stopped,
+    #[error("the fleet's shutdown left work undone: {0}")]
+    ShutdownIncomplete(String),
 }
 
 /// One worker as the fleet handle sees it.
@@ -463,46 +466,95 @@ impl MockerFleet {
     }
 
     /// Stops every rank (requests in flight get an `Unavailable` error), publishes the KV
-    /// events still buffered, deregisters every worker and flushes the bus.
-    pub async fn shutdown(mut self) -> Result<(), FleetError> {
+    /// events still buffered, deregisters every worker and flushes the bus; bounded as
+    /// [`shutdown_within`](Self::shutdown_within) with a 5 s stop timeout.
+    pub async fn shutdown(self) -> Result<(), FleetError> {
+        self.shutdown_within(STOP_TIMEOUT).await
+    }
+
+    /// [`shutdown`](Self::shutdown) that ends in bounded time whatever the bus does (NATS may
+    /// be down): the tasks get `stop_timeout` together to stop and hand over their last KV
+    /// events, then are aborted; the deregistrations and the final flush get
+    /// [`SHUTDOWN_FLUSH_TIMEOUT`] together. Fails with [`FleetError::ShutdownIncomplete`]
+    /// naming what was left undone.
+    pub async fn shutdown_within(mut self, stop_timeout: Duration) -> Result<(), FleetError> {
         let _ = self.shutdown.send(true);
-        let tasks = std::mem::take(&mut self.tasks);
-        for mut task in tasks {
-            if tokio::time::timeout(STOP_TIMEOUT, &mut task).await.is_err() {
-                tracing::warn!("a mocker task did not stop in time; aborting it");
+        let mut undone = Vec::new();
+        let deadline = Instant::now() + stop_timeout;
+        let mut aborted = 0;
+        for mut task in std::mem::take(&mut self.tasks) {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
                 task.abort();
+                aborted += 1;
             }
         }
-        let mut first_err = None;
+        if aborted > 0 {
+            tracing::warn!(
+                aborted,
+                ?stop_timeout,
+                "mocker tasks did not stop in time (publishing to a NATS that is down?); \
+                 aborted them, their last KV events are lost"
+            );
+            undone.push(format!(
+                "{aborted} task(s) aborted after {stop_timeout:?}, their last KV events lost"
+            ));
+        }
+
+        let deadline = Instant::now() + SHUTDOWN_FLUSH_TIMEOUT;
+        let mut queued = Vec::new();
+        let mut unsent = Vec::new();
+        let mut why = None;
         for w in &self.workers {
             let msg = Deregistration {
                 worker_id: w.info.worker_id,
                 instance_id: w.info.instance_id,
             };
+            let left = deadline.saturating_duration_since(Instant::now());
             let sent = match kvrouter_protocol::encode(&msg) {
                 Ok(b) => self
                     .bus
-                    .publish(&self.subjects.deregister(), bytes::Bytes::from(b))
+                    .publish_within(&self.subjects.deregister(), bytes::Bytes::from(b), left)
                     .await
-                    .map_err(FleetError::from),
-                Err(e) => Err(FleetError::Config(e.to_string())),
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
             };
             match sent {
-                Ok(()) => {
-                    tracing::info!(worker_id = w.info.worker_id, "mocker worker deregistered")
-                }
+                Ok(()) => queued.push(w.info.worker_id),
                 Err(e) => {
-                    tracing::warn!(worker_id = w.info.worker_id, error = %e, "cannot deregister");
-                    first_err.get_or_insert(e);
+                    unsent.push(w.info.worker_id);
+                    why.get_or_insert(e);
                 }
             }
         }
-        if let Err(e) = self.bus.flush().await {
-            first_err.get_or_insert(e.into());
+        if !unsent.is_empty() {
+            let why = why.unwrap_or_default();
+            tracing::warn!(workers = ?unsent, error = %why, "cannot deregister");
+            undone.push(format!("workers {unsent:?} not deregistered ({why})"));
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(()),
+        let left = deadline.saturating_duration_since(Instant::now());
+        match self.bus.flush_within(left).await {
+            Ok(()) => {
+                for worker_id in &queued {
+                    tracing::info!(worker_id, "mocker worker deregistered");
+                }
+            }
+            Err(e) if !queued.is_empty() => {
+                tracing::warn!(
+                    workers = ?queued,
+                    error = %e,
+                    "deregistrations may not have reached NATS; the routers drop these \
+                     workers when their lease runs out"
+                );
+                undone.push(format!(
+                    "deregistration of workers {queued:?} not confirmed ({e})"
+                ));
+            }
+            Err(_) => {}
+        }
+        if undone.is_empty() {
+            Ok(())
+        } else {
+            Err(FleetError::ShutdownIncomplete(undone.join("; ")))
         }
     }
 }

@@ -528,7 +528,11 @@ impl Replica {
             t.abort();
         }
         // Bounded: with the bus down a flush would wait for a reconnect that may never come.
-        let _ = tokio::time::timeout(Duration::from_secs(1), self.shared.bus.flush()).await;
+        let _ = self
+            .shared
+            .bus
+            .flush_within(kvrouter_bus::SHUTDOWN_FLUSH_TIMEOUT)
+            .await;
         for m in self.models {
             m.tracker.stop(None);
             m.scheduler.stop(None);

@@ -3,17 +3,19 @@
 //! 1. [`Lifecycle::install`] takes over SIGTERM and SIGINT before anything starts;
 //! 2. [`Lifecycle::startup`] runs the start-up; a signal meanwhile exits at once;
 //! 3. [`Lifecycle::wait`] waits for the first signal;
-//! 4. [`Lifecycle::shutdown`] runs the graceful shutdown, bounded by the drain timeout plus
-//!    [`SHUTDOWN_MARGIN`] whatever the bus does: past it the command logs what was left
-//!    undone and fails (exit 1). A second SIGTERM or SIGINT meanwhile exits at once with
+//! 4. [`Lifecycle::shutdown`] runs the graceful shutdown, bounded by the drain timeout
+//!    whatever the bus does (the command's own draining gets [`Lifecycle::drain_budget`], the
+//!    last [`SHUTDOWN_MARGIN`] is kept for the final bus work): past it the command logs what
+//!    was left undone and fails (exit 1). A second SIGTERM or SIGINT meanwhile exits at once with
 //!    128 + the signal number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process
 //!    killed by that signal.
 
 use std::future::Future;
 use std::time::Duration;
 
-/// Time allowed beyond the drain timeout for the final bus work (a bounded flush,
-/// [`kvrouter_bus::SHUTDOWN_FLUSH_TIMEOUT`]) and stopping the actors.
+/// The end of the drain timeout kept for the final bus work (a bounded flush,
+/// [`kvrouter_bus::SHUTDOWN_FLUSH_TIMEOUT`]) and stopping the actors; also the least time a
+/// shutdown gets.
 pub const SHUTDOWN_MARGIN: Duration = Duration::from_secs(2);
 
 /// A stop signal.
@@ -97,9 +99,15 @@ impl Lifecycle {
         })
     }
 
-    /// The most the shutdown may take: the drain timeout plus [`SHUTDOWN_MARGIN`].
+    /// The most the shutdown may take: the drain timeout (at least [`SHUTDOWN_MARGIN`]).
     pub fn budget(&self) -> Duration {
-        self.drain_timeout.saturating_add(SHUTDOWN_MARGIN)
+        self.drain_timeout.max(SHUTDOWN_MARGIN)
+    }
+
+    /// How long the command's own draining (in-flight requests, tasks) may take, so that the
+    /// final bus work still fits in [`Lifecycle::budget`].
+    pub fn drain_budget(&self) -> Duration {
+        self.budget().saturating_sub(SHUTDOWN_MARGIN)
     }
 
     /// Runs the start-up; a stop signal before it is done exits the process at once (there is
@@ -144,8 +152,8 @@ impl Lifecycle {
                 Err(_) => {
                     let what = what();
                     tracing::warn!(
-                        "{} shutdown did not finish within {budget:?} (--drain-timeout-secs \
-                         plus {SHUTDOWN_MARGIN:?}); left undone: {what}",
+                        "{} shutdown did not finish within {budget:?} (--drain-timeout-secs); \
+                         left undone: {what}",
                         self.command
                     );
                     anyhow::bail!(
@@ -178,8 +186,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_shutdown_that_runs_over_fails_naming_what_was_left() {
-        let mut life = Lifecycle::install("test", Duration::from_secs(3)).unwrap();
+        let mut life = Lifecycle::install("test", Duration::from_secs(5)).unwrap();
         assert_eq!(life.budget(), Duration::from_secs(5));
+        assert_eq!(life.drain_budget(), Duration::from_secs(3));
         let started = tokio::time::Instant::now();
         let e = life
             .shutdown(|| "the stuck part".into(), std::future::pending())

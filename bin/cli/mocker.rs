@@ -66,9 +66,9 @@ pub struct MockerArgs {
     /// seconds (wall time) fails.
     #[arg(long, env = "KVROUTER_KV_RECEIVE_TIMEOUT_SECS", default_value_t = 30.0)]
     kv_receive_timeout_secs: f64,
-    /// On SIGTERM or SIGINT, how long the workers may take to stop and publish their last KV
-    /// events; deregistering adds at most 1 s, the whole shutdown at most this plus 2 s (else
-    /// exit status 1). A second signal exits at once.
+    /// On SIGTERM or SIGINT, how long the whole shutdown may take: the workers stop and
+    /// publish their last KV events, then deregister (the last 2 s are kept for that); past it
+    /// the process exits with status 1. A second signal exits at once.
     #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
     drain_timeout_secs: f64,
     /// Test hook: this tp rank of every worker finishes no KV transfer (a prefill tp rank
@@ -158,10 +158,11 @@ pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
         out.flush().context("cannot write to stdout")?;
     }
     life.wait().await;
+    let drain_budget = life.drain_budget();
     let what = move || format!("stopping and deregistering workers {worker_ids:?}");
     life.shutdown(what, async {
         fleet
-            .shutdown_within(drain_timeout)
+            .shutdown_within(drain_budget)
             .await
             .context("mocker shutdown did not complete cleanly")
     })

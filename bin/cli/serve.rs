@@ -68,8 +68,9 @@ pub struct ServeArgs {
     /// How long a rank's state fetch may stay silent before it is retried.
     #[arg(long, env = "KVROUTER_STATE_FETCH_TIMEOUT_MS", default_value_t = 2000)]
     state_fetch_timeout_ms: u64,
-    /// On SIGTERM or SIGINT, how long to wait for in-flight requests; the whole shutdown takes
-    /// at most this plus 2 s, else it exits with status 1. A second signal exits at once.
+    /// On SIGTERM or SIGINT, how long the whole shutdown may take (in-flight requests get all
+    /// but the last 2 s, kept for the final bus work); past it the process exits with status 1.
+    /// A second signal exits at once.
     #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
     drain_timeout_secs: f64,
     /// How workers are chosen: kv (cached prefix and load), or a baseline for comparisons:
@@ -209,9 +210,12 @@ fn fastrand_seed() -> u64 {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = args.config()?;
+    let mut config = args.config()?;
     config.validate()?;
     let mut life = Lifecycle::install("serve", config.drain_timeout)?;
+    // The replica drains in-flight requests for what is left once the final bus work is
+    // set aside, so the whole shutdown fits --drain-timeout-secs.
+    config.drain_timeout = life.drain_budget();
     let (replica, bus) = life
         .startup(async {
             let bus = args.nats.connect("kvrouter-serve").await?;

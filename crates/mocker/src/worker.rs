@@ -6,12 +6,11 @@ use crate::rank_task::{stopped, RankCmd, RankOut};
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
-    chunk_events, decode, encode, max_blocks_per_batch, DpRank, ErrorKind, ErrorReply,
+    chunk_events, decode, encode, max_blocks_per_batch, DpRank, EngineKind, ErrorKind, ErrorReply,
     GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, LoadReport, ModelSubjects,
-    RankLiveness, RankLoad, Registration, Reply, StateChunk, StateQuery, WorkerId, WorkerKey,
+    RankLiveness, RankLoad, Registration, Reply, StateChunk, StateQuery, Wire, WorkerId, WorkerKey,
     WorkerRole,
 };
-use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -153,6 +152,8 @@ impl WorkerInfo {
             tp_size: self.tp_size,
             capacity_blocks: self.capacity_blocks,
             heartbeat_interval_ms: self.heartbeat_interval_ms,
+            engine: EngineKind::Mocker,
+            base_url: String::new(),
         }
     }
 
@@ -194,7 +195,7 @@ impl WorkerInfo {
 }
 
 /// Publishes an encodable message; failures are logged (the bus is at most once anyway).
-pub(crate) async fn publish_msg<T: Serialize>(bus: &Bus, subject: &str, msg: &T) -> bool {
+pub(crate) async fn publish_msg<T: Wire>(bus: &Bus, subject: &str, msg: &T) -> bool {
     match encode(msg) {
         Ok(bytes) => match bus.publish(subject, Bytes::from(bytes)).await {
             Ok(()) => true,
@@ -213,12 +214,12 @@ pub(crate) async fn publish_msg<T: Serialize>(bus: &Bus, subject: &str, msg: &T)
 /// Encodes `events` as one or more messages, each under `max_payload` bytes and at most
 /// `max_blocks` blocks, in order. `wrap` builds the message around a slice of events. A
 /// single event too large for any message is logged and left out.
-pub(crate) fn encode_chunked<T: Serialize>(
+pub(crate) fn encode_chunked<T: Wire>(
     events: Vec<KvEvent>,
     max_payload: usize,
     wrap: &dyn Fn(Vec<KvEvent>) -> T,
 ) -> Vec<Bytes> {
-    fn push<T: Serialize>(
+    fn push<T: Wire>(
         events: Vec<KvEvent>,
         max_payload: usize,
         wrap: &dyn Fn(Vec<KvEvent>) -> T,
@@ -618,7 +619,7 @@ pub(crate) async fn set_rank_live(
 }
 
 /// A single error message, then the end of the stream.
-async fn send_error_stream<T: Serialize>(bus: Bus, reply: String, msg: T) {
+async fn send_error_stream<T: Wire>(bus: Bus, reply: String, msg: T) {
     if publish_msg(&bus, &reply, &msg).await {
         let _ = bus.end_stream(&reply).await;
     }

@@ -4,11 +4,10 @@ use bytes::Bytes;
 use kvrouter_bus::{Bus, LocalBus, Subscription};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    decode, encode, Deregistration, ErrorKind, EventId, GenerateEvent, GenerateRequest, Heartbeat,
-    KvEvent, KvEventBatch, KvEventData, LoadReport, ModelSubjects, Registration, Reply, StateChunk,
-    StateQuery, WhoIsThere, WorkerKey, WorkerRole,
+    decode, encode, Deregistration, EngineKind, ErrorKind, EventId, GenerateEvent, GenerateRequest,
+    Heartbeat, KvEvent, KvEventBatch, KvEventData, LoadReport, ModelSubjects, Registration, Reply,
+    StateChunk, StateQuery, WhoIsThere, Wire, WorkerKey, WorkerRole,
 };
-use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 use tokio::time::{timeout, Instant};
@@ -29,7 +28,7 @@ fn config(worker_id_start: u64) -> FleetConfig {
     }
 }
 
-async fn next_msg<T: DeserializeOwned>(sub: &mut Subscription) -> T {
+async fn next_msg<T: Wire>(sub: &mut Subscription) -> T {
     let msg = timeout(WAIT, sub.next())
         .await
         .expect("timed out waiting for a message")
@@ -37,7 +36,7 @@ async fn next_msg<T: DeserializeOwned>(sub: &mut Subscription) -> T {
     decode(&msg.payload).expect("decodes")
 }
 
-async fn collect_stream<T: DeserializeOwned>(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<T> {
+async fn collect_stream<T: Wire>(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<T> {
     let mut stream = bus
         .request_stream(subject, Bytes::from(payload), WAIT)
         .await
@@ -198,6 +197,8 @@ async fn discovery_registration_heartbeat_deregistration() {
                 tp_size: 8,
                 capacity_blocks: 1000,
                 heartbeat_interval_ms: 100,
+                engine: EngineKind::Mocker,
+                base_url: String::new(),
             }
         );
         seen.push(r.worker_id);

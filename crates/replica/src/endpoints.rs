@@ -8,12 +8,12 @@ use crate::scheduler_actor::{RouteJob, RouteToken, SchedulerMsg};
 use crate::state::{ModelShared, ReplicaShared};
 use bytes::Bytes;
 use kvrouter_bus::Message;
+use kvrouter_protocol::Wire;
 use kvrouter_protocol::{
     decode, encode, local_block_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash,
     OverlapRequest, OverlapScoresReply, Pin, PotentialLoad, Reply, RequestUpdate, RouteDecision,
     RouteRequest, SequenceHash, WorkerKey,
 };
-use serde::Serialize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -101,7 +101,7 @@ pub fn spawn_handler(
     });
 }
 
-pub(crate) fn encode_reply<T: Serialize>(result: Result<T, ErrorReply>) -> Bytes {
+pub(crate) fn encode_reply<T: Wire>(result: Result<T, ErrorReply>) -> Bytes {
     let reply: Reply<T> = result.into();
     match encode(&reply) {
         Ok(b) => Bytes::from(b),

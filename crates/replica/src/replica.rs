@@ -14,13 +14,13 @@ use crate::state::{ModelShared, ModelStatus, ReplicaShared};
 use crate::sync_bus;
 use kvrouter_bus::{Bus, BusError, Subscription};
 use kvrouter_indexer::{ApproxConfig, RankDump, ShardedIndex, ShardedIndexConfig};
+use kvrouter_protocol::Wire;
 use kvrouter_protocol::{
     decode, Deregistration, Heartbeat, KvEventBatch, LoadReport, Registration, SubjectError,
     Subjects, WorkerKey,
 };
 use kvrouter_scheduler::SchedulerConfig;
 use ractor::{Actor, ActorRef};
-use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -205,7 +205,7 @@ pub(crate) async fn subscribe(
 
 /// Decodes every message of a subscription and hands it on; undecodable ones are logged
 /// (at most every 10 s per subject) and dropped.
-fn forward<T: DeserializeOwned + Send + 'static>(
+fn forward<T: Wire + Send + 'static>(
     mut sub: Subscription,
     what: &'static str,
     mut to: impl FnMut(T) + Send + 'static,

@@ -6,10 +6,10 @@ use crate::rank_task::{stopped, RankCmd, RankOut};
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
-    chunk_events, decode, encode, max_blocks_per_batch, DpRank, EngineKind, ErrorKind, ErrorReply,
-    GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, LoadReport, ModelSubjects,
-    RankLiveness, RankLoad, Registration, Reply, StateChunk, StateQuery, Wire, WorkerId, WorkerKey,
-    WorkerRole,
+    chunk_events, decode, encode_as, max_blocks_per_batch, reply_version, DpRank, EngineKind,
+    ErrorKind, ErrorReply, GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch,
+    LoadReport, ModelSubjects, RankLiveness, RankLoad, Registration, Reply, StateChunk, StateQuery,
+    Wire, WorkerId, WorkerKey, WorkerRole, FORMAT_VERSION,
 };
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -196,7 +196,12 @@ impl WorkerInfo {
 
 /// Publishes an encodable message; failures are logged (the bus is at most once anyway).
 pub(crate) async fn publish_msg<T: Wire>(bus: &Bus, subject: &str, msg: &T) -> bool {
-    match encode(msg) {
+    publish_as(bus, subject, msg, FORMAT_VERSION).await
+}
+
+/// [`publish_msg`] in format `version` (an answer goes out in its request's version).
+async fn publish_as<T: Wire>(bus: &Bus, subject: &str, msg: &T, version: u8) -> bool {
+    match encode_as(msg, version) {
         Ok(bytes) => match bus.publish(subject, Bytes::from(bytes)).await {
             Ok(()) => true,
             Err(e) => {
@@ -211,31 +216,33 @@ pub(crate) async fn publish_msg<T: Wire>(bus: &Bus, subject: &str, msg: &T) -> b
     }
 }
 
-/// Encodes `events` as one or more messages, each under `max_payload` bytes and at most
-/// `max_blocks` blocks, in order. `wrap` builds the message around a slice of events. A
-/// single event too large for any message is logged and left out.
+/// Encodes `events` in format `version` as one or more messages, each under `max_payload`
+/// bytes and at most `max_blocks` blocks, in order. `wrap` builds the message around a slice
+/// of events. A single event too large for any message is logged and left out.
 pub(crate) fn encode_chunked<T: Wire>(
     events: Vec<KvEvent>,
     max_payload: usize,
     wrap: &dyn Fn(Vec<KvEvent>) -> T,
+    version: u8,
 ) -> Vec<Bytes> {
     fn push<T: Wire>(
         events: Vec<KvEvent>,
         max_payload: usize,
         wrap: &dyn Fn(Vec<KvEvent>) -> T,
+        version: u8,
         out: &mut Vec<Bytes>,
     ) {
         let n = events.len();
         let first_id = events.first().map(|e| e.event_id);
-        let encoded = encode(&wrap(events.clone()));
+        let encoded = encode_as(&wrap(events.clone()), version);
         match encoded {
             Ok(b) if b.len() <= max_payload => out.push(Bytes::from(b)),
             _ if n > 1 => {
                 // Many small events can outgrow the block budget's estimate: halve.
                 let mut events = events;
                 let tail = events.split_off(n / 2);
-                push(events, max_payload, wrap, out);
-                push(tail, max_payload, wrap, out);
+                push(events, max_payload, wrap, version, out);
+                push(tail, max_payload, wrap, version, out);
             }
             other => {
                 let size = other.as_ref().map(Vec::len).unwrap_or(usize::MAX);
@@ -250,7 +257,7 @@ pub(crate) fn encode_chunked<T: Wire>(
     }
     let mut out = Vec::new();
     for chunk in chunk_events(events, max_payload) {
-        push(chunk, max_payload, wrap, &mut out);
+        push(chunk, max_payload, wrap, version, &mut out);
     }
     out
 }
@@ -339,7 +346,7 @@ impl Publisher {
             instance_id,
             events,
         };
-        let batches = encode_chunked(std::mem::take(buf), max_payload, &wrap);
+        let batches = encode_chunked(std::mem::take(buf), max_payload, &wrap, FORMAT_VERSION);
         for batch in batches {
             if *to_drop > 0 {
                 *to_drop -= 1;
@@ -432,18 +439,29 @@ impl Endpoints {
             return;
         };
         let bus = self.bus.clone();
+        let version = reply_version(&msg.payload);
         let req: GenerateRequest = match decode(&msg.payload) {
             Ok(r) => r,
             Err(e) => {
                 let err =
                     ErrorReply::new(ErrorKind::Malformed, format!("bad GenerateRequest: {e}"));
-                tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+                tokio::spawn(send_error_stream(
+                    bus,
+                    reply,
+                    GenerateEvent::Error(err),
+                    version,
+                ));
                 return;
             }
         };
         let Some(index) = self.info.live_rank_index(req.dp_rank) else {
             let err = self.rank_error(req.dp_rank);
-            tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+            tokio::spawn(send_error_stream(
+                bus,
+                reply,
+                GenerateEvent::Error(err),
+                version,
+            ));
             return;
         };
         let (tx, rx) = mpsc::unbounded_channel();
@@ -480,11 +498,16 @@ impl Endpoints {
             });
             if sent.is_err() {
                 let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-                tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+                tokio::spawn(send_error_stream(
+                    bus,
+                    reply,
+                    GenerateEvent::Error(err),
+                    version,
+                ));
                 return;
             }
         }
-        tokio::spawn(stream_generate(bus, reply, rx));
+        tokio::spawn(stream_generate(bus, reply, rx, version));
     }
 
     fn on_state(&self, msg: Message) {
@@ -496,17 +519,28 @@ impl Endpoints {
             return;
         };
         let bus = self.bus.clone();
+        let version = reply_version(&msg.payload);
         let query: StateQuery = match decode(&msg.payload) {
             Ok(q) => q,
             Err(e) => {
                 let err = ErrorReply::new(ErrorKind::Malformed, format!("bad StateQuery: {e}"));
-                tokio::spawn(send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)));
+                tokio::spawn(send_error_stream(
+                    bus,
+                    reply,
+                    Reply::<StateChunk>::Err(err),
+                    version,
+                ));
                 return;
             }
         };
         let Some(index) = self.info.live_rank_index(query.dp_rank) else {
             let err = self.rank_error(query.dp_rank);
-            tokio::spawn(send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)));
+            tokio::spawn(send_error_stream(
+                bus,
+                reply,
+                Reply::<StateChunk>::Err(err),
+                version,
+            ));
             return;
         };
         let max_blocks = max_blocks_per_batch(bus.max_payload());
@@ -517,7 +551,12 @@ impl Endpoints {
         });
         if sent.is_err() {
             let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-            tokio::spawn(send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)));
+            tokio::spawn(send_error_stream(
+                bus,
+                reply,
+                Reply::<StateChunk>::Err(err),
+                version,
+            ));
             return;
         }
         let key = WorkerKey::new(self.info.worker_id, query.dp_rank);
@@ -525,7 +564,7 @@ impl Endpoints {
         tokio::spawn(async move {
             let Ok(snapshot) = rx.await else {
                 let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-                send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)).await;
+                send_error_stream(bus, reply, Reply::<StateChunk>::Err(err), version).await;
                 return;
             };
             let last_event_id = snapshot.last_event_id;
@@ -537,9 +576,9 @@ impl Endpoints {
                     events,
                 })
             };
-            let mut chunks = encode_chunked(snapshot.events, bus.max_payload(), &wrap);
+            let mut chunks = encode_chunked(snapshot.events, bus.max_payload(), &wrap, version);
             if chunks.is_empty() {
-                match encode(&wrap(Vec::new())) {
+                match encode_as(&wrap(Vec::new()), version) {
                     Ok(b) => chunks.push(Bytes::from(b)),
                     Err(e) => tracing::error!(error = %e, "cannot encode a state chunk"),
                 }
@@ -572,7 +611,8 @@ impl Endpoints {
         };
         if let Some(reply) = msg.reply {
             let bus = self.bus.clone();
-            tokio::spawn(async move { publish_msg(&bus, &reply, &result).await });
+            let version = reply_version(&msg.payload);
+            tokio::spawn(async move { publish_as(&bus, &reply, &result, version).await });
         }
     }
 
@@ -591,7 +631,7 @@ impl Endpoints {
             )),
         };
         if let Some(reply) = msg.reply {
-            publish_msg(&self.bus, &reply, &result).await;
+            publish_as(&self.bus, &reply, &result, reply_version(&msg.payload)).await;
         }
     }
 }
@@ -618,9 +658,9 @@ pub(crate) async fn set_rank_live(
     }
 }
 
-/// A single error message, then the end of the stream.
-async fn send_error_stream<T: Wire>(bus: Bus, reply: String, msg: T) {
-    if publish_msg(&bus, &reply, &msg).await {
+/// A single error message (in format `version`), then the end of the stream.
+async fn send_error_stream<T: Wire>(bus: Bus, reply: String, msg: T, version: u8) {
+    if publish_as(&bus, &reply, &msg, version).await {
         let _ = bus.end_stream(&reply).await;
     }
 }
@@ -644,9 +684,14 @@ fn micros_u32(d: Duration) -> u32 {
     u32::try_from(d.as_micros()).unwrap_or(u32::MAX)
 }
 
-/// Streams one request's progress to its reply subject: `PrefillDone` at once, `Tokens` in
-/// batches, `Done`, then the end of the stream.
-async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceiver<RankOut>) {
+/// Streams one request's progress to its reply subject (in format `version`): `PrefillDone`
+/// at once, `Tokens` in batches, `Done`, then the end of the stream.
+async fn stream_generate(
+    bus: Bus,
+    reply: String,
+    mut rx: mpsc::UnboundedReceiver<RankOut>,
+    version: u8,
+) {
     let mut itl: Vec<u32> = Vec::new();
     let mut flush_at: Option<Instant> = None;
     loop {
@@ -656,7 +701,7 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
             _ = tokio::time::sleep_until(flush_at.unwrap_or_else(Instant::now)), if flush_at.is_some() => {
                 flush_at = None;
                 let itl_us = std::mem::take(&mut itl);
-                if !publish_msg(&bus, &reply, &GenerateEvent::Tokens { itl_us }).await {
+                if !publish_as(&bus, &reply, &GenerateEvent::Tokens { itl_us }, version).await {
                     return;
                 }
                 continue;
@@ -683,7 +728,7 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
                 if itl.len() >= TOKEN_BATCH {
                     flush_at = None;
                     let itl_us = std::mem::take(&mut itl);
-                    if !publish_msg(&bus, &reply, &GenerateEvent::Tokens { itl_us }).await {
+                    if !publish_as(&bus, &reply, &GenerateEvent::Tokens { itl_us }, version).await {
                         return;
                     }
                 } else {
@@ -702,11 +747,11 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
         let last = !matches!(event, GenerateEvent::PrefillDone { .. });
         if last && !itl.is_empty() {
             let itl_us = std::mem::take(&mut itl);
-            if !publish_msg(&bus, &reply, &GenerateEvent::Tokens { itl_us }).await {
+            if !publish_as(&bus, &reply, &GenerateEvent::Tokens { itl_us }, version).await {
                 return;
             }
         }
-        if !publish_msg(&bus, &reply, &event).await {
+        if !publish_as(&bus, &reply, &event, version).await {
             return;
         }
         if last {

@@ -45,6 +45,12 @@ pub struct NatsArgs {
         value_name = "NS"
     )]
     pub namespace: String,
+    /// Wire format version this process writes: the current one (2), or 1 while a fleet is
+    /// upgraded from version-1 builds, so they read everything (set it on every upgraded
+    /// process until none of the old ones is left). Answers always follow their request.
+    #[arg(long, env = "KVROUTER_WIRE_VERSION", default_value_t = kvrouter_protocol::FORMAT_VERSION,
+          value_parser = clap::value_parser!(u8).range(kvrouter_protocol::MIN_READ_VERSION as i64..=kvrouter_protocol::FORMAT_VERSION as i64))]
+    pub wire_version: u8,
 }
 
 impl NatsArgs {
@@ -67,6 +73,7 @@ impl NatsArgs {
 
     /// Connects to NATS; the error names the (redacted) URL already.
     pub async fn connect(&self, name: &str) -> anyhow::Result<Bus> {
+        kvrouter_protocol::set_write_version(self.wire_version)?;
         Ok(Bus::connect(&self.options(name)).await?)
     }
 }

@@ -5,9 +5,8 @@ use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
     decode, encode, max_prompt_tokens_for, OverlapRequest, OverlapScoresReply, PotentialLoad,
-    Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects,
+    Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects, Wire,
 };
-use serde::{de::DeserializeOwned, Serialize};
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -169,7 +168,7 @@ impl KvRouterClient {
     }
 
     /// Encodes `req`, checks it fits one bus message, sends it and decodes the `Reply<T>`.
-    pub(crate) async fn call<Req: Serialize, T: DeserializeOwned>(
+    pub(crate) async fn call<Req: Wire, T: Wire>(
         &self,
         subject: &str,
         req: &Req,
@@ -211,7 +210,7 @@ impl KvRouterClient {
 /// Encodes a request carrying `tokens` prompt tokens and refuses it, naming the limit, when
 /// the prompt is longer than the protocol allows on a bus of `max_payload` bytes
 /// ([`max_prompt_tokens_for`]: what replicas accept) or the message would not fit.
-pub(crate) fn encode_checked<T: Serialize>(
+pub(crate) fn encode_checked<T: Wire>(
     value: &T,
     tokens: usize,
     max_payload: usize,

@@ -13,7 +13,7 @@ use std::time::Duration;
 const NS: &str = "test-ns";
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 
-fn enc<T: serde::Serialize>(v: &T) -> Bytes {
+fn enc<T: kvrouter_protocol::Wire>(v: &T) -> Bytes {
     Bytes::from(encode(v).expect("encodes"))
 }
 

@@ -4,7 +4,7 @@ use crate::publish::{encode_chunked, publish_msg};
 use crate::shutdown::stopped;
 use crate::worker_info::WorkerInfo;
 use kvrouter_bus::Bus;
-use kvrouter_protocol::{KvEvent, KvEventBatch};
+use kvrouter_protocol::{KvEvent, KvEventBatch, FORMAT_VERSION};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -97,7 +97,7 @@ impl Publisher {
             instance_id,
             events,
         };
-        let batches = encode_chunked(std::mem::take(buf), max_payload, &wrap);
+        let batches = encode_chunked(std::mem::take(buf), max_payload, &wrap, FORMAT_VERSION);
         for batch in batches {
             if *to_drop > 0 {
                 *to_drop -= 1;

@@ -3,7 +3,7 @@
 //! [`crate::publisher`], its ranks run in [`crate::rank_task`].
 
 use crate::engine::{OutputKind, Request, SubmitError};
-use crate::publish::{encode_chunked, publish_msg};
+use crate::publish::{encode_chunked, publish_as, publish_msg};
 use crate::publisher::PubMsg;
 use crate::rank_task::{RankCmd, RankOut};
 use crate::shutdown::stopped;
@@ -11,11 +11,10 @@ use crate::worker_info::WorkerInfo;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
-    decode, encode, max_blocks_per_batch, DpRank, ErrorKind, ErrorReply, GenerateEvent,
-    GenerateRequest, KvEvent, ModelSubjects, RankLiveness, Reply, StateChunk, StateQuery,
-    WorkerKey,
+    decode, encode_as, max_blocks_per_batch, reply_version, DpRank, ErrorKind, ErrorReply,
+    GenerateEvent, GenerateRequest, KvEvent, ModelSubjects, RankLiveness, Reply, StateChunk,
+    StateQuery, Wire, WorkerKey,
 };
-use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -88,6 +87,7 @@ impl Endpoints {
     }
 
     fn on_generate(&self, msg: Message, shutdown: &watch::Receiver<bool>) {
+        let version = reply_version(&msg.payload);
         let Some(reply) = msg.reply else {
             tracing::debug!(
                 worker_id = self.info.worker_id,
@@ -101,13 +101,23 @@ impl Endpoints {
             Err(e) => {
                 let err =
                     ErrorReply::new(ErrorKind::Malformed, format!("bad GenerateRequest: {e}"));
-                tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+                tokio::spawn(send_error_stream(
+                    bus,
+                    reply,
+                    GenerateEvent::Error(err),
+                    version,
+                ));
                 return;
             }
         };
         let Some(index) = self.info.live_rank_index(req.dp_rank) else {
             let err = self.rank_error(req.dp_rank);
-            tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+            tokio::spawn(send_error_stream(
+                bus,
+                reply,
+                GenerateEvent::Error(err),
+                version,
+            ));
             return;
         };
         let (tx, rx) = mpsc::unbounded_channel();
@@ -144,14 +154,20 @@ impl Endpoints {
             });
             if sent.is_err() {
                 let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-                tokio::spawn(send_error_stream(bus, reply, GenerateEvent::Error(err)));
+                tokio::spawn(send_error_stream(
+                    bus,
+                    reply,
+                    GenerateEvent::Error(err),
+                    version,
+                ));
                 return;
             }
         }
-        tokio::spawn(stream_generate(bus, reply, rx));
+        tokio::spawn(stream_generate(bus, reply, rx, version));
     }
 
     fn on_state(&self, msg: Message) {
+        let version = reply_version(&msg.payload);
         let Some(reply) = msg.reply else {
             tracing::debug!(
                 worker_id = self.info.worker_id,
@@ -164,13 +180,23 @@ impl Endpoints {
             Ok(q) => q,
             Err(e) => {
                 let err = ErrorReply::new(ErrorKind::Malformed, format!("bad StateQuery: {e}"));
-                tokio::spawn(send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)));
+                tokio::spawn(send_error_stream(
+                    bus,
+                    reply,
+                    Reply::<StateChunk>::Err(err),
+                    version,
+                ));
                 return;
             }
         };
         let Some(index) = self.info.live_rank_index(query.dp_rank) else {
             let err = self.rank_error(query.dp_rank);
-            tokio::spawn(send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)));
+            tokio::spawn(send_error_stream(
+                bus,
+                reply,
+                Reply::<StateChunk>::Err(err),
+                version,
+            ));
             return;
         };
         let max_blocks = max_blocks_per_batch(bus.max_payload());
@@ -181,7 +207,12 @@ impl Endpoints {
         });
         if sent.is_err() {
             let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-            tokio::spawn(send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)));
+            tokio::spawn(send_error_stream(
+                bus,
+                reply,
+                Reply::<StateChunk>::Err(err),
+                version,
+            ));
             return;
         }
         let key = WorkerKey::new(self.info.worker_id, query.dp_rank);
@@ -189,7 +220,7 @@ impl Endpoints {
         tokio::spawn(async move {
             let Ok(snapshot) = rx.await else {
                 let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
-                send_error_stream(bus, reply, Reply::<StateChunk>::Err(err)).await;
+                send_error_stream(bus, reply, Reply::<StateChunk>::Err(err), version).await;
                 return;
             };
             let last_event_id = snapshot.last_event_id;
@@ -201,9 +232,9 @@ impl Endpoints {
                     events,
                 })
             };
-            let mut chunks = encode_chunked(snapshot.events, bus.max_payload(), &wrap);
+            let mut chunks = encode_chunked(snapshot.events, bus.max_payload(), &wrap, version);
             if chunks.is_empty() {
-                match encode(&wrap(Vec::new())) {
+                match encode_as(&wrap(Vec::new()), version) {
                     Ok(b) => chunks.push(Bytes::from(b)),
                     Err(e) => tracing::error!(error = %e, "cannot encode a state chunk"),
                 }
@@ -236,7 +267,8 @@ impl Endpoints {
         };
         if let Some(reply) = msg.reply {
             let bus = self.bus.clone();
-            tokio::spawn(async move { publish_msg(&bus, &reply, &result).await });
+            let version = reply_version(&msg.payload);
+            tokio::spawn(async move { publish_as(&bus, &reply, &result, version).await });
         }
     }
 
@@ -255,7 +287,7 @@ impl Endpoints {
             )),
         };
         if let Some(reply) = msg.reply {
-            publish_msg(&self.bus, &reply, &result).await;
+            publish_as(&self.bus, &reply, &result, reply_version(&msg.payload)).await;
         }
     }
 }
@@ -283,8 +315,8 @@ pub(crate) async fn set_rank_live(
 }
 
 /// A single error message, then the end of the stream.
-async fn send_error_stream<T: Serialize>(bus: Bus, reply: String, msg: T) {
-    if publish_msg(&bus, &reply, &msg).await {
+async fn send_error_stream<T: Wire>(bus: Bus, reply: String, msg: T, version: u8) {
+    if publish_as(&bus, &reply, &msg, version).await {
         let _ = bus.end_stream(&reply).await;
     }
 }
@@ -310,7 +342,12 @@ fn micros_u32(d: Duration) -> u32 {
 
 /// Streams one request's progress to its reply subject: `PrefillDone` at once, `Tokens` in
 /// batches, `Done`, then the end of the stream.
-async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceiver<RankOut>) {
+async fn stream_generate(
+    bus: Bus,
+    reply: String,
+    mut rx: mpsc::UnboundedReceiver<RankOut>,
+    version: u8,
+) {
     let mut itl: Vec<u32> = Vec::new();
     let mut flush_at: Option<Instant> = None;
     loop {
@@ -320,7 +357,7 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
             _ = tokio::time::sleep_until(flush_at.unwrap_or_else(Instant::now)), if flush_at.is_some() => {
                 flush_at = None;
                 let itl_us = std::mem::take(&mut itl);
-                if !publish_msg(&bus, &reply, &GenerateEvent::Tokens { itl_us }).await {
+                if !publish_as(&bus, &reply, &GenerateEvent::Tokens { itl_us }, version).await {
                     return;
                 }
                 continue;
@@ -347,7 +384,7 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
                 if itl.len() >= TOKEN_BATCH {
                     flush_at = None;
                     let itl_us = std::mem::take(&mut itl);
-                    if !publish_msg(&bus, &reply, &GenerateEvent::Tokens { itl_us }).await {
+                    if !publish_as(&bus, &reply, &GenerateEvent::Tokens { itl_us }, version).await {
                         return;
                     }
                 } else {
@@ -366,11 +403,11 @@ async fn stream_generate(bus: Bus, reply: String, mut rx: mpsc::UnboundedReceive
         let last = !matches!(event, GenerateEvent::PrefillDone { .. });
         if last && !itl.is_empty() {
             let itl_us = std::mem::take(&mut itl);
-            if !publish_msg(&bus, &reply, &GenerateEvent::Tokens { itl_us }).await {
+            if !publish_as(&bus, &reply, &GenerateEvent::Tokens { itl_us }, version).await {
                 return;
             }
         }
-        if !publish_msg(&bus, &reply, &event).await {
+        if !publish_as(&bus, &reply, &event, version).await {
             return;
         }
         if last {

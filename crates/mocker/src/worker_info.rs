@@ -2,7 +2,7 @@
 //! transfer settings, live ranks and loads.
 
 use kvrouter_protocol::{
-    DpRank, Heartbeat, LoadReport, RankLoad, Registration, WorkerId, WorkerRole,
+    DpRank, EngineKind, Heartbeat, LoadReport, RankLoad, Registration, WorkerId, WorkerRole,
 };
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -138,6 +138,8 @@ impl WorkerInfo {
             tp_size: self.tp_size,
             capacity_blocks: self.capacity_blocks,
             heartbeat_interval_ms: self.heartbeat_interval_ms,
+            engine: EngineKind::Mocker,
+            base_url: String::new(),
         }
     }
 

@@ -4,11 +4,11 @@ use bytes::Bytes;
 use kvrouter_bus::{Bus, LocalBus, Subscription};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    decode, encode, Deregistration, ErrorKind, EventId, GenerateEvent, GenerateRequest, Heartbeat,
-    KvEvent, KvEventBatch, KvEventData, LoadReport, ModelSubjects, Registration, Reply, StateChunk,
-    StateQuery, WhoIsThere, WorkerKey, WorkerRole,
+    decode, decode_versioned, encode, encode_as, Deregistration, EngineKind, ErrorKind, EventId,
+    GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, KvEventData, LoadReport,
+    ModelSubjects, Registration, Reply, StateChunk, StateQuery, WhoIsThere, Wire, WorkerKey,
+    WorkerRole, FORMAT_VERSION, MIN_READ_VERSION,
 };
-use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 use tokio::time::{timeout, Instant};
@@ -29,7 +29,7 @@ fn config(worker_id_start: u64) -> FleetConfig {
     }
 }
 
-async fn next_msg<T: DeserializeOwned>(sub: &mut Subscription) -> T {
+async fn next_msg<T: Wire>(sub: &mut Subscription) -> T {
     let msg = timeout(WAIT, sub.next())
         .await
         .expect("timed out waiting for a message")
@@ -37,7 +37,7 @@ async fn next_msg<T: DeserializeOwned>(sub: &mut Subscription) -> T {
     decode(&msg.payload).expect("decodes")
 }
 
-async fn collect_stream<T: DeserializeOwned>(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<T> {
+async fn collect_stream<T: Wire>(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<T> {
     let mut stream = bus
         .request_stream(subject, Bytes::from(payload), WAIT)
         .await
@@ -198,6 +198,8 @@ async fn discovery_registration_heartbeat_deregistration() {
                 tp_size: 8,
                 capacity_blocks: 1000,
                 heartbeat_interval_ms: 100,
+                engine: EngineKind::Mocker,
+                base_url: String::new(),
             }
         );
         seen.push(r.worker_id);
@@ -447,6 +449,75 @@ async fn drop_events_makes_a_gap() {
         .map(|e| e.event_id)
         .collect();
     assert_eq!(ids, vec![0, 2], "the batch with event 1 was dropped");
+    fleet.shutdown().await.unwrap();
+}
+
+/// Every message of a streamed answer, undecoded.
+async fn raw_stream(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<Bytes> {
+    let mut stream = bus
+        .request_stream(subject, Bytes::from(payload), WAIT)
+        .await
+        .expect("request sent");
+    let mut out = Vec::new();
+    while let Some(item) = stream.next().await {
+        out.push(item.expect("stream item"));
+    }
+    out
+}
+
+#[tokio::test]
+async fn answers_come_in_the_request_version() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), config(20)).await.unwrap();
+    let s = fleet.subjects().clone();
+    for version in [MIN_READ_VERSION, FORMAT_VERSION] {
+        let req = GenerateRequest {
+            request_id: format!("v{version}"),
+            tokens: prompt(version as u32, 64),
+            max_tokens: 3,
+            dp_rank: 0,
+        };
+        let raw = raw_stream(&bus, &s.generate(20), encode_as(&req, version).unwrap()).await;
+        let events: Vec<GenerateEvent> = raw
+            .iter()
+            .map(|b| {
+                let (ev, v) = decode_versioned(b).unwrap();
+                assert_eq!(v, version);
+                ev
+            })
+            .collect();
+        assert_eq!(summarize(&events).2 .0, 3);
+
+        let q = StateQuery { dp_rank: 0 };
+        let raw = raw_stream(&bus, &s.state(20), encode_as(&q, version).unwrap()).await;
+        assert!(!raw.is_empty());
+        for b in &raw {
+            let (chunk, v) = decode_versioned::<Reply<StateChunk>>(b).unwrap();
+            assert_eq!(v, version);
+            assert!(chunk.into_result().is_ok());
+        }
+
+        let ack = bus
+            .request(
+                &s.drop_events(20),
+                encode_as(&0u64, version).unwrap().into(),
+                WAIT,
+            )
+            .await
+            .unwrap();
+        assert_eq!(decode_versioned(&ack.payload), Ok((Reply::Ok(()), version)));
+    }
+    // An undecodable request in the previous version is refused in that version; one in an
+    // unknown version, in the current one.
+    for (payload, version) in [
+        (vec![MIN_READ_VERSION, 0xff], MIN_READ_VERSION),
+        (vec![9, 0], FORMAT_VERSION),
+    ] {
+        let raw = raw_stream(&bus, &s.generate(20), payload).await;
+        assert_eq!(raw.len(), 1);
+        let (ev, v) = decode_versioned::<GenerateEvent>(&raw[0]).unwrap();
+        assert_eq!((error_of(&[ev]), v), (ErrorKind::Malformed, version));
+    }
     fleet.shutdown().await.unwrap();
 }
 

@@ -4,16 +4,27 @@
 //! - [`messages`]: what workers, replicas and clients send each other.
 //! - [`subjects`]: where on the bus each message travels.
 //! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
+//! - [`wire`]: the [`Wire`] trait: a message's current and previous-version shapes.
+//! - [`v1`]: the frozen version-1 shapes of the types version 2 changed.
+//! - [`chunk`]: splitting lists into messages under a byte budget.
 //! - [`hashing`]: Dynamo-compatible local block hashes and sequence hashes.
 
+pub mod chunk;
 pub mod codec;
 pub mod hashing;
 pub mod messages;
 pub mod subjects;
 pub mod types;
+pub mod v1;
+pub mod wire;
 
-pub use codec::{decode, encode, CodecError, FORMAT_VERSION, MAX_MESSAGE_BYTES};
+pub use chunk::chunk_by_budget;
+pub use codec::{
+    decode, decode_versioned, encode, encode_as, encoded_len, reply_version, set_write_version,
+    write_version, CodecError, FORMAT_VERSION, MAX_MESSAGE_BYTES, MIN_READ_VERSION,
+};
 pub use hashing::{local_block_hashes, lora_seed, sequence_hashes, HashError, BASE_SEED};
 pub use messages::*;
 pub use subjects::{fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects};
 pub use types::*;
+pub use wire::Wire;

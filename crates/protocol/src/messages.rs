@@ -4,6 +4,7 @@
 //! value or an [`ErrorReply`] with a machine-readable [`ErrorKind`]. docs/protocol.md lists
 //! which subject carries which message.
 
+use crate::chunk::chunk_by_budget;
 use crate::types::{DpRank, EventId, KvEvent, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -48,7 +49,47 @@ impl std::str::FromStr for WorkerRole {
     }
 }
 
+/// Which inference engine serves a worker.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EngineKind {
+    /// The kvrouter mocker (simulated engine, no HTTP address).
+    Mocker,
+    Vllm,
+    Sglang,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Mocker => "mocker",
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+        }
+    }
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "mocker" => Ok(Self::Mocker),
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            other => Err(format!(
+                "unknown engine {other:?}: expected mocker, vllm or sglang"
+            )),
+        }
+    }
+}
+
 /// A worker announcing itself: on start, on every "who is there", and again when asked.
+/// A version-1 registration reads as `engine: Mocker` with an empty `base_url`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registration {
     pub worker_id: WorkerId,
@@ -66,6 +107,11 @@ pub struct Registration {
     pub capacity_blocks: u64,
     /// How often heartbeats come; a replica's lease should span several.
     pub heartbeat_interval_ms: u32,
+    /// New in format version 2.
+    pub engine: EngineKind,
+    /// Where a frontend sends this worker's requests over HTTP (e.g. `http://10.0.0.5:8000`);
+    /// empty when the engine has no HTTP endpoint (the mocker). New in format version 2.
+    pub base_url: String,
 }
 
 /// Largest `dp_size` and `tp_size` a replica accepts in a [`Registration`]: the router keeps
@@ -491,23 +537,9 @@ impl<T> From<Result<T, ErrorReply>> for Reply<T> {
 /// for the batch's own fields), in order. An event bigger than that travels alone: producers
 /// keep single events under [`max_blocks_per_batch`] blocks.
 pub fn chunk_events(events: Vec<KvEvent>, max_payload: usize) -> Vec<Vec<KvEvent>> {
-    let budget = (max_payload / 2).max(1);
-    let mut out = Vec::new();
-    let mut cur = Vec::new();
-    let mut cur_bytes = 0usize;
-    for ev in events {
-        let n = ENCODED_EVENT_OVERHEAD + ENCODED_BYTES_PER_BLOCK * ev.block_count();
-        if cur_bytes + n > budget && !cur.is_empty() {
-            out.push(std::mem::take(&mut cur));
-            cur_bytes = 0;
-        }
-        cur_bytes += n;
-        cur.push(ev);
-    }
-    if !cur.is_empty() {
-        out.push(cur);
-    }
-    out
+    chunk_by_budget(events, (max_payload / 2).max(1), |ev| {
+        ENCODED_EVENT_OVERHEAD + ENCODED_BYTES_PER_BLOCK * ev.block_count()
+    })
 }
 
 /// Upper bound on the encoded size of one [`ApproxEntry`] (varint hashes, key, expiry).
@@ -519,13 +551,7 @@ pub fn chunk_approx_entries(
     entries: Vec<ApproxEntry>,
     max_payload: usize,
 ) -> Vec<Vec<ApproxEntry>> {
-    let per_chunk = (max_payload / 2 / ENCODED_APPROX_ENTRY_BYTES).max(1);
-    let mut out = Vec::with_capacity(entries.len().div_ceil(per_chunk));
-    let mut rest = entries.into_iter().peekable();
-    while rest.peek().is_some() {
-        out.push(rest.by_ref().take(per_chunk).collect());
-    }
-    out
+    chunk_by_budget(entries, max_payload / 2, |_| ENCODED_APPROX_ENTRY_BYTES)
 }
 
 /// Upper bound on the encoded size of an event apart from its blocks (key, id, variant,
@@ -697,5 +723,15 @@ mod tests {
             assert_eq!(r.as_str().parse::<WorkerRole>().unwrap(), r);
         }
         assert!("both".parse::<WorkerRole>().is_err());
+    }
+
+    #[test]
+    fn engines_parse_and_print() {
+        for e in [EngineKind::Mocker, EngineKind::Vllm, EngineKind::Sglang] {
+            assert_eq!(e.to_string().parse::<EngineKind>().unwrap(), e);
+        }
+        assert_eq!("vllm".parse::<EngineKind>(), Ok(EngineKind::Vllm));
+        assert!("VLLM".parse::<EngineKind>().is_err());
+        assert!("trtllm".parse::<EngineKind>().is_err());
     }
 }

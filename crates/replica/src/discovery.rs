@@ -328,6 +328,8 @@ mod tests {
             tp_size: 1,
             capacity_blocks: 100,
             heartbeat_interval_ms: 1000,
+            engine: kvrouter_protocol::EngineKind::Mocker,
+            base_url: String::new(),
         }
     }
 

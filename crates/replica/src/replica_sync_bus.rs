@@ -7,7 +7,8 @@ use crate::state::ReplicaShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError, Subscription};
 use kvrouter_protocol::{
-    decode, encode, SeqChange, Subjects, SyncBatch, SyncStateRequest, ENCODED_EVENT_OVERHEAD,
+    chunk_by_budget, decode, encode, SeqChange, Subjects, SyncBatch, SyncStateRequest,
+    ENCODED_EVENT_OVERHEAD,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -53,13 +54,10 @@ pub fn spawn_publisher(
 /// Splits changes into batches that fit the bus's payload limit (no changes: one empty
 /// batch, a replica's heartbeat).
 fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
-    let budget = max_payload / 2;
-    let mut out = Vec::new();
-    let mut cur = Vec::new();
-    let mut bytes = 0;
-    for c in changes {
-        let n = ENCODED_EVENT_OVERHEAD
-            + match &c {
+    // Half the payload for the changes: the batch's own fields and the estimate's slack.
+    let size = |c: &SeqChange| {
+        ENCODED_EVENT_OVERHEAD
+            + match c {
                 SeqChange::Add {
                     request_id,
                     sequence_hashes,
@@ -68,16 +66,11 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
                 SeqChange::Prefilled { request_id } | SeqChange::Free { request_id } => {
                     request_id.len()
                 }
-            };
-        if bytes + n > budget && !cur.is_empty() {
-            out.push(std::mem::take(&mut cur));
-            bytes = 0;
-        }
-        bytes += n;
-        cur.push(c);
-    }
-    if !cur.is_empty() || out.is_empty() {
-        out.push(cur);
+            }
+    };
+    let mut out = chunk_by_budget(changes, max_payload / 2, size);
+    if out.is_empty() {
+        out.push(Vec::new());
     }
     out
 }

@@ -12,13 +12,14 @@ use crate::config::ReplicaError;
 use crate::metrics::Metrics;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Subscription};
-use kvrouter_protocol::{ErrorKind, ErrorReply, Reply, FORMAT_VERSION};
+use kvrouter_protocol::{
+    decode_versioned, encode_as, reply_version, ErrorKind, ErrorReply, Reply, Wire,
+};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
-use wire_shim::{decode_versioned, encode_as, readable_version, Wire};
 
 /// Requests being answered; shutdown waits for them.
 #[derive(Default)]
@@ -130,13 +131,7 @@ pub async fn serve_requests<Req, Resp, F, Fut>(
                         server.metrics.error("", ErrorKind::Malformed);
                         tracing::debug!(subject = %msg.subject, error = %e, "undecodable request");
                         // Answered in the version it claims when this build reads it.
-                        let version = msg
-                            .payload
-                            .first()
-                            .copied()
-                            .filter(|v| readable_version(*v))
-                            .unwrap_or(FORMAT_VERSION);
-                        (Err(malformed(e)), version)
+                        (Err(malformed(e)), reply_version(&msg.payload))
                     }
                 };
                 let Some(reply_to) = msg.reply else { return };
@@ -174,21 +169,4 @@ pub fn forward<T: Wire + Send + 'static>(
             }
         }
     })
-}
-
-// TEMPORARY until the versioned codec lands.
-mod wire_shim {
-    use kvrouter_protocol::{decode, encode, CodecError, FORMAT_VERSION};
-    use serde::{de::DeserializeOwned, Serialize};
-    pub trait Wire: Serialize + DeserializeOwned {}
-    impl<T: Serialize + DeserializeOwned> Wire for T {}
-    pub fn decode_versioned<T: Wire>(b: &[u8]) -> Result<(T, u8), CodecError> {
-        decode(b).map(|v| (v, FORMAT_VERSION))
-    }
-    pub fn encode_as<T: Wire>(v: &T, _version: u8) -> Result<Vec<u8>, CodecError> {
-        encode(v)
-    }
-    pub fn readable_version(v: u8) -> bool {
-        v == FORMAT_VERSION
-    }
 }

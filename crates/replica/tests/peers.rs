@@ -6,7 +6,9 @@ use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
-use kvrouter_protocol::{encode, Heartbeat, Registration, RouteRequest, Subjects, WorkerRole};
+use kvrouter_protocol::{
+    encode, EngineKind, Heartbeat, Registration, RouteRequest, Subjects, WorkerRole,
+};
 use kvrouter_replica::{Replica, ReplicaConfig};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -60,6 +62,8 @@ fn registration(worker_id: u64, instance_id: Uuid, dp_size: u32) -> Registration
         tp_size: 1,
         capacity_blocks: 1024,
         heartbeat_interval_ms: 200,
+        engine: EngineKind::Mocker,
+        base_url: String::new(),
     }
 }
 
@@ -248,5 +252,74 @@ async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
         }
     }
     assert_eq!(metric(&replica, "kvrouter_bus_connected "), Some(1));
+    replica.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn previous_version_peers_are_read_and_answered_in_their_version() {
+    use kvrouter_protocol::{
+        decode_versioned, encode_as, v1, Reply, RouteDecision, FORMAT_VERSION, MIN_READ_VERSION,
+    };
+    let bus = Bus::local();
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config())
+        .await
+        .unwrap();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let route = Subjects::new("kvrouter").unwrap().route();
+    let req = RouteRequest {
+        model: MODEL.into(),
+        request_id: String::new(),
+        tokens: (0..4 * BLOCK).collect(),
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states: false,
+    };
+    for version in [MIN_READ_VERSION, FORMAT_VERSION] {
+        let bytes = Bytes::from(encode_as(&req, version).unwrap());
+        let answer = bus
+            .request(&route, bytes, Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(answer.payload[0], version, "answered in another version");
+        let (reply, _): (Reply<RouteDecision>, u8) = decode_versioned(&answer.payload).unwrap();
+        reply.into_result().unwrap();
+    }
+
+    // A worker still on version 1 registers with bytes its own types wrote.
+    let old = v1::Registration {
+        worker_id: 77,
+        instance_id: Uuid::new_v4(),
+        model: MODEL.into(),
+        role: WorkerRole::Aggregated,
+        block_size: BLOCK,
+        dp_size: 1,
+        dp_start_rank: 0,
+        live_ranks: vec![0],
+        tp_size: 1,
+        capacity_blocks: 1024,
+        heartbeat_interval_ms: 200,
+    };
+    let mut bytes = vec![MIN_READ_VERSION];
+    bytes.extend(
+        bincode::serde::encode_to_vec(&old, bincode::config::standard().with_fixed_int_encoding())
+            .unwrap(),
+    );
+    bus.publish(&subjects().register(), Bytes::from(bytes))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&replica, "kvrouter_workers{") != Some(3) {
+        assert!(
+            Instant::now() < deadline,
+            "the version-1 registration was not taken"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        metric(&replica, "kvrouter_undecodable_messages_total{"),
+        None
+    );
     replica.shutdown().await;
 }

@@ -204,6 +204,15 @@ impl Bus {
             })
     }
 
+    /// How many times the NATS connection was lost since it was made (0 for the in-process
+    /// bus).
+    pub fn disconnects(&self) -> u64 {
+        match self {
+            Bus::Nats(n) => n.disconnects(),
+            Bus::Local(_) => 0,
+        }
+    }
+
     /// Whether the NATS connection is currently up (false while reconnecting); always true for
     /// the in-process bus.
     pub fn is_connected(&self) -> bool {

@@ -19,6 +19,9 @@ pub struct NatsBus {
     client: async_nats::Client,
     /// The server list with passwords redacted, for messages.
     url: Arc<str>,
+    /// Connection losses seen by the client (however short: a metric polling the state
+    /// would miss a quick reconnect).
+    disconnects: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for NatsBus {
@@ -85,11 +88,16 @@ impl NatsBus {
             co = co.name(name);
         }
         let events_url = shown.clone();
+        let disconnects = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = disconnects.clone();
         co = co
             .connection_timeout(opts.connect_timeout)
             .max_reconnects(None)
             .event_callback(move |event| {
                 let url = events_url.clone();
+                if matches!(event, Event::Disconnected) {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 async move { log_event(&url, event) }
             });
 
@@ -128,11 +136,19 @@ impl NatsBus {
             }
         })?;
         tracing::info!(url = %shown, max_payload = client.max_payload(), "connected to NATS");
-        Ok(NatsBus { client, url: shown })
+        Ok(NatsBus {
+            client,
+            url: shown,
+            disconnects,
+        })
     }
 
     pub(crate) fn max_payload(&self) -> usize {
         self.client.max_payload()
+    }
+
+    pub(crate) fn disconnects(&self) -> u64 {
+        self.disconnects.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn is_connected(&self) -> bool {

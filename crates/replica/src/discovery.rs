@@ -1,6 +1,6 @@
 //! Which worker ranks of one model are alive: registrations, heartbeats, leases.
 //!
-//! A plain core: messages in, [`Change`]s out, time passed in. The fleet actor turns changes
+//! A plain core: messages in, [`Change`]s out, time passed in. The worker tracker turns changes
 //! into index, scheduler and state-sync work.
 
 use kvrouter_protocol::{DpRank, Heartbeat, Registration, WorkerId, WorkerKey, MAX_PARALLEL_SIZE};

@@ -121,6 +121,8 @@ pub struct Metrics {
     /// The bus connection: 1 while connected; times it was lost.
     pub bus_connected: Gauge,
     pub bus_disconnects: Counter,
+    /// The bus's own loss count already added to `bus_disconnects`.
+    pub bus_disconnects_counted: std::sync::atomic::AtomicU64,
     /// Registrations of a new instance under a worker id whose instance was still live.
     pub instance_takeovers: Family<ModelLabels, Counter>,
     /// Ranks left out of routing because their state cannot be fetched.
@@ -314,6 +316,7 @@ impl Metrics {
                 "Times the bus connection was seen lost",
                 Counter::default()
             ),
+            bus_disconnects_counted: Default::default(),
             instance_takeovers: reg!(
                 "worker_instance_takeovers",
                 "Registrations of a new worker instance under an id whose instance was still live (a restart, or a misconfigured duplicate)",

@@ -56,7 +56,8 @@ fn start_err(what: impl Into<String>, e: impl std::fmt::Display) -> ReplicaError
 }
 
 /// Keeps `kvrouter_bus_connected` and the disconnect count current, and logs each change of
-/// the connection once.
+/// the connection once. The bus counts losses itself, so a reconnect quicker than the poll
+/// is still counted.
 fn watch_bus(shared: Arc<ReplicaShared>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut up = shared.bus.is_connected();
@@ -64,6 +65,7 @@ fn watch_bus(shared: Arc<ReplicaShared>) -> JoinHandle<()> {
         let mut every = tokio::time::interval(Duration::from_millis(250));
         loop {
             every.tick().await;
+            shared.refresh_bus_metrics();
             let now_up = shared.bus.is_connected();
             if now_up != up {
                 up = now_up;
@@ -71,7 +73,6 @@ fn watch_bus(shared: Arc<ReplicaShared>) -> JoinHandle<()> {
                 if up {
                     tracing::info!("bus connection restored");
                 } else {
-                    shared.metrics.bus_disconnects.inc();
                     tracing::warn!("bus connection lost: not ready until it is back");
                 }
             }

@@ -4,11 +4,13 @@
 //!
 //! Per model, two tasks:
 //! - queries (`NS.model.MODEL.indexer.find_matches`, queue group `kvrouter-indexers`): the
-//!   task subscribes only once the model is ready (discovery window over and every known rank
-//!   synced, as `/readyz`), so a serving indexer that is still fetching worker state never
-//!   steals a query; if the model falls out of sync later (a rank joins and is fetched), it
-//!   answers `Unavailable` until synced again; the asker asks again (the queue group may
-//!   pick a synced serving indexer) and, if none answers, routes on load alone.
+//!   task subscribes only once the model is ready (discovery window over and no rank in its
+//!   first fetch, as `/readyz`), so a serving indexer that is still fetching worker state
+//!   never steals a query, then announces itself (`indexer.announce`) so remote replicas ask
+//!   it at once; if the model falls out of readiness later (a rank joins and is fetched), it
+//!   answers `Unavailable` until ready again; the asker asks again (the queue group may pick
+//!   a ready serving indexer) and, if none answers, routes on load alone. A rank whose state
+//!   cannot be fetched does not hold it: it has no blocks in the index.
 //! - records (`NS.model.MODEL.indexer.record`, no queue group, approximate mode only): every
 //!   serving indexer records every published decision, so they all hold the same index and
 //!   losing one costs no routing quality.

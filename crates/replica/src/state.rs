@@ -110,11 +110,21 @@ impl ReplicaShared {
         waiting
     }
 
+    /// The bus connection gauge and loss count, from the bus itself (at scrape time too, so a
+    /// reconnect quicker than the watcher's poll is still counted).
+    pub fn refresh_bus_metrics(&self) {
+        let m = &self.metrics;
+        m.bus_connected.set(i64::from(self.bus.is_connected()));
+        let lost = self.bus.disconnects();
+        let counted = m.bus_disconnects_counted.swap(lost, Ordering::Relaxed);
+        if lost > counted {
+            m.bus_disconnects.inc_by(lost - counted);
+        }
+    }
+
     /// Gauges computed at scrape time.
     pub fn refresh_gauges(&self) {
-        self.metrics
-            .bus_connected
-            .set(i64::from(self.bus.is_connected()));
+        self.refresh_bus_metrics();
         for m in self.models.values() {
             let labels = Metrics::model(&m.name);
             let blocks: &Gauge = &self.metrics.index_blocks.get_or_create(&labels);

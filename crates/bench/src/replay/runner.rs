@@ -214,7 +214,7 @@ pub async fn run_policy(
                 }
                 .source()
                 .map_err(|e| RunError::Replica(e.to_string()))?,
-                sync: config.replica_sync.then(|| SyncConfig {
+                sync: config.replica_sync.then_some(SyncConfig {
                     echo: config.replica_sync_echo,
                 }),
                 ..ReplicaConfig::default()

@@ -1,8 +1,8 @@
 //! The messages workers, replicas and clients exchange on the bus.
 //!
-//! Every payload is encoded with [`crate::codec`]. Replies to requests are [`Reply<T>`]: the
-//! value or an [`ErrorReply`] with a machine-readable [`ErrorKind`]. docs/protocol.md lists
-//! which subject carries which message.
+//! Every payload is encoded with the codec (`encode`, `decode`). Replies to requests are
+//! [`Reply<T>`]: the value or an [`ErrorReply`] with a machine-readable [`ErrorKind`].
+//! docs/protocol.md lists which subject carries which message.
 
 use crate::chunk::chunk_by_budget;
 use crate::types::{DpRank, EventId, KvEvent, WorkerId, WorkerKey};
@@ -578,8 +578,8 @@ pub fn max_blocks_per_batch(max_payload: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::{decode, encode};
     use crate::types::{EngineBlockHash, KvEventData, LocalBlockHash, StoredBlock};
+    use crate::{decode, encode};
 
     #[test]
     fn replies_round_trip() {

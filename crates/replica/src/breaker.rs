@@ -79,6 +79,7 @@ pub struct Ticket {
 
 impl Ticket {
     /// Whether this lookup is the half-open probe.
+    #[cfg(test)]
     pub fn is_probe(&self) -> bool {
         self.probe
     }
@@ -118,10 +119,6 @@ impl Breaker {
             opened_at: None,
             skipped: 0,
         }
-    }
-
-    pub fn config(&self) -> BreakerConfig {
-        self.config
     }
 
     /// Open or half-open: lookups are skipped except for the probe.

@@ -314,6 +314,19 @@ fn valid_replica_id(id: &str) -> bool {
 }
 
 impl ReplicaConfig {
+    /// The largest prompt allowed must fit in one bus message of `max_payload` bytes.
+    pub fn check_fits(&self, max_payload: usize) -> Result<(), ReplicaError> {
+        let fits = kvrouter_protocol::max_prompt_tokens_for(max_payload);
+        if self.max_prompt_tokens > fits {
+            return Err(ReplicaError::PromptLimitTooLarge {
+                tokens: self.max_prompt_tokens,
+                max_payload,
+                fits,
+            });
+        }
+        Ok(())
+    }
+
     /// Every check that needs no bus: `kvrouter serve` runs it before connecting, so a bad
     /// flag is refused at once whether or not NATS is reachable.
     pub fn validate(&self) -> Result<(), ReplicaError> {

@@ -38,9 +38,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Default of `--remote-indexer-timeout-ms`.
-pub use crate::config::DEFAULT_REMOTE_TIMEOUT as DEFAULT_TIMEOUT;
-
 /// What changed in the outage state after a query.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum OutageChange {
@@ -59,6 +56,7 @@ pub struct Outage {
 }
 
 impl Outage {
+    #[cfg(test)]
     pub fn is_down(&self) -> bool {
         self.since.is_some()
     }

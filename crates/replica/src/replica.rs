@@ -316,18 +316,87 @@ async fn start_served_indexer(
     Ok(())
 }
 
+/// The router's endpoints: updates addressed to this replica at once; the queue-group ones
+/// (any replica may answer) once the route gate opens.
+async fn serve_router_endpoints(
+    config: &ReplicaConfig,
+    subjects: &Subjects,
+    shared: &Arc<ReplicaShared>,
+    server: &Server,
+    gate: &mut RouteGate,
+    front: &mut Vec<JoinHandle<()>>,
+    back: &mut Vec<JoinHandle<()>>,
+) -> Result<(), ReplicaError> {
+    let (bus, replica_id) = (&server.bus, &shared.replica_id);
+    let max_prompt = config.max_prompt_tokens;
+    for (subject, endpoint) in [
+        (subjects.mark_prefill(replica_id), Endpoint::MarkPrefill),
+        (subjects.free(replica_id), Endpoint::Free),
+    ] {
+        let sub = subscribe(bus, subject, None).await?;
+        back.push(endpoints::spawn(
+            endpoint,
+            sub,
+            server.clone(),
+            shared.clone(),
+            max_prompt,
+        ));
+    }
+    for (subject, endpoint) in [
+        (subjects.route(), Endpoint::Route),
+        (subjects.overlap_scores(), Endpoint::OverlapScores),
+        (subjects.potential_loads(), Endpoint::PotentialLoads),
+    ] {
+        let sub = gate.subscribe_later(subject);
+        let (server, shared) = (server.clone(), shared.clone());
+        front.push(tokio::spawn(async move {
+            let Ok(sub) = sub.await else { return };
+            endpoints::serve(endpoint, sub, server, shared, max_prompt).await;
+        }));
+    }
+    let (disagg_front, disagg_back) = crate::disagg::start(
+        shared,
+        server,
+        max_prompt,
+        config.transfer_timeout,
+        subjects,
+        gate,
+    )
+    .await?;
+    front.extend(disagg_front);
+    back.extend(disagg_back);
+    Ok(())
+}
+
+/// Roll call, then the route gate: readiness may follow once every rank found is synced.
+async fn begin_discovery(
+    config: &ReplicaConfig,
+    shared: &Arc<ReplicaShared>,
+    gate: RouteGate,
+    back: &mut Vec<JoinHandle<()>>,
+) {
+    for m in shared.models.values() {
+        ask_who_is_there(&shared.bus, &m.subjects, &shared.replica_id).await;
+    }
+    let window = config.discovery_window;
+    let s = shared.clone();
+    back.push(tokio::spawn(async move {
+        tokio::time::sleep(window).await;
+        for m in s.models.values() {
+            m.status.discovered.store(true, Ordering::Relaxed);
+        }
+    }));
+    back.push(gate.spawn(
+        shared.clone(),
+        config.discovery_window + config.state_fetch_timeout,
+    ));
+}
+
 impl Replica {
     pub async fn start(config: ReplicaConfig, bus: Bus) -> Result<Self, ReplicaError> {
         config.validate()?;
         let subjects = Subjects::new(&config.namespace)?;
-        let fits = kvrouter_protocol::max_prompt_tokens_for(bus.max_payload());
-        if config.max_prompt_tokens > fits {
-            return Err(ReplicaError::PromptLimitTooLarge {
-                tokens: config.max_prompt_tokens,
-                max_payload: bus.max_payload(),
-                fits,
-            });
-        }
+        config.check_fits(bus.max_payload())?;
         let replica_id = config
             .replica_id
             .clone()
@@ -377,66 +446,15 @@ impl Replica {
             }
         }
 
-        // Router endpoints: updates to this replica at once; the queue-group ones (any
-        // replica may answer) once the route gate opens.
-        let max_prompt = config.max_prompt_tokens;
         let mut gate = RouteGate::default();
-        for (subject, endpoint) in [
-            (subjects.mark_prefill(&replica_id), Endpoint::MarkPrefill),
-            (subjects.free(&replica_id), Endpoint::Free),
-        ] {
-            let sub = subscribe(&bus, subject, None).await?;
-            back.push(endpoints::spawn(
-                endpoint,
-                sub,
-                server.clone(),
-                shared.clone(),
-                max_prompt,
-            ));
-        }
-        for (subject, endpoint) in [
-            (subjects.route(), Endpoint::Route),
-            (subjects.overlap_scores(), Endpoint::OverlapScores),
-            (subjects.potential_loads(), Endpoint::PotentialLoads),
-        ] {
-            let sub = gate.subscribe_later(subject);
-            let (server, shared) = (server.clone(), shared.clone());
-            front.push(tokio::spawn(async move {
-                let Ok(sub) = sub.await else { return };
-                endpoints::serve(endpoint, sub, server, shared, max_prompt).await;
-            }));
-        }
-        let (disagg_front, disagg_back) = crate::disagg::start(
-            &shared,
-            &server,
-            max_prompt,
-            config.transfer_timeout,
-            &subjects,
-            &mut gate,
+        serve_router_endpoints(
+            &config, &subjects, &shared, &server, &mut gate, &mut front, &mut back,
         )
         .await?;
-        front.extend(disagg_front);
-        back.extend(disagg_back);
         if let Err(e) = bus.flush().await {
             tracing::warn!(error = %e, "cannot flush subscriptions");
         }
-
-        // Roll call, then readiness may follow once every rank found is synced.
-        for m in shared.models.values() {
-            ask_who_is_there(&bus, &m.subjects, &replica_id).await;
-        }
-        let window = config.discovery_window;
-        let s = shared.clone();
-        back.push(tokio::spawn(async move {
-            tokio::time::sleep(window).await;
-            for m in s.models.values() {
-                m.status.discovered.store(true, Ordering::Relaxed);
-            }
-        }));
-        back.push(gate.spawn(
-            shared.clone(),
-            config.discovery_window + config.state_fetch_timeout,
-        ));
+        begin_discovery(&config, &shared, gate, &mut back).await;
 
         let admin_addr = match config.admin_addr {
             Some(addr) => {

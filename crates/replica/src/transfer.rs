@@ -132,11 +132,13 @@ impl TransferTracker {
         self.pending.len()
     }
 
+    #[cfg(test)]
     pub fn is_pending(&self, request_id: &str) -> bool {
         self.pending.contains_key(request_id)
     }
 
     /// Whether a side of a pending request is complete (`None`: not pending).
+    #[cfg(test)]
     pub fn is_complete(&self, request_id: &str, side: TransferSide) -> Option<bool> {
         self.pending.get(request_id).map(|p| match side {
             TransferSide::Sent => p.sent.done(),
@@ -168,7 +170,8 @@ impl TransferTracker {
         true
     }
 
-    /// Stops tracking a request (e.g. it failed); true if it was pending.
+    /// Stops tracking a request; true if it was pending.
+    #[cfg(test)]
     pub fn forget(&mut self, request_id: &str) -> bool {
         self.pending.remove(request_id).is_some()
     }

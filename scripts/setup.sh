@@ -27,3 +27,18 @@ else
   nats_ok "$(command -v nats-server)" || { echo "setup: nats-server 2.10+ still missing" >&2; exit 1; }
 fi
 echo "setup: $(nats-server --version) at $(command -v nats-server)" >&2
+
+# Python packages the engine-facing tests use to speak as vLLM and SGLang do (msgspec
+# msgpack, pyzmq), installed under .tools/py unless python3 already has them.
+PY_PKGS="msgspec>=0.18 pyzmq>=25"
+if ! python3 -c "import msgspec, zmq" >/dev/null 2>&1; then
+  export PYTHONPATH="$TOOLS/py${PYTHONPATH:+:$PYTHONPATH}"
+  if ! python3 -c "import msgspec, zmq" >/dev/null 2>&1; then
+    echo "setup: installing $PY_PKGS into $TOOLS/py" >&2
+    # shellcheck disable=SC2086
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+      --upgrade --target "$TOOLS/py" $PY_PKGS
+    python3 -c "import msgspec, zmq" || { echo "setup: msgspec/pyzmq still missing" >&2; exit 1; }
+  fi
+fi
+echo "setup: python3 with msgspec $(python3 -c 'import msgspec; print(msgspec.__version__)'), pyzmq $(python3 -c 'import zmq; print(zmq.__version__)')" >&2

@@ -470,6 +470,17 @@ impl Index {
         self.blocks.find(p, |b| b.prefix == p).map(|b| b.holders)
     }
 
+    /// The local hash of the block `key` holds under engine hash `engine`, if it holds one.
+    pub fn local_hash(&self, key: WorkerKey, engine: EngineBlockHash) -> Option<LocalBlockHash> {
+        let &slot = self.slots.get(&key)?;
+        let rank = self.ranks[slot as usize].as_ref()?;
+        let p = alias_of(&rank.aliases, engine.0)?;
+        let b = self.blocks.find(p, |b| b.prefix == p)?;
+        self.arena
+            .contains(b.holders, slot)
+            .then(|| LocalBlockHash(prefix::local_of(p, b.parent)))
+    }
+
     /// Events that rebuild `key` exactly, parents before children. Blocks cut off from the
     /// root (a removed ancestor) match nothing and are left out.
     pub fn dump(&self, key: WorkerKey) -> Option<RankDump> {

@@ -54,6 +54,28 @@ pub fn local_block_hashes(
         .collect())
 }
 
+/// The local hash of one block whose cache entry also depends on extra keys (multimodal
+/// identifiers, a cache salt): XXH3-64 with the block's LoRA `seed` of its tokens (u32 LE),
+/// then of each extra as its UTF-8 length (u32 LE) and bytes. Without extras it equals the
+/// plain local hash, so such blocks match plain-token requests only when nothing extra was
+/// given, and never otherwise.
+pub fn local_block_hash_with_extras<S: AsRef<str>>(
+    block: &[u32],
+    seed: u64,
+    extras: &[S],
+) -> LocalBlockHash {
+    let mut bytes = Vec::with_capacity(block.len() * 4 + 32);
+    for t in block {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    for e in extras {
+        let e = e.as_ref().as_bytes();
+        bytes.extend_from_slice(&(e.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(e);
+    }
+    LocalBlockHash(xxh3_64_with_seed(&bytes, seed))
+}
+
 /// One step of the sequence-hash chain.
 #[inline]
 pub fn chain_sequence_hash(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
@@ -133,6 +155,22 @@ pub fn stored_sequence_hashes(events: &[KvEvent]) -> HashSet<SequenceHash> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extras_change_the_hash_and_none_keep_it() {
+        let block: Vec<u32> = (1..=4).collect();
+        let plain = local_block_hashes(&block, 4, Some("a")).unwrap().remove(0);
+        let seed = lora_seed(Some("a"));
+        let none: [&str; 0] = [];
+        assert_eq!(local_block_hash_with_extras(&block, seed, &none), plain);
+        let salted = local_block_hash_with_extras(&block, seed, &["s"]);
+        assert_ne!(salted, plain);
+        // Lengths keep item boundaries: ["ab"] and ["a", "b"] differ.
+        assert_ne!(
+            local_block_hash_with_extras(&block, seed, &["ab"]),
+            local_block_hash_with_extras(&block, seed, &["a", "b"])
+        );
+    }
 
     #[test]
     fn known_answer_matches_dynamo() {

@@ -23,7 +23,10 @@ pub use codec::{
     decode, decode_versioned, encode, encode_as, encoded_len, reply_version, set_write_version,
     write_version, CodecError, FORMAT_VERSION, MAX_MESSAGE_BYTES, MIN_READ_VERSION,
 };
-pub use hashing::{local_block_hashes, lora_seed, sequence_hashes, HashError, BASE_SEED};
+pub use hashing::{
+    local_block_hash_with_extras, local_block_hashes, lora_seed, sequence_hashes, HashError,
+    BASE_SEED,
+};
 pub use messages::*;
 pub use subjects::{fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects};
 pub use types::*;

@@ -1,0 +1,436 @@
+//! The bridge's copy of what one engine's ranks cache, and the translation of the engine's
+//! events into kvrouter KV events.
+//!
+//! Every engine event is first applied to the mirror (a kvrouter [`Index`], so it refuses
+//! exactly what a replica's index would); only the events it accepts get the rank's next
+//! event id and go to the router. A replica that applies the forwarded events, or loads a
+//! [`snapshot`](WorkerMirror::snapshot), holds what the mirror holds.
+
+use crate::engine_event::{EngineEvent, EventError, Extras, Stored};
+use kvrouter_indexer::{block_limit_for_capacity, Index, IndexError};
+use kvrouter_protocol::{
+    local_block_hash_with_extras, lora_seed, DpRank, EngineBlockHash, EventId, KvEvent,
+    KvEventData, LocalBlockHash, StoredBlock, WorkerId, WorkerKey,
+};
+use rustc_hash::FxHashMap;
+
+/// Why an engine event was not forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Skip {
+    /// Not on the device (`medium` other than `GPU`), or held by another node.
+    NotDevice,
+    /// Not the full-attention group (sliding window, mamba, another group index).
+    OtherGroup,
+    /// `block_size` differs from the bridge's `--block-size`.
+    BlockSize,
+    /// No `token_ids` and blocks the mirror does not know.
+    NoTokens,
+    /// `token_ids` is not `block_size` tokens per block.
+    TokenCount,
+    /// The parent is not held (it was evicted or never seen).
+    MissingParent,
+    /// The rank would hold more than its capacity allows.
+    Capacity,
+    /// A `BlockRemoved` of blocks the mirror does not hold.
+    UnknownBlocks,
+    UnknownType,
+    Malformed,
+}
+
+impl Skip {
+    pub const ALL: [Skip; 10] = [
+        Skip::NotDevice,
+        Skip::OtherGroup,
+        Skip::BlockSize,
+        Skip::NoTokens,
+        Skip::TokenCount,
+        Skip::MissingParent,
+        Skip::Capacity,
+        Skip::UnknownBlocks,
+        Skip::UnknownType,
+        Skip::Malformed,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::NotDevice => "not_device",
+            Skip::OtherGroup => "other_group",
+            Skip::BlockSize => "block_size",
+            Skip::NoTokens => "no_tokens",
+            Skip::TokenCount => "token_count",
+            Skip::MissingParent => "missing_parent",
+            Skip::Capacity => "capacity",
+            Skip::UnknownBlocks => "unknown_blocks",
+            Skip::UnknownType => "unknown_type",
+            Skip::Malformed => "malformed",
+        }
+    }
+}
+
+/// Attention kinds whose blocks a plain-token prefix match can use.
+const MAIN_ATTENTION: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+/// One engine's ranks `dp_start_rank .. dp_start_rank + dp_size`, mirrored.
+pub struct WorkerMirror {
+    worker_id: WorkerId,
+    dp_start_rank: DpRank,
+    block_size: u32,
+    index: Index,
+    /// Per rank (by index from `dp_start_rank`): the last event id forwarded.
+    last_ids: Vec<Option<EventId>>,
+    /// What each KV cache group index turned out to be (learned from `BlockStored`).
+    main_group: FxHashMap<u32, bool>,
+    skipped: FxHashMap<Skip, u64>,
+}
+
+impl WorkerMirror {
+    pub fn new(
+        worker_id: WorkerId,
+        dp_start_rank: DpRank,
+        dp_size: u32,
+        block_size: u32,
+        capacity_blocks: u64,
+    ) -> Self {
+        let mut index = Index::new();
+        let cap = usize::try_from(capacity_blocks).unwrap_or(usize::MAX / 2);
+        index.set_block_limit(worker_id, Some(block_limit_for_capacity(cap)));
+        Self {
+            worker_id,
+            dp_start_rank,
+            block_size,
+            index,
+            last_ids: vec![None; dp_size as usize],
+            main_group: FxHashMap::default(),
+            skipped: FxHashMap::default(),
+        }
+    }
+
+    fn slot(&self, rank: DpRank) -> Option<usize> {
+        rank.checked_sub(self.dp_start_rank)
+            .map(|i| i as usize)
+            .filter(|&i| i < self.last_ids.len())
+    }
+
+    pub fn key(&self, rank: DpRank) -> WorkerKey {
+        WorkerKey::new(self.worker_id, rank)
+    }
+
+    /// How many events were not forwarded, by reason.
+    pub fn skipped(&self, why: Skip) -> u64 {
+        self.skipped.get(&why).copied().unwrap_or(0)
+    }
+
+    fn skip(&mut self, why: Skip) {
+        *self.skipped.entry(why).or_default() += 1;
+    }
+
+    /// Blocks the mirror holds for `rank`.
+    pub fn held_blocks(&self, rank: DpRank) -> usize {
+        self.index.held_blocks(self.key(rank))
+    }
+
+    /// Applies one decoded batch of `rank` and returns the events to forward, in order.
+    /// `None` if `rank` is not one of this worker's ranks.
+    pub fn apply(
+        &mut self,
+        rank: DpRank,
+        events: &[Result<EngineEvent, EventError>],
+    ) -> Option<Vec<KvEvent>> {
+        let slot = self.slot(rank)?;
+        let key = self.key(rank);
+        let mut out = Vec::new();
+        for ev in events {
+            let data = match ev {
+                Err(EventError::UnknownType(_)) => {
+                    self.skip(Skip::UnknownType);
+                    continue;
+                }
+                Err(EventError::Malformed { .. }) => {
+                    self.skip(Skip::Malformed);
+                    continue;
+                }
+                Ok(EngineEvent::Stored(s)) => match self.stored(key, s) {
+                    Ok(data) => data,
+                    Err(why) => {
+                        self.skip(why);
+                        continue;
+                    }
+                },
+                Ok(EngineEvent::Removed {
+                    block_hashes,
+                    medium,
+                    group_idx,
+                    locality,
+                }) => {
+                    if !on_device(medium.as_deref(), locality.as_deref()) {
+                        self.skip(Skip::NotDevice);
+                        continue;
+                    }
+                    if !self.is_main_group(*group_idx) {
+                        self.skip(Skip::OtherGroup);
+                        continue;
+                    }
+                    KvEventData::Removed {
+                        engine_hashes: block_hashes.iter().map(|&h| EngineBlockHash(h)).collect(),
+                    }
+                }
+                Ok(EngineEvent::Cleared) => KvEventData::Cleared,
+            };
+            match self.index.apply_unsequenced(key, &data) {
+                Ok(applied) => {
+                    if matches!(data, KvEventData::Removed { .. }) && applied.removed == 0 {
+                        self.skip(Skip::UnknownBlocks);
+                        continue;
+                    }
+                }
+                Err(IndexError::MissingParent { .. }) => {
+                    self.skip(Skip::MissingParent);
+                    continue;
+                }
+                Err(_) => {
+                    self.skip(Skip::Capacity);
+                    continue;
+                }
+            }
+            out.push(self.next_event(slot, key, data));
+        }
+        Some(out)
+    }
+
+    fn next_event(&mut self, slot: usize, key: WorkerKey, data: KvEventData) -> KvEvent {
+        let id = self.last_ids[slot].map_or(0, |l| l + 1);
+        self.last_ids[slot] = Some(id);
+        KvEvent {
+            key,
+            event_id: id,
+            data,
+        }
+    }
+
+    /// Whether blocks of KV cache group `g` can serve a plain prefix match.
+    fn is_main_group(&self, g: Option<u32>) -> bool {
+        match g {
+            None => true,
+            Some(g) => self.main_group.get(&g).copied().unwrap_or(g == 0),
+        }
+    }
+
+    fn stored(&mut self, key: WorkerKey, s: &Stored) -> Result<KvEventData, Skip> {
+        if !on_device(s.medium.as_deref(), s.locality.as_deref()) {
+            return Err(Skip::NotDevice);
+        }
+        let main = s.sliding_window.unwrap_or(0) == 0
+            && match s.spec_kind.as_deref() {
+                Some(kind) => MAIN_ATTENTION.contains(&kind),
+                None => self.is_main_group(s.group_idx),
+            };
+        if let Some(g) = s.group_idx {
+            if s.spec_kind.is_some() {
+                self.main_group.insert(g, main);
+            }
+        }
+        if !main {
+            return Err(Skip::OtherGroup);
+        }
+        if s.block_size != self.block_size {
+            return Err(Skip::BlockSize);
+        }
+        let n = s.block_hashes.len();
+        let local: Vec<LocalBlockHash> = if s.token_ids.is_empty() {
+            s.block_hashes
+                .iter()
+                .map(|&h| self.index.local_hash(key, EngineBlockHash(h)))
+                .collect::<Option<_>>()
+                .ok_or(Skip::NoTokens)?
+        } else {
+            let bs = self.block_size as usize;
+            if s.token_ids.len() != n * bs {
+                return Err(Skip::TokenCount);
+            }
+            local_hashes(s, bs)
+        };
+        Ok(KvEventData::Stored {
+            parent: s.parent.map(EngineBlockHash),
+            blocks: s
+                .block_hashes
+                .iter()
+                .zip(local)
+                .map(|(&h, local_hash)| StoredBlock {
+                    engine_hash: EngineBlockHash(h),
+                    local_hash,
+                })
+                .collect(),
+        })
+    }
+
+    /// A rank's batches were lost for good: drop what it held and tell the router so.
+    pub fn clear_rank(&mut self, rank: DpRank) -> Option<KvEvent> {
+        let slot = self.slot(rank)?;
+        let key = self.key(rank);
+        self.index.remove_worker_rank(key);
+        Some(self.next_event(slot, key, KvEventData::Cleared))
+    }
+
+    /// A new worker instance (the engine restarted): event ids start again at 0 for every
+    /// rank, and `restarted`'s blocks are gone; other ranks keep theirs (the router fetches
+    /// them again as the new instance's state).
+    pub fn new_instance(&mut self, restarted: Option<DpRank>) {
+        if let Some(rank) = restarted {
+            self.index.remove_worker_rank(self.key(rank));
+        }
+        self.last_ids.iter_mut().for_each(|l| *l = None);
+    }
+
+    /// What `rank` holds as events that rebuild it (parents first), each carrying the last
+    /// event id forwarded; `None` if `rank` is not one of this worker's.
+    pub fn snapshot(&self, rank: DpRank) -> Option<(Vec<KvEvent>, Option<EventId>)> {
+        let slot = self.slot(rank)?;
+        let last = self.last_ids[slot];
+        let mut events = self
+            .index
+            .dump(self.key(rank))
+            .map(|d| d.events)
+            .unwrap_or_default();
+        for e in &mut events {
+            e.event_id = last.unwrap_or(0);
+        }
+        Some((events, last))
+    }
+}
+
+/// Device blocks of this node: `medium` absent or `GPU`, `locality` absent or `LOCAL`.
+fn on_device(medium: Option<&str>, locality: Option<&str>) -> bool {
+    matches!(medium, None | Some("GPU")) && matches!(locality, None | Some("LOCAL"))
+}
+
+/// The router's local hashes of a stored run: the LoRA (its name, else its decimal id) seeds
+/// the hash; each block's extra keys other than the LoRA name, and the salt on block 0, go in.
+fn local_hashes(s: &Stored, bs: usize) -> Vec<LocalBlockHash> {
+    let lora_id_name = s.lora_id.map(|id| id.to_string());
+    let lora = s.lora_name.as_deref().or(lora_id_name.as_deref());
+    let seed = lora_seed(lora);
+    let mut extras: Extras = Vec::new();
+    s.token_ids
+        .chunks_exact(bs)
+        .enumerate()
+        .map(|(i, block)| {
+            extras.clear();
+            if let Some(Some(keys)) = s.extra_keys.get(i) {
+                let mut lora_seen = false;
+                for k in keys {
+                    if !lora_seen && Some(k.as_str()) == lora {
+                        lora_seen = true; // the LoRA is in the seed already
+                        continue;
+                    }
+                    extras.push(k.clone());
+                }
+            }
+            if i == 0 {
+                if let Some(salt) = &s.cache_salt {
+                    if !extras.contains(salt) {
+                        extras.push(salt.clone());
+                    }
+                }
+            }
+            local_block_hash_with_extras(block, seed, &extras)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const BS: u32 = 2;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Store `n` blocks on a parent chosen among the hashes seen (or none).
+        Store {
+            parent: Option<usize>,
+            n: u8,
+            seed: u8,
+        },
+        Remove {
+            pick: Vec<usize>,
+        },
+        Clear,
+        /// A rank's batches lost for good.
+        Lost,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (proptest::option::of(0usize..64), 1u8..4, any::<u8>())
+                .prop_map(|(parent, n, seed)| Op::Store { parent, n, seed }),
+            3 => proptest::collection::vec(0usize..64, 1..4).prop_map(|pick| Op::Remove { pick }),
+            1 => Just(Op::Clear),
+            1 => Just(Op::Lost),
+        ]
+    }
+
+    proptest! {
+        /// A replica applying exactly the forwarded events (ids checked, gap-free) holds what
+        /// the mirror holds, and so does one that loads the mirror's snapshot instead (blocks
+        /// cut off from the root by a removed ancestor match nothing and are not compared).
+        #[test]
+        fn replicas_following_the_mirror_hold_what_it_holds(
+            ops in proptest::collection::vec((0u32..2, op()), 1..80),
+            capacity in 4u64..40,
+        ) {
+            let mut mirror = WorkerMirror::new(5, 0, 2, BS, capacity);
+            let mut replica = Index::new();
+            replica.set_block_limit(5, Some(block_limit_for_capacity(capacity as usize)));
+            let mut seen: Vec<u64> = Vec::new();
+            let mut next_hash = 1u64;
+            for (rank, op) in ops {
+                let forwarded = match op {
+                    Op::Store { parent, n, seed } => {
+                        let parent = parent.and_then(|i| seen.get(i % seen.len().max(1)).copied());
+                        let hashes: Vec<u64> = (0..n).map(|_| { next_hash += 1; next_hash }).collect();
+                        seen.extend(&hashes);
+                        let tokens = (0..u32::from(n) * BS).map(|t| t + u32::from(seed)).collect();
+                        let ev = Ok(EngineEvent::Stored(Stored {
+                            block_hashes: hashes,
+                            parent,
+                            token_ids: tokens,
+                            block_size: BS,
+                            ..Stored::default()
+                        }));
+                        mirror.apply(rank, &[ev]).unwrap()
+                    }
+                    Op::Remove { pick } => {
+                        let hashes = pick.iter().filter_map(|&i| seen.get(i % seen.len().max(1)).copied()).collect();
+                        let ev = Ok(EngineEvent::Removed { block_hashes: hashes, medium: None, group_idx: None, locality: None });
+                        mirror.apply(rank, &[ev]).unwrap()
+                    }
+                    Op::Clear => mirror.apply(rank, &[Ok(EngineEvent::Cleared)]).unwrap(),
+                    Op::Lost => vec![mirror.clear_rank(rank).unwrap()],
+                };
+                for e in &forwarded {
+                    let applied = replica.apply(e);
+                    prop_assert!(applied.is_ok(), "{:?}: {:?}", e, applied);
+                    prop_assert_eq!(applied.unwrap().gap, 0);
+                }
+            }
+            for rank in 0..2 {
+                let key = WorkerKey::new(5, rank);
+                let (events, last) = mirror.snapshot(rank).unwrap();
+                prop_assert_eq!(replica.last_event_id(key), last);
+                let followed = replica.dump(key).map(|d| d.events).unwrap_or_default();
+                let strip = |v: &[KvEvent]| v.iter().map(|e| e.data.clone()).collect::<Vec<_>>();
+                prop_assert_eq!(strip(&followed), strip(&events));
+                prop_assert_eq!(replica.held_blocks(key), mirror.held_blocks(rank));
+
+                let mut loaded = Index::new();
+                for e in &events {
+                    loaded.apply_unsequenced(key, &e.data).unwrap();
+                }
+                let reloaded = loaded.dump(key).map(|d| d.events).unwrap_or_default();
+                prop_assert_eq!(strip(&reloaded), strip(&events));
+            }
+        }
+    }
+}

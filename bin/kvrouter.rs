@@ -32,6 +32,9 @@ enum Command {
     Serve(cli::serve::ServeArgs),
     /// Run a fleet of simulated engine workers (no GPU) on the bus.
     Mocker(cli::mocker::MockerArgs),
+    /// Speak for one vLLM or SGLang engine on the bus: its KV events from ZeroMQ, its
+    /// health and load over HTTP (a sidecar beside the engine).
+    Bridge(cli::bridge::BridgeArgs),
     /// Replay a Mooncake trace that ships in the repo through two router replicas and a
     /// simulated fleet, kv routing against round robin, and print what kv bought.
     Demo(cli::replay::DemoArgs),
@@ -60,7 +63,10 @@ fn tune_system_allocator() {
 fn main() -> std::process::ExitCode {
     tune_system_allocator();
     let cli = Cli::parse();
-    let long_running = matches!(cli.command, Command::Serve(_) | Command::Mocker(_));
+    let long_running = matches!(
+        cli.command,
+        Command::Serve(_) | Command::Mocker(_) | Command::Bridge(_)
+    );
     cli::init_tracing(
         if long_running {
             cli::LogDefault::Service
@@ -73,6 +79,7 @@ fn main() -> std::process::ExitCode {
         Command::Hash(args) => cli::hash::run(args),
         Command::Serve(args) => cli::block_on(cli::serve::run(args)),
         Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
+        Command::Bridge(args) => cli::block_on(cli::bridge::run(args)),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::replay::run_demo(args),
         Command::Route(args) => cli::block_on(cli::route::run(args)),

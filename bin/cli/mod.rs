@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_route;
+pub mod bridge;
 pub mod generate;
 pub mod hash;
 pub mod lifecycle;

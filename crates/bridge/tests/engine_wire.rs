@@ -1,4 +1,4 @@
-//! Payloads made by msgspec exactly as vLLM and SGLang make them (tests/engines/engine_wire.py)
+//! Payloads made by msgspec exactly as vLLM and SGLang make them (/tests/engines/engine_wire.py)
 //! decode to what the engine meant, in every wire form, and turn into the router's events.
 
 use kvrouter_bridge::{decode_batch, EngineBatch, EngineEvent, EventError, Skip, WorkerMirror};
@@ -13,7 +13,10 @@ use xxhash_rust::xxh3::xxh3_64;
 const BIG: u64 = u64::MAX;
 
 fn cases() -> HashMap<String, Vec<u8>> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/engines/engine_wire.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/engines/engine_wire.py"
+    );
     let out = Command::new("python3")
         .args([script, "cases"])
         .output()

@@ -18,12 +18,12 @@
 //! Reports go out one message per tp rank, as separate engines' ranks would send them.
 
 use crate::engine::{OutputKind, Request};
-use crate::publish::publish_msg;
+use crate::mock_info::MockInfo;
 use crate::rank_task::{sim_to_wall, RankCmd, RankOut};
-use crate::shutdown::stopped;
-use crate::worker_info::WorkerInfo;
 use kvrouter_bus::Bus;
 use kvrouter_protocol::{DpRank, ErrorKind, ErrorReply, TransferReport, TransferSide, WorkerRole};
+use kvrouter_worker::publish_msg;
+use kvrouter_worker::stopped;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -31,7 +31,7 @@ use tokio::time::Instant;
 
 /// One tp rank's report.
 fn report(
-    info: &WorkerInfo,
+    info: &MockInfo,
     dp_rank: DpRank,
     tp_rank: u32,
     side: TransferSide,
@@ -65,7 +65,7 @@ pub(crate) fn kv_transferred(role: WorkerRole) -> bool {
 pub(crate) fn hook(
     bus: &Bus,
     subject: &str,
-    info: &Arc<WorkerInfo>,
+    info: &Arc<MockInfo>,
     dp_rank: DpRank,
     request_id: &str,
     rx: mpsc::UnboundedReceiver<RankOut>,
@@ -95,7 +95,7 @@ async fn forward_prefill(
     tx: mpsc::UnboundedSender<RankOut>,
     bus: Bus,
     subject: String,
-    info: Arc<WorkerInfo>,
+    info: Arc<MockInfo>,
     dp_rank: DpRank,
     request_id: String,
 ) {
@@ -170,7 +170,7 @@ impl Receipts {
 pub(crate) struct Receive {
     pub bus: Bus,
     pub subject: String,
-    pub info: Arc<WorkerInfo>,
+    pub info: Arc<MockInfo>,
     pub dp_rank: DpRank,
     pub request: Request,
     pub rank: mpsc::UnboundedSender<RankCmd>,

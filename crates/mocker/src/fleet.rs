@@ -29,16 +29,15 @@
 
 use crate::config::{ConfigError, EngineConfig};
 use crate::engine::RankEngine;
-use crate::publish::publish_msg;
-use crate::publisher::Publisher;
+use crate::mock_info::{MockInfo, TransferConfig};
 use crate::rank_task::{RankCmd, RankTask};
-use crate::shutdown::stopped;
 use crate::worker::{EndpointSubs, Endpoints};
-use crate::worker_info::{TransferConfig, WorkerInfo};
-use kvrouter_bus::{Bus, BusError, Subscription, SHUTDOWN_FLUSH_TIMEOUT};
+use kvrouter_bus::{Bus, BusError, SHUTDOWN_FLUSH_TIMEOUT};
 use kvrouter_protocol::{
-    Deregistration, DpRank, EventId, ModelSubjects, SubjectError, Subjects, WorkerId, WorkerKey,
-    WorkerRole,
+    DpRank, EventId, ModelSubjects, SubjectError, Subjects, WorkerId, WorkerKey, WorkerRole,
+};
+use kvrouter_worker::{
+    deregister_within, discovery_task, publish_msg, Publisher, WorkerInfo, WorkerSpec,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -223,7 +222,7 @@ pub enum FleetError {
 
 /// One worker as the fleet handle sees it.
 struct WorkerHandle {
-    info: Arc<WorkerInfo>,
+    info: Arc<MockInfo>,
     ranks: Vec<mpsc::UnboundedSender<RankCmd>>,
 }
 
@@ -269,7 +268,11 @@ impl MockerFleet {
             fleet.start_worker(worker_id).await?;
         }
         let who = bus.subscribe(&subjects.who_is_there()).await?;
-        let infos: Vec<Arc<WorkerInfo>> = fleet.workers.iter().map(|w| w.info.clone()).collect();
+        let infos: Vec<Arc<WorkerInfo>> = fleet
+            .workers
+            .iter()
+            .map(|w| w.info.worker.clone())
+            .collect();
         fleet.tasks.push(tokio::spawn(discovery_task(
             bus.clone(),
             subjects.clone(),
@@ -281,7 +284,7 @@ impl MockerFleet {
         for info in &infos {
             tracing::info!(
                 worker_id = info.worker_id,
-                instance_id = %info.instance_id,
+                instance_id = %info.instance_id(),
                 model = %info.model,
                 dp_start_rank = info.dp_start_rank,
                 dp_size = info.dp_size,
@@ -294,23 +297,27 @@ impl MockerFleet {
 
     async fn start_worker(&mut self, worker_id: WorkerId) -> Result<(), FleetError> {
         let c = &self.config;
-        let info = Arc::new(WorkerInfo::new(
+        let spec = WorkerSpec {
             worker_id,
-            c.model.clone(),
-            c.role,
+            model: c.model.clone(),
+            role: c.role,
             // Validated to fit.
-            u32::try_from(c.engine.block_size).unwrap_or(u32::MAX),
-            c.dp_size,
-            c.dp_start_rank,
-            c.tp_size,
-            c.engine.capacity_blocks as u64,
-            u32::try_from(c.heartbeat_interval.as_millis()).unwrap_or(u32::MAX),
-            TransferConfig {
-                per_block: c.kv_transfer_per_block,
-                receive_timeout: c.kv_receive_timeout,
-                speedup: c.speedup,
-            },
-        ));
+            block_size: u32::try_from(c.engine.block_size).unwrap_or(u32::MAX),
+            dp_size: c.dp_size,
+            dp_start_rank: c.dp_start_rank,
+            tp_size: c.tp_size,
+            capacity_blocks: c.engine.capacity_blocks as u64,
+            heartbeat_interval_ms: u32::try_from(c.heartbeat_interval.as_millis())
+                .unwrap_or(u32::MAX),
+            engine: kvrouter_protocol::EngineKind::Mocker,
+            base_url: String::new(),
+        };
+        let transfer = TransferConfig {
+            per_block: c.kv_transfer_per_block,
+            receive_timeout: c.kv_receive_timeout,
+            speedup: c.speedup,
+        };
+        let info = Arc::new(MockInfo::new(WorkerInfo::new(spec), transfer));
         info.set_silenced_tp_rank(c.silence_tp_rank);
         let subs = EndpointSubs {
             generate: self
@@ -346,7 +353,7 @@ impl MockerFleet {
         }
         let publisher = Publisher {
             bus: self.bus.clone(),
-            info: info.clone(),
+            info: info.worker.clone(),
             kv_events_subject: self.subjects.kv_events(),
             load_subject: self.subjects.load(),
             batch_interval: c.event_batch_interval,
@@ -375,7 +382,7 @@ impl MockerFleet {
 
     /// The instance id of a worker of this fleet (new on every start).
     pub fn instance_id(&self, worker_id: WorkerId) -> Option<Uuid> {
-        self.worker(worker_id).ok().map(|w| w.info.instance_id)
+        self.worker(worker_id).ok().map(|w| w.info.instance_id())
     }
 
     /// The configuration the fleet runs.
@@ -425,7 +432,8 @@ impl MockerFleet {
         live: bool,
     ) -> Result<(), FleetError> {
         let (w, index) = self.rank_index(worker_id, dp_rank)?;
-        crate::worker::set_rank_live(&self.bus, &self.subjects, &w.info, index, live).await;
+        kvrouter_worker::set_rank_live(&self.bus, &self.subjects, &w.info.worker, index, live)
+            .await;
         Ok(())
     }
 
@@ -500,56 +508,11 @@ impl MockerFleet {
             ));
         }
 
-        let deadline = Instant::now() + SHUTDOWN_FLUSH_TIMEOUT;
-        let mut queued = Vec::new();
-        let mut unsent = Vec::new();
-        let mut why = None;
-        for w in &self.workers {
-            let msg = Deregistration {
-                worker_id: w.info.worker_id,
-                instance_id: w.info.instance_id,
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            let sent = match kvrouter_protocol::encode(&msg) {
-                Ok(b) => self
-                    .bus
-                    .publish_within(&self.subjects.deregister(), bytes::Bytes::from(b), left)
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            match sent {
-                Ok(()) => queued.push(w.info.worker_id),
-                Err(e) => {
-                    unsent.push(w.info.worker_id);
-                    why.get_or_insert(e);
-                }
-            }
-        }
-        if !unsent.is_empty() {
-            let why = why.unwrap_or_default();
-            tracing::warn!(workers = ?unsent, error = %why, "cannot deregister");
-            undone.push(format!("workers {unsent:?} not deregistered ({why})"));
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        match self.bus.flush_within(left).await {
-            Ok(()) => {
-                for worker_id in &queued {
-                    tracing::info!(worker_id, "mocker worker deregistered");
-                }
-            }
-            Err(e) if !queued.is_empty() => {
-                tracing::warn!(
-                    workers = ?queued,
-                    error = %e,
-                    "deregistrations may not have reached NATS; the routers drop these \
-                     workers when their lease runs out"
-                );
-                undone.push(format!(
-                    "deregistration of workers {queued:?} not confirmed ({e})"
-                ));
-            }
-            Err(_) => {}
+        let workers: Vec<&WorkerInfo> = self.workers.iter().map(|w| &*w.info.worker).collect();
+        if let Err(e) =
+            deregister_within(&self.bus, &self.subjects, &workers, SHUTDOWN_FLUSH_TIMEOUT).await
+        {
+            undone.push(e);
         }
         if undone.is_empty() {
             Ok(())
@@ -562,44 +525,5 @@ impl MockerFleet {
 impl Drop for MockerFleet {
     fn drop(&mut self) {
         let _ = self.shutdown.send(true);
-    }
-}
-
-/// Heartbeats for every worker, and registrations at once on every `WhoIsThere`.
-async fn discovery_task(
-    bus: Bus,
-    subjects: ModelSubjects,
-    workers: Vec<Arc<WorkerInfo>>,
-    mut who: Subscription,
-    heartbeat_interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let register = subjects.register();
-    let heartbeat = subjects.heartbeat();
-    let mut tick = tokio::time::interval_at(
-        tokio::time::Instant::now() + heartbeat_interval,
-        heartbeat_interval,
-    );
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            _ = stopped(&mut shutdown) => break,
-            msg = who.next() => {
-                let Some(msg) = msg else { break };
-                // Any payload counts as a roll call; a malformed one is only logged.
-                if let Err(e) = kvrouter_protocol::decode::<kvrouter_protocol::WhoIsThere>(&msg.payload) {
-                    tracing::debug!(error = %e, "malformed WhoIsThere; answering anyway");
-                }
-                for w in &workers {
-                    publish_msg(&bus, &register, &w.registration()).await;
-                }
-            }
-            _ = tick.tick() => {
-                for w in &workers {
-                    publish_msg(&bus, &heartbeat, &w.heartbeat()).await;
-                }
-            }
-        }
     }
 }

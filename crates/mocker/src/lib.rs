@@ -39,12 +39,9 @@ pub mod engine;
 pub mod engine_hash;
 pub mod fleet;
 pub mod kv_cache;
-mod publish;
-mod publisher;
+mod mock_info;
 mod rank_task;
-mod shutdown;
 mod worker;
-mod worker_info;
 
 pub use config::{BatchShape, ConfigError, EngineConfig, TimingModel};
 pub use engine::{

@@ -13,10 +13,10 @@
 //! snapshot includes is in the publisher's channel before the snapshot is taken.
 
 use crate::engine::{OutputKind, RankEngine, Request, SimTime, StepOutcome, SubmitError};
-use crate::publisher::PubMsg;
-use crate::shutdown::stopped;
-use crate::worker_info::WorkerInfo;
+use crate::mock_info::MockInfo;
 use kvrouter_protocol::{ErrorReply, EventId, KvEvent, RankLoad};
+use kvrouter_worker::PubMsg;
+use kvrouter_worker::{stopped, Snapshot};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,13 +55,6 @@ pub(crate) enum RankOut {
     Output(OutputKind),
 }
 
-/// A consistent view of a rank's cache: `events` rebuild exactly the effect of events
-/// `0..=last_event_id`.
-pub(crate) struct Snapshot {
-    pub events: Vec<KvEvent>,
-    pub last_event_id: Option<EventId>,
-}
-
 /// Wall time that `sim` simulated time takes at `speedup`.
 pub(crate) fn sim_to_wall(sim: Duration, speedup: f64) -> Duration {
     Duration::try_from_secs_f64(sim.as_secs_f64() / speedup)
@@ -80,7 +73,7 @@ pub(crate) struct RankTask {
     engine: RankEngine,
     /// Index of the rank inside its worker (`dp_rank - dp_start_rank`).
     index: usize,
-    info: Arc<WorkerInfo>,
+    info: Arc<MockInfo>,
     publisher: mpsc::UnboundedSender<PubMsg>,
     requests: FxHashMap<String, mpsc::UnboundedSender<RankOut>>,
     speedup: f64,
@@ -99,7 +92,7 @@ impl RankTask {
     pub(crate) fn new(
         engine: RankEngine,
         index: usize,
-        info: Arc<WorkerInfo>,
+        info: Arc<MockInfo>,
         publisher: mpsc::UnboundedSender<PubMsg>,
         speedup: f64,
     ) -> Self {

@@ -1,20 +1,16 @@
 //! One simulated worker's bus endpoints (`generate`, `state`, `drop_events`, `rank_live`).
-//! Its shared state is in [`crate::worker_info`], its KV event / load publisher in
-//! [`crate::publisher`], its ranks run in [`crate::rank_task`].
+//! Its shared state is in [`crate::mock_info`], its KV event / load publisher is the worker
+//! crate's, its ranks run in [`crate::rank_task`].
 
 use crate::engine::{OutputKind, Request, SubmitError};
-use crate::publish::{encode_chunked, publish_as, publish_msg};
-use crate::publisher::PubMsg;
+use crate::mock_info::MockInfo;
 use crate::rank_task::{RankCmd, RankOut};
-use crate::shutdown::stopped;
-use crate::worker_info::WorkerInfo;
-use bytes::Bytes;
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
-    decode, encode_as, max_blocks_per_batch, reply_version, DpRank, ErrorKind, ErrorReply,
-    GenerateEvent, GenerateRequest, KvEvent, ModelSubjects, RankLiveness, Reply, StateChunk,
-    StateQuery, Wire, WorkerKey,
+    decode, max_blocks_per_batch, reply_version, DpRank, ErrorKind, ErrorReply, GenerateEvent,
+    GenerateRequest, ModelSubjects, RankLiveness, Reply, StateChunk, StateQuery, WorkerKey,
 };
+use kvrouter_worker::{publish_as, send_error_stream, send_state, set_rank_live, stopped, PubMsg};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -36,7 +32,7 @@ pub(crate) struct EndpointSubs {
 /// Serves one worker's `generate`, `state`, `drop_events` and `rank_live` subjects.
 pub(crate) struct Endpoints {
     pub bus: Bus,
-    pub info: Arc<WorkerInfo>,
+    pub info: Arc<MockInfo>,
     pub ranks: Vec<mpsc::UnboundedSender<RankCmd>>,
     pub publisher: mpsc::UnboundedSender<PubMsg>,
     pub subjects: ModelSubjects,
@@ -216,36 +212,14 @@ impl Endpoints {
             return;
         }
         let key = WorkerKey::new(self.info.worker_id, query.dp_rank);
-        let instance_id = self.info.instance_id;
+        let instance_id = self.info.instance_id();
         tokio::spawn(async move {
             let Ok(snapshot) = rx.await else {
                 let err = ErrorReply::new(ErrorKind::Unavailable, "the worker is shutting down");
                 send_error_stream(bus, reply, Reply::<StateChunk>::Err(err), version).await;
                 return;
             };
-            let last_event_id = snapshot.last_event_id;
-            let wrap = |events: Vec<KvEvent>| {
-                Reply::Ok(StateChunk {
-                    key,
-                    instance_id,
-                    last_event_id,
-                    events,
-                })
-            };
-            let mut chunks = encode_chunked(snapshot.events, bus.max_payload(), &wrap, version);
-            if chunks.is_empty() {
-                match encode_as(&wrap(Vec::new()), version) {
-                    Ok(b) => chunks.push(Bytes::from(b)),
-                    Err(e) => tracing::error!(error = %e, "cannot encode a state chunk"),
-                }
-            }
-            for chunk in chunks {
-                if let Err(e) = bus.publish(&reply, chunk).await {
-                    tracing::debug!(error = %e, "state reply failed");
-                    return;
-                }
-            }
-            let _ = bus.end_stream(&reply).await;
+            send_state(&bus, &reply, key, instance_id, snapshot, version).await;
         });
     }
 
@@ -276,7 +250,7 @@ impl Endpoints {
         let result = match decode::<RankLiveness>(&msg.payload) {
             Ok(RankLiveness { dp_rank, live }) => match self.info.rank_index(dp_rank) {
                 Some(index) => {
-                    set_rank_live(&self.bus, &self.subjects, &self.info, index, live).await;
+                    set_rank_live(&self.bus, &self.subjects, &self.info.worker, index, live).await;
                     Reply::Ok(())
                 }
                 None => Reply::Err(self.rank_error(dp_rank)),
@@ -289,35 +263,6 @@ impl Endpoints {
         if let Some(reply) = msg.reply {
             publish_as(&self.bus, &reply, &result, reply_version(&msg.payload)).await;
         }
-    }
-}
-
-/// Takes rank `index` of a worker in or out of service and, if that changed it, announces it
-/// at once (a registration and a heartbeat with the new live ranks).
-pub(crate) async fn set_rank_live(
-    bus: &Bus,
-    subjects: &ModelSubjects,
-    info: &WorkerInfo,
-    index: usize,
-    live: bool,
-) {
-    if info.set_live(index, live) {
-        let dp_rank = info.dp_start_rank + index as DpRank;
-        tracing::info!(
-            worker_id = info.worker_id,
-            dp_rank,
-            live,
-            "rank liveness changed"
-        );
-        publish_msg(bus, &subjects.register(), &info.registration()).await;
-        publish_msg(bus, &subjects.heartbeat(), &info.heartbeat()).await;
-    }
-}
-
-/// A single error message, then the end of the stream.
-async fn send_error_stream<T: Wire>(bus: Bus, reply: String, msg: T, version: u8) {
-    if publish_as(&bus, &reply, &msg, version).await {
-        let _ = bus.end_stream(&reply).await;
     }
 }
 

@@ -5,12 +5,12 @@ use kvrouter_bus::Bus;
 use kvrouter_protocol::{chunk_events, encode_as, KvEvent, Wire, FORMAT_VERSION};
 
 /// Publishes an encodable message; failures are logged (the bus is at most once anyway).
-pub(crate) async fn publish_msg<T: Wire>(bus: &Bus, subject: &str, msg: &T) -> bool {
+pub async fn publish_msg<T: Wire>(bus: &Bus, subject: &str, msg: &T) -> bool {
     publish_as(bus, subject, msg, FORMAT_VERSION).await
 }
 
 /// [`publish_msg`] in format `version` (an answer goes out in its request's version).
-pub(crate) async fn publish_as<T: Wire>(bus: &Bus, subject: &str, msg: &T, version: u8) -> bool {
+pub async fn publish_as<T: Wire>(bus: &Bus, subject: &str, msg: &T, version: u8) -> bool {
     match encode_as(msg, version) {
         Ok(bytes) => match bus.publish(subject, Bytes::from(bytes)).await {
             Ok(()) => true,
@@ -29,7 +29,7 @@ pub(crate) async fn publish_as<T: Wire>(bus: &Bus, subject: &str, msg: &T, versi
 /// Encodes `events` in format `version` as one or more messages, each under `max_payload`
 /// bytes and at most `max_blocks` blocks, in order. `wrap` builds the message around a slice
 /// of events. A single event too large for any message is logged and left out.
-pub(crate) fn encode_chunked<T: Wire>(
+pub fn encode_chunked<T: Wire>(
     events: Vec<KvEvent>,
     max_payload: usize,
     wrap: &dyn Fn(Vec<KvEvent>) -> T,

@@ -1,29 +1,32 @@
 //! A worker's publisher task: batches its ranks' KV events and publishes its load reports.
 
+use crate::info::WorkerInfo;
 use crate::publish::{encode_chunked, publish_msg};
 use crate::shutdown::stopped;
-use crate::worker_info::WorkerInfo;
 use kvrouter_bus::Bus;
 use kvrouter_protocol::{KvEvent, KvEventBatch, FORMAT_VERSION};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 /// Without changes, a load report still goes out this often.
 const LOAD_KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// What the publisher of a worker receives from its ranks and endpoints.
-pub(crate) enum PubMsg {
+pub enum PubMsg {
     /// KV events of one rank, in event-id order.
     Events(Vec<KvEvent>),
     /// Drop (do not publish) the next `n` event batches.
     DropBatches(u64),
+    /// Publish the events received so far now, then answer (before a new instance id, so
+    /// no event goes out under the wrong one).
+    Flush(oneshot::Sender<()>),
 }
 
 /// Batches a worker's KV events (one `KvEventBatch` per flush, chunked under the payload
 /// limit) and publishes its load reports.
-pub(crate) struct Publisher {
+pub struct Publisher {
     pub bus: Bus,
     pub info: Arc<WorkerInfo>,
     pub kv_events_subject: String,
@@ -33,7 +36,7 @@ pub(crate) struct Publisher {
 }
 
 impl Publisher {
-    pub(crate) async fn run(
+    pub async fn run(
         self,
         mut rx: mpsc::UnboundedReceiver<PubMsg>,
         mut shutdown: watch::Receiver<bool>,
@@ -55,6 +58,11 @@ impl Publisher {
                         flush_at.get_or_insert_with(|| Instant::now() + self.batch_interval);
                     }
                     Some(PubMsg::DropBatches(n)) => to_drop = to_drop.saturating_add(n),
+                    Some(PubMsg::Flush(done)) => {
+                        flush_at = None;
+                        self.flush_events(&mut buf, &mut to_drop).await;
+                        let _ = done.send(());
+                    }
                 },
                 _ = self.info.load_changed() => {
                     flush_at.get_or_insert_with(|| Instant::now() + self.batch_interval);
@@ -80,6 +88,10 @@ impl Publisher {
             match msg {
                 PubMsg::Events(events) => buf.extend(events),
                 PubMsg::DropBatches(n) => to_drop = to_drop.saturating_add(n),
+                PubMsg::Flush(done) => {
+                    self.flush_events(&mut buf, &mut to_drop).await;
+                    let _ = done.send(());
+                }
             }
         }
         self.flush_events(&mut buf, &mut to_drop).await;
@@ -91,7 +103,7 @@ impl Publisher {
         }
         let max_payload = self.bus.max_payload();
         let worker_id = self.info.worker_id;
-        let instance_id = self.info.instance_id;
+        let instance_id = self.info.instance_id();
         let wrap = |events: Vec<KvEvent>| KvEventBatch {
             worker_id,
             instance_id,

@@ -1,0 +1,189 @@
+//! A bridge's configuration, validated once before anything starts.
+
+use crate::endpoints::{default_worker_id, rank_endpoint, EndpointError, HttpUrl, MAX_WORKER_ID};
+use kvrouter_protocol::{DpRank, EngineKind, WorkerId, WorkerRole};
+use std::net::SocketAddr;
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Clone)]
+pub struct BridgeConfig {
+    pub namespace: String,
+    pub engine: EngineKind,
+    pub model: String,
+    pub block_size: u32,
+    /// The engine's publisher endpoint for its rank 0, e.g. `tcp://10.0.0.5:5557`.
+    pub zmq_endpoint: String,
+    /// The engine's replay endpoint for its rank 0; without it lost batches clear the rank.
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    pub dp_size: u32,
+    pub dp_start_rank: DpRank,
+    pub tp_size: u32,
+    pub role: WorkerRole,
+    pub capacity_blocks: u64,
+    pub base_url: String,
+    /// Default: the base URL's `/metrics`.
+    pub metrics_url: Option<String>,
+    /// Default: the base URL's `/health`.
+    pub health_url: Option<String>,
+    /// Default: [`default_worker_id`].
+    pub worker_id: Option<WorkerId>,
+    pub admin_addr: Option<SocketAddr>,
+    pub heartbeat_interval: Duration,
+    pub health_interval: Duration,
+    pub metrics_interval: Duration,
+    /// How long a health check or scrape may take.
+    pub http_timeout: Duration,
+    /// How long a replay may take before the missing batches count as lost.
+    pub replay_timeout: Duration,
+    pub event_batch_interval: Duration,
+}
+
+impl BridgeConfig {
+    /// Defaults for everything but what identifies the engine.
+    pub fn new(
+        engine: EngineKind,
+        model: impl Into<String>,
+        zmq_endpoint: impl Into<String>,
+        base_url: impl Into<String>,
+    ) -> Self {
+        Self {
+            namespace: "kvrouter".into(),
+            engine,
+            model: model.into(),
+            block_size: 16,
+            zmq_endpoint: zmq_endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            dp_size: 1,
+            dp_start_rank: 0,
+            tp_size: 1,
+            role: WorkerRole::Aggregated,
+            capacity_blocks: 0,
+            base_url: base_url.into(),
+            metrics_url: None,
+            health_url: None,
+            worker_id: None,
+            admin_addr: None,
+            heartbeat_interval: Duration::from_secs(1),
+            health_interval: Duration::from_millis(250),
+            metrics_interval: Duration::from_millis(200),
+            http_timeout: Duration::from_secs(1),
+            replay_timeout: Duration::from_secs(2),
+            event_batch_interval: Duration::from_millis(2),
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum BridgeError {
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    #[error("--model must not be empty")]
+    NoModel,
+    #[error("--block-size must be at least 1")]
+    ZeroBlockSize,
+    #[error("--dp-size must be 1..=4096 (it is {0})")]
+    DpSize(u32),
+    #[error("--tp-size must be 1..=4096 (it is {0})")]
+    TpSize(u32),
+    #[error("--capacity-blocks must be 1..=2^36 blocks per rank (it is {0})")]
+    Capacity(u64),
+    #[error("--worker-id must be at most 2^53 - 1 (it is {0})")]
+    WorkerId(u64),
+    #[error("{what} must be above zero")]
+    ZeroInterval { what: &'static str },
+    #[error("the heartbeat interval must be 1..=60000 ms")]
+    Heartbeat,
+    #[error(transparent)]
+    Subject(#[from] kvrouter_protocol::SubjectError),
+    #[error(transparent)]
+    Bus(#[from] kvrouter_bus::BusError),
+    #[error("cannot serve the admin endpoint on {addr}: {source}")]
+    Admin {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A validated configuration with everything derived from it.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub config: BridgeConfig,
+    pub worker_id: WorkerId,
+    /// Per rank, in order from `dp_start_rank`: publisher and replay endpoints.
+    pub ranks: Vec<(DpRank, String, Option<String>)>,
+    pub health_url: HttpUrl,
+    pub metrics_url: HttpUrl,
+}
+
+impl BridgeConfig {
+    pub fn resolve(self) -> Result<Resolved, BridgeError> {
+        if self.model.is_empty() {
+            return Err(BridgeError::NoModel);
+        }
+        if self.block_size == 0 {
+            return Err(BridgeError::ZeroBlockSize);
+        }
+        if !(1..=4096).contains(&self.dp_size) {
+            return Err(BridgeError::DpSize(self.dp_size));
+        }
+        if !(1..=4096).contains(&self.tp_size) {
+            return Err(BridgeError::TpSize(self.tp_size));
+        }
+        if !(1..=1u64 << 36).contains(&self.capacity_blocks) {
+            return Err(BridgeError::Capacity(self.capacity_blocks));
+        }
+        let hb = self.heartbeat_interval.as_millis();
+        if !(1..=60_000).contains(&hb) {
+            return Err(BridgeError::Heartbeat);
+        }
+        for (what, d) in [
+            ("--health-interval-ms", self.health_interval),
+            ("--metrics-interval-ms", self.metrics_interval),
+            ("--http-timeout-ms", self.http_timeout),
+            ("--replay-timeout-ms", self.replay_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(BridgeError::ZeroInterval { what });
+            }
+        }
+        kvrouter_protocol::Subjects::new(&self.namespace)?.model(&self.model)?;
+        let base = HttpUrl::parse(&self.base_url)?;
+        let health_url = match &self.health_url {
+            Some(u) => HttpUrl::parse(u)?,
+            None => base.with_path("/health"),
+        };
+        let metrics_url = match &self.metrics_url {
+            Some(u) => HttpUrl::parse(u)?,
+            None => base.with_path("/metrics"),
+        };
+        let worker_id = match self.worker_id {
+            Some(id) if id > MAX_WORKER_ID => return Err(BridgeError::WorkerId(id)),
+            Some(id) => id,
+            None => default_worker_id(&self.model, &self.base_url, self.dp_start_rank),
+        };
+        let mut ranks = Vec::with_capacity(self.dp_size as usize);
+        for i in 0..self.dp_size {
+            let rank = self
+                .dp_start_rank
+                .checked_add(i)
+                .ok_or(BridgeError::DpSize(self.dp_size))?;
+            let publisher = rank_endpoint(&self.zmq_endpoint, rank)?;
+            let replay = self
+                .replay_endpoint
+                .as_deref()
+                .map(|e| rank_endpoint(e, rank))
+                .transpose()?;
+            ranks.push((rank, publisher, replay));
+        }
+        Ok(Resolved {
+            worker_id,
+            ranks,
+            health_url,
+            metrics_url,
+            config: self,
+        })
+    }
+}

@@ -1,0 +1,138 @@
+//! Watching the engine over HTTP: its health decides whether its ranks are live, its
+//! Prometheus metrics become the load reports.
+
+use crate::endpoints::HttpUrl;
+use crate::engine_load::parse_engine_metrics;
+use crate::http_get::http_get;
+use crate::metrics::{BridgeMetrics, LoadLabel};
+use kvrouter_bus::Bus;
+use kvrouter_protocol::{EngineKind, ModelSubjects, RankLoad};
+use kvrouter_worker::{announce, WorkerInfo};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// What the engine watchers need.
+pub struct EngineWatch {
+    pub kind: EngineKind,
+    pub health_url: HttpUrl,
+    pub health_interval: Duration,
+    pub metrics_url: HttpUrl,
+    pub metrics_interval: Duration,
+    /// How long one health check or scrape may take.
+    pub timeout: Duration,
+    pub info: Arc<WorkerInfo>,
+    pub bus: Bus,
+    pub subjects: ModelSubjects,
+    pub metrics: Arc<BridgeMetrics>,
+}
+
+impl EngineWatch {
+    /// Polls the health URL; every rank is live exactly while it answers 2xx. A change is
+    /// announced at once, so a dead engine stops being routable within one interval plus
+    /// the timeout.
+    pub async fn health(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let (url, interval, timeout) = (&self.health_url, self.health_interval, self.timeout);
+        let (info, bus, subjects, metrics) = (&self.info, &self.bus, &self.subjects, &self.metrics);
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut healthy: Option<bool> = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return,
+                _ = tick.tick() => {}
+            }
+            let (up, why) = match http_get(url, timeout).await {
+                Ok((status, _)) if (200..300).contains(&status) => (true, String::new()),
+                Ok((status, _)) => (false, format!("answered HTTP {status}")),
+                Err(e) => (false, e.to_string()),
+            };
+            if healthy == Some(up) {
+                continue;
+            }
+            healthy = Some(up);
+            metrics.engine_healthy.set(i64::from(up));
+            if up {
+                tracing::info!(url = %url.path, authority = %url.authority, "engine healthy: its ranks are live");
+            } else {
+                tracing::warn!(url = %url.path, authority = %url.authority, error = %why, "engine unhealthy: its ranks are not live until it answers again");
+            }
+            let mut changed = false;
+            for i in 0..info.dp_size as usize {
+                changed |= info.set_live(i, up);
+            }
+            if changed {
+                announce(bus, subjects, info).await;
+            }
+        }
+    }
+
+    /// Scrapes the engine's metrics into the worker's load reports: waiting requests as
+    /// they are, KV cache usage as blocks of `capacity_blocks`. A rank without its own
+    /// series takes the unlabelled one.
+    pub async fn load(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let (url, kind, interval, timeout) = (
+            &self.metrics_url,
+            self.kind,
+            self.metrics_interval,
+            self.timeout,
+        );
+        let (info, metrics) = (&self.info, &self.metrics);
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return,
+                _ = tick.tick() => {}
+            }
+            let body = match http_get(url, timeout).await {
+                Ok((200, body)) => body,
+                other => {
+                    if !failing {
+                        let why = match other {
+                            Ok((status, _)) => format!("HTTP {status}"),
+                            Err(e) => e.to_string(),
+                        };
+                        tracing::warn!(authority = %url.authority, path = %url.path, error = %why, "cannot scrape the engine's metrics; load reports keep the last figures");
+                    }
+                    failing = true;
+                    continue;
+                }
+            };
+            if failing {
+                tracing::info!(authority = %url.authority, "engine metrics scraped again");
+                failing = false;
+            }
+            let loads = parse_engine_metrics(kind, &String::from_utf8_lossy(&body));
+            for i in 0..info.dp_size {
+                let rank = info.dp_start_rank + i;
+                let Some(l) = loads.get(&Some(rank)).or_else(|| loads.get(&None)) else {
+                    continue;
+                };
+                let usage = l.cache_usage.unwrap_or(0.0);
+                info.set_load(
+                    i as usize,
+                    RankLoad {
+                        dp_rank: rank,
+                        active_blocks: (usage * info.capacity_blocks as f64).round() as u64,
+                        waiting_requests: l.waiting.round() as u64,
+                    },
+                );
+                for (kind, v) in [
+                    ("running", l.running),
+                    ("waiting", l.waiting),
+                    ("cache_usage_permille", usage * 1000.0),
+                ] {
+                    metrics
+                        .engine_load
+                        .get_or_create(&LoadLabel {
+                            dp_rank: rank,
+                            kind,
+                        })
+                        .set(v.round() as i64);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! The task that owns a bridge's [`WorkerMirror`]: engine batches in, kvrouter events out to
+//! the publisher, state snapshots out to replicas.
+
+use crate::engine_event::{EngineEvent, EventError};
+use crate::metrics::{BridgeMetrics, RankLabel, ReasonLabel};
+use crate::worker_mirror::{Skip, WorkerMirror};
+use kvrouter_bus::Bus;
+use kvrouter_protocol::{DpRank, ModelSubjects};
+use kvrouter_worker::{announce, PubMsg, Snapshot, WorkerInfo};
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+
+pub enum MirrorCmd {
+    /// A decoded engine batch of `rank`, in sequence order.
+    Batch {
+        rank: DpRank,
+        events: Vec<Result<EngineEvent, EventError>>,
+    },
+    /// Batches of `rank` were lost for good.
+    Lost { rank: DpRank },
+    /// `rank`'s engine process started again: a new worker instance.
+    Restarted { rank: DpRank },
+    Snapshot {
+        rank: DpRank,
+        reply: oneshot::Sender<Option<Snapshot>>,
+    },
+}
+
+pub struct MirrorTask {
+    pub mirror: WorkerMirror,
+    pub info: Arc<WorkerInfo>,
+    pub publisher: mpsc::UnboundedSender<PubMsg>,
+    pub metrics: Arc<BridgeMetrics>,
+    pub bus: Bus,
+    pub subjects: ModelSubjects,
+}
+
+impl MirrorTask {
+    /// Runs until every sender of `rx` is gone.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<MirrorCmd>) {
+        let mut reported = [0u64; Skip::ALL.len()];
+        while let Some(cmd) = rx.recv().await {
+            match cmd {
+                MirrorCmd::Batch { rank, events } => {
+                    if let Some(out) = self.mirror.apply(rank, &events) {
+                        self.forward(rank, out);
+                    }
+                }
+                MirrorCmd::Lost { rank } => {
+                    if let Some(cleared) = self.mirror.clear_rank(rank) {
+                        self.metrics
+                            .ranks_cleared
+                            .get_or_create(&RankLabel { dp_rank: rank })
+                            .inc();
+                        self.forward(rank, vec![cleared]);
+                    }
+                }
+                MirrorCmd::Restarted { rank } => self.restarted(rank).await,
+                MirrorCmd::Snapshot { rank, reply } => {
+                    let snap = self
+                        .mirror
+                        .snapshot(rank)
+                        .map(|(events, last_event_id)| Snapshot {
+                            events,
+                            last_event_id,
+                        });
+                    let _ = reply.send(snap);
+                }
+            }
+            for (i, s) in Skip::ALL.iter().enumerate() {
+                let now = self.mirror.skipped(*s);
+                if now > reported[i] {
+                    self.metrics
+                        .events_skipped
+                        .get_or_create(&ReasonLabel { reason: s.as_str() })
+                        .inc_by(now - reported[i]);
+                    reported[i] = now;
+                }
+            }
+        }
+    }
+
+    fn forward(&self, rank: DpRank, events: Vec<kvrouter_protocol::KvEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        self.metrics
+            .events_forwarded
+            .get_or_create(&RankLabel { dp_rank: rank })
+            .inc_by(events.len() as u64);
+        let _ = self.publisher.send(PubMsg::Events(events));
+    }
+
+    /// Everything forwarded so far goes out under the old instance id; then the new one, with
+    /// event ids from 0, and `rank`'s blocks gone. Replicas see the new instance, drop the
+    /// old state and fetch every rank's state again.
+    async fn restarted(&mut self, rank: DpRank) {
+        let (done, flushed) = oneshot::channel();
+        if self.publisher.send(PubMsg::Flush(done)).is_ok() {
+            let _ = flushed.await;
+        }
+        let old = self.info.instance_id();
+        let new = self.info.renew_instance();
+        self.mirror.new_instance(Some(rank));
+        self.metrics.engine_restarts.inc();
+        tracing::warn!(
+            worker_id = self.info.worker_id,
+            dp_rank = rank,
+            old_instance = %old,
+            new_instance = %new,
+            "the engine restarted (its sequence numbers went back): its cache is gone; \
+             registering as a new instance"
+        );
+        announce(&self.bus, &self.subjects, &self.info).await;
+    }
+}

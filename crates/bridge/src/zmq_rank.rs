@@ -1,0 +1,323 @@
+//! One data-parallel rank's ZMQ stream: subscribe to the engine's publisher, read the
+//! three-frame messages, follow the sequence numbers, fill gaps from the replay endpoint,
+//! and hand decoded batches to the mirror task in order.
+
+use crate::engine_event::decode_batch;
+use crate::metrics::{BridgeMetrics, RankLabel, ReasonLabel};
+use crate::mirror_task::MirrorCmd;
+use crate::sequence::{replay_covers, SeqStep, SeqTracker};
+use bytes::Bytes;
+use kvrouter_protocol::DpRank;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+/// Reconnect backoff, doubling up to the cap.
+const BACKOFF_START: Duration = Duration::from_millis(250);
+const BACKOFF_MAX: Duration = Duration::from_secs(8);
+/// The replay end marker: sequence number -1.
+const END_SEQ: [u8; 8] = [0xff; 8];
+/// A malformed-input warning of one kind is logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether each rank's publisher is connected (for `/readyz`).
+#[derive(Default)]
+pub struct RankConnected(pub AtomicBool);
+
+pub struct RankStream {
+    pub rank: DpRank,
+    pub endpoint: String,
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    pub replay_timeout: Duration,
+    pub mirror: mpsc::Sender<MirrorCmd>,
+    pub metrics: Arc<BridgeMetrics>,
+    pub connected: Arc<RankConnected>,
+}
+
+/// At most one warning per kind per minute, with how many were suppressed.
+#[derive(Default)]
+struct LogLimiter {
+    last: HashMap<&'static str, (Instant, u64)>,
+}
+
+impl LogLimiter {
+    /// `Some(suppressed since the last one)` if this one may be logged.
+    fn allow(&mut self, kind: &'static str) -> Option<u64> {
+        let now = Instant::now();
+        match self.last.get_mut(kind) {
+            Some((at, n)) if now.duration_since(*at) < LOG_EVERY => {
+                *n += 1;
+                None
+            }
+            Some((at, n)) => {
+                let s = *n;
+                *at = now;
+                *n = 0;
+                Some(s)
+            }
+            None => {
+                self.last.insert(kind, (now, 0));
+                Some(0)
+            }
+        }
+    }
+}
+
+impl RankStream {
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        let mut seq = SeqTracker::default();
+        let mut logs = LogLimiter::default();
+        let mut backoff = BACKOFF_START;
+        let label = RankLabel { dp_rank: self.rank };
+        loop {
+            let mut socket = SubSocket::new();
+            let mut monitor = socket.monitor();
+            let connect = async {
+                socket.connect(&self.endpoint).await?;
+                socket.subscribe(&self.topic).await
+            };
+            let connected = tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return,
+                r = tokio::time::timeout(BACKOFF_MAX, connect) => r,
+            };
+            match connected {
+                Ok(Ok(())) => {
+                    self.set_connected(true);
+                    tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "connected to the engine's KV event publisher");
+                }
+                other => {
+                    self.set_connected(false);
+                    if logs.allow("connect").is_some() {
+                        let why = match other {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "timed out".into(),
+                        };
+                        tracing::warn!(dp_rank = self.rank, endpoint = %self.endpoint, error = %why, "cannot connect to the engine's KV event publisher; retrying");
+                    }
+                    tokio::select! {
+                        _ = shutdown.wait_for(|s| *s) => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    continue;
+                }
+            }
+            loop {
+                let msg = tokio::select! {
+                    _ = shutdown.wait_for(|s| *s) => return,
+                    ev = futures_next(&mut monitor) => {
+                        match ev {
+                            Some(SocketEvent::Disconnected(_)) => self.set_connected(false),
+                            Some(SocketEvent::Connected(..)) => self.set_connected(true),
+                            _ => {}
+                        }
+                        continue;
+                    }
+                    m = socket.recv() => m,
+                };
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // The socket reconnects by itself; wait a little rather than spin.
+                        self.set_connected(false);
+                        tracing::debug!(dp_rank = self.rank, error = %e, "ZMQ receive failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                self.metrics.batches.get_or_create(&label).inc();
+                let Some((s, payload)) = self.frames(msg, &mut logs) else {
+                    continue;
+                };
+                if !self.on_message(&mut seq, s, payload, &mut logs).await {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn set_connected(&self, up: bool) {
+        self.connected.0.store(up, Ordering::Relaxed);
+        self.metrics
+            .zmq_connected
+            .get_or_create(&RankLabel { dp_rank: self.rank })
+            .set(i64::from(up));
+    }
+
+    fn malformed(&self, kind: &'static str, why: &str, logs: &mut LogLimiter) {
+        self.metrics
+            .malformed
+            .get_or_create(&ReasonLabel { reason: kind })
+            .inc();
+        if let Some(suppressed) = logs.allow(kind) {
+            tracing::warn!(dp_rank = self.rank, kind, suppressed, "{why}");
+        }
+    }
+
+    /// `[topic, seq (8 bytes big-endian), payload]`.
+    fn frames(&self, msg: ZmqMessage, logs: &mut LogLimiter) -> Option<(u64, Bytes)> {
+        let frames = msg.into_vec();
+        if frames.len() != 3 {
+            let why = format!(
+                "a KV event message has {} frames, not 3; skipped",
+                frames.len()
+            );
+            self.malformed("frames", &why, logs);
+            return None;
+        }
+        let Ok(seq) = <[u8; 8]>::try_from(&frames[1][..]) else {
+            let why = format!(
+                "a sequence number has {} bytes, not 8; skipped",
+                frames[1].len()
+            );
+            self.malformed("sequence", &why, logs);
+            return None;
+        };
+        Some((u64::from_be_bytes(seq), frames[2].clone()))
+    }
+
+    /// Returns false once the mirror task is gone.
+    async fn on_message(
+        &self,
+        seq: &mut SeqTracker,
+        s: u64,
+        payload: Bytes,
+        logs: &mut LogLimiter,
+    ) -> bool {
+        match seq.observe(s) {
+            SeqStep::First | SeqStep::Next => {}
+            SeqStep::Restart => {
+                if self
+                    .send(MirrorCmd::Restarted { rank: self.rank })
+                    .await
+                    .is_err()
+                {
+                    return false;
+                }
+            }
+            SeqStep::Gap { from, to } => {
+                let label = RankLabel { dp_rank: self.rank };
+                self.metrics.gaps.get_or_create(&label).inc();
+                match self.replay(from, to).await {
+                    Some(batches) => {
+                        self.metrics.gaps_replayed.get_or_create(&label).inc();
+                        tracing::info!(
+                            dp_rank = self.rank,
+                            from,
+                            to,
+                            "lost KV event batches replayed"
+                        );
+                        for payload in batches {
+                            if !self.apply(payload, logs).await {
+                                return false;
+                            }
+                        }
+                    }
+                    None => {
+                        tracing::warn!(
+                            dp_rank = self.rank,
+                            missing = to - from,
+                            replay = self.replay_endpoint.is_some(),
+                            "KV event batches lost for good (no replay endpoint, or it no longer \
+                             holds them): clearing the rank; the router loses its cache affinity \
+                             until the engine caches again"
+                        );
+                        if self
+                            .send(MirrorCmd::Lost { rank: self.rank })
+                            .await
+                            .is_err()
+                        {
+                            return false;
+                        }
+                    }
+                }
+            }
+        }
+        self.apply(payload, logs).await
+    }
+
+    /// Decodes one payload and hands it over; an undecodable one loses the rank's state as
+    /// surely as a lost batch does, so it clears the rank.
+    async fn apply(&self, payload: Bytes, logs: &mut LogLimiter) -> bool {
+        let cmd = match decode_batch(&payload) {
+            Ok(batch) => MirrorCmd::Batch {
+                rank: self.rank,
+                events: batch.events,
+            },
+            Err(e) => {
+                self.malformed("payload", &format!("{e}; clearing the rank"), logs);
+                MirrorCmd::Lost { rank: self.rank }
+            }
+        };
+        self.send(cmd).await.is_ok()
+    }
+
+    async fn send(&self, cmd: MirrorCmd) -> Result<(), ()> {
+        self.mirror.send(cmd).await.map_err(|_| ())
+    }
+
+    /// The batches `from .. to` from the replay endpoint, in order; `None` if they cannot all
+    /// be had.
+    async fn replay(&self, from: u64, to: u64) -> Option<Vec<Bytes>> {
+        let endpoint = self.replay_endpoint.as_deref()?;
+        let got = tokio::time::timeout(self.replay_timeout, replay_from(endpoint, from))
+            .await
+            .ok()
+            .and_then(|r| {
+                r.map_err(
+                    |e| tracing::warn!(dp_rank = self.rank, endpoint, error = %e, "replay failed"),
+                )
+                .ok()
+            })?;
+        if !replay_covers(from, to, got.iter().map(|(s, _)| *s)) {
+            return None;
+        }
+        Some(
+            got.into_iter()
+                .filter(|(s, _)| (from..to).contains(s))
+                .map(|(_, p)| p)
+                .collect(),
+        )
+    }
+}
+
+async fn futures_next(
+    monitor: &mut futures_channel::mpsc::Receiver<SocketEvent>,
+) -> Option<SocketEvent> {
+    use futures_util::StreamExt;
+    monitor.next().await
+}
+
+/// Asks a replay endpoint (a ROUTER) for every batch from `from` on: a DEALER sends
+/// `["", from]`; the answers are `["", seq, payload]` (or with the topic first, vLLM 0.26+)
+/// until `seq` is -1.
+async fn replay_from(endpoint: &str, from: u64) -> Result<Vec<(u64, Bytes)>, zeromq::ZmqError> {
+    let mut dealer = DealerSocket::new();
+    dealer.connect(endpoint).await?;
+    let mut req = ZmqMessage::from(Bytes::new());
+    req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
+    dealer.send(req).await?;
+    let mut out = Vec::new();
+    loop {
+        let mut frames = dealer.recv().await?.into_vec();
+        if frames.first().is_some_and(|f| f.is_empty()) {
+            frames.remove(0);
+        }
+        // [seq, payload] or [topic, seq, payload]
+        let (seq, payload) = match frames.len() {
+            2 => (&frames[0], &frames[1]),
+            3 => (&frames[1], &frames[2]),
+            _ => continue,
+        };
+        if seq[..] == END_SEQ {
+            return Ok(out);
+        }
+        if let Ok(s) = <[u8; 8]>::try_from(&seq[..]) {
+            out.push((u64::from_be_bytes(s), payload.clone()));
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! `kvrouter bridge` end to end: a stand-in engine publishing vLLM's ZMQ wire (Python,
+//! msgspec + pyzmq, tests/engines/fake_engine.py), the real bridge binary, real `serve`
+//! replicas and a real nats-server.
+
+mod common;
+
+use common::*;
+use kvrouter_protocol::{OverlapRequest, WorkerKey};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 16;
+
+/// The stand-in engine, driven by JSON lines (see fake_engine.py).
+struct FakeEngine {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    zmq: u16,
+    replay: u16,
+    http: u16,
+}
+
+impl FakeEngine {
+    fn start(dp: u32, wire: &str) -> Self {
+        let (zmq, replay, http) = (free_port_run(dp), free_port_run(dp), free_port());
+        let script = repo_file("tests/engines/fake_engine.py");
+        let mut child = Command::new("python3")
+            .arg(&script)
+            .args([
+                "--zmq-port",
+                &zmq.to_string(),
+                "--replay-port",
+                &replay.to_string(),
+            ])
+            .args([
+                "--http-port",
+                &http.to_string(),
+                "--dp-size",
+                &dp.to_string(),
+            ])
+            .args(["--block-size", &BLOCK.to_string(), "--wire", wire])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 runs (source scripts/setup.sh for msgspec and pyzmq)");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(
+            line.contains("ready"),
+            "fake engine did not start: {line:?}"
+        );
+        Self {
+            child,
+            stdin,
+            stdout,
+            zmq,
+            replay,
+            http,
+        }
+    }
+
+    fn cmd(&mut self, c: Value) -> Value {
+        writeln!(self.stdin, "{c}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+    }
+
+    fn store(&mut self, rank: u32, tokens: &[u32]) -> Vec<u64> {
+        let v = self.cmd(json!({"store": {"rank": rank, "tokens": tokens, "parent": null}}));
+        serde_json::from_value(v["hashes"].clone()).unwrap()
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The first of `n` consecutive free loopback ports (checked one by one).
+fn free_port_run(n: u32) -> u16 {
+    loop {
+        let p = free_port();
+        if p < 60000
+            && (1..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i as u16)).is_ok())
+        {
+            return p;
+        }
+    }
+}
+
+fn bridge(
+    nats: &NatsServer,
+    engine: &FakeEngine,
+    dp: u32,
+    admin: u16,
+    replay: bool,
+) -> (Proc, u64) {
+    let url = nats.url();
+    let zmq = format!("tcp://127.0.0.1:{}", engine.zmq);
+    let replay_ep = format!("tcp://127.0.0.1:{}", engine.replay);
+    let base = format!("http://127.0.0.1:{}", engine.http);
+    let admin = format!("127.0.0.1:{admin}");
+    let (dp, block) = (dp.to_string(), BLOCK.to_string());
+    let mut args = vec![
+        "bridge",
+        "--nats",
+        &url,
+        "--engine",
+        "vllm",
+        "--model",
+        E2E_MODEL,
+        "--block-size",
+        &block,
+        "--zmq-endpoint",
+        &zmq,
+        "--dp-size",
+        &dp,
+        "--capacity-blocks",
+        "1000",
+        "--base-url",
+        &base,
+        "--admin-addr",
+        &admin,
+        "--heartbeat-ms",
+        "200",
+    ];
+    if replay {
+        args.extend_from_slice(&["--replay-endpoint", &replay_ep]);
+    }
+    let mut p = Proc::start("bridge", &args);
+    let line = p.first_line();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    let id = v["worker_id"].as_u64().expect("worker_id");
+    (p, id)
+}
+
+fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK) as u32)
+        .map(|i| seed * 100_000 + i)
+        .collect()
+}
+
+/// Leading blocks of `tokens` that rank `key` holds, as a replica sees it.
+fn overlap(client: &E2eClient, tokens: &[u32], key: WorkerKey) -> u32 {
+    let req = OverlapRequest {
+        model: E2E_MODEL.into(),
+        tokens: tokens.to_vec(),
+        lora: None,
+    };
+    match client.rt.block_on(client.client.overlap_scores(&req)) {
+        Ok(r) => r.scores.iter().find(|(k, _)| *k == key).map_or(0, |s| s.1),
+        Err(_) => 0,
+    }
+}
+
+/// Waits until every replica answering overlap queries says `want` (several asks, so both
+/// replicas of the queue group answer).
+fn overlap_becomes(client: &E2eClient, tokens: &[u32], key: WorkerKey, want: u32) -> bool {
+    wait_until(Duration::from_secs(10), || {
+        (0..6).all(|_| overlap(client, tokens, key) == want)
+    })
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[test]
+fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
+    let nats = NatsServer::start();
+    let mut engine = FakeEngine::start(2, "map");
+    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let _r2 = serve(&nats, "r2", a2, &[]);
+    let (_bridge, worker) = bridge(&nats, &engine, 2, ab, true);
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert!(ready(a1) && ready(a2));
+    let client = E2eClient::new(&nats);
+    let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
+
+    // A prefix stored on rank 1 is seen there, in full, by the replicas.
+    let a = tokens(1, 4);
+    engine.store(1, &a);
+    assert!(overlap_becomes(&client, &a, k1, 4));
+    assert_eq!(overlap(&client, &a, k0), 0);
+
+    // Two batches of rank 0 lost on the wire, then one more: the bridge replays the two.
+    // (The first batch a bridge sees is never a gap: rank 0 gets one before.)
+    let warm = tokens(9, 1);
+    engine.store(0, &warm);
+    assert!(overlap_becomes(&client, &warm, k0, 1));
+    let (b, c, d) = (tokens(2, 3), tokens(3, 2), tokens(4, 2));
+    engine.cmd(json!({"drop": {"rank": 0, "count": 2}}));
+    engine.store(0, &b);
+    engine.store(0, &c);
+    engine.store(0, &d);
+    assert!(overlap_becomes(&client, &b, k0, 3), "replayed batch B");
+    assert!(overlap_becomes(&client, &c, k0, 2), "replayed batch C");
+    assert!(overlap_becomes(&client, &d, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(metric(&m, "kvrouter_bridge_gaps_replayed_total"), 1, "{m}");
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 0, "{m}");
+
+    // Rank 1's engine restarts (sequence numbers from 0, cache empty): its old blocks are
+    // gone everywhere, rank 0's survive through the new instance's state fetch.
+    engine.cmd(json!({"restart": {"rank": 1}}));
+    let e = tokens(5, 2);
+    engine.store(1, &e);
+    assert!(
+        overlap_becomes(&client, &a, k1, 0),
+        "restarted rank's old blocks"
+    );
+    assert!(overlap_becomes(&client, &e, k1, 2));
+    assert!(
+        overlap_becomes(&client, &b, k0, 3),
+        "the other rank keeps its blocks"
+    );
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(
+        metric(&m, "kvrouter_bridge_engine_restarts_total"),
+        1,
+        "{m}"
+    );
+
+    // The engine's health check fails: its ranks leave routing within a second or so.
+    engine.cmd(json!({"health": false}));
+    let t = Instant::now();
+    assert!(wait_until(Duration::from_secs(5), || overlap(
+        &client, &b, k0
+    ) == 0
+        && overlap(&client, &b, k0) == 0));
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "unroutable after {took:?}"
+    );
+    assert_eq!(http_get(ab, "/readyz").0, 503);
+    engine.cmd(json!({"health": true}));
+    assert!(overlap_becomes(&client, &b, k0, 3), "back once healthy");
+}
+
+#[test]
+fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
+    let nats = NatsServer::start();
+    let mut engine = FakeEngine::start(1, "array");
+    let (a1, ab) = (free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let (bridge, worker) = bridge(&nats, &engine, 1, ab, false);
+    assert!(ready(ab) && ready(a1));
+    let client = E2eClient::new(&nats);
+    let k0 = WorkerKey::new(worker, 0);
+
+    let a = tokens(1, 3);
+    engine.store(0, &a);
+    assert!(overlap_becomes(&client, &a, k0, 3));
+    engine.cmd(json!({"drop": {"rank": 0, "count": 1}}));
+    engine.store(0, &tokens(2, 2));
+    let c = tokens(3, 2);
+    engine.store(0, &c);
+    // The rank was cleared, then the batch after the gap applied.
+    assert!(overlap_becomes(&client, &a, k0, 0));
+    assert!(overlap_becomes(&client, &c, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 1, "{m}");
+
+    // A killed bridge's worker leaves within its lease.
+    bridge.kill();
+    assert!(
+        wait_until(Duration::from_secs(10), || overlap(&client, &c, k0) == 0),
+        "the worker of a killed bridge is still routable"
+    );
+}

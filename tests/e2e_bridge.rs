@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvrouter_protocol::{OverlapRequest, WorkerKey};
+use kvrouter_protocol::{OverlapRequest, RouteRequest, WorkerKey};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -195,6 +195,21 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     engine.store(1, &a);
     assert!(overlap_becomes(&client, &a, k1, 4));
     assert_eq!(overlap(&client, &a, k0), 0);
+    // A route goes there, and names the engine's HTTP address from the registration.
+    let d = client
+        .route_req(RouteRequest {
+            model: E2E_MODEL.into(),
+            request_id: String::new(),
+            tokens: a.clone(),
+            lora: None,
+            allowed_workers: None,
+            pin: None,
+            update_states: false,
+            extras: None,
+        })
+        .unwrap();
+    assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));
+    assert_eq!(d.base_url, format!("http://127.0.0.1:{}", engine.http));
 
     // Two batches of rank 0 lost on the wire, then one more: the bridge replays the two.
     // (The first batch a bridge sees is never a gap: rank 0 gets one before.)

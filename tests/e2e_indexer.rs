@@ -44,6 +44,7 @@ fn request(tokens: &[u32], request_id: &str) -> RouteRequest {
         allowed_workers: None,
         pin: None,
         update_states: !request_id.is_empty(),
+        extras: None,
     }
 }
 

@@ -21,6 +21,7 @@ fn request(tokens: &[u32]) -> RouteRequest {
         allowed_workers: None,
         pin: None,
         update_states: false,
+        extras: None,
     }
 }
 

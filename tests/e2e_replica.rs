@@ -101,6 +101,7 @@ fn route_request(tokens: &[u32], pin: Option<Pin>) -> RouteRequest {
         allowed_workers: None,
         pin,
         update_states: false,
+        extras: None,
     }
 }
 

@@ -53,6 +53,7 @@ fn synced_replicas_share_requests_catch_up_and_drop_a_killed_peer() {
                 allowed_workers: None,
                 pin: None,
                 update_states: true,
+                extras: None,
             })
             .expect("route");
         by_a += usize::from(d.replica_id == "a");

@@ -120,6 +120,7 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         allowed_workers: args.allowed_workers,
         pin: args.pin,
         update_states: !args.no_update_states,
+        extras: None,
     };
     let d = client.route(&req).await?;
     println!(
@@ -194,6 +195,7 @@ mod tests {
             dp_rank: r,
             overlap_blocks: 2,
             replica_id: "x".into(),
+            base_url: String::new(),
         };
         let s = disagg_json(
             "q",

@@ -281,6 +281,7 @@ pub async fn run_route_latency(
                     allowed_workers: None,
                     pin: None,
                     update_states: false,
+                    extras: None,
                 };
                 let now = Instant::now();
                 if intended > now {

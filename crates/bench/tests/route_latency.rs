@@ -21,6 +21,7 @@ fn decision(replica: &str) -> RouteDecision {
         dp_rank: 1,
         overlap_blocks: 3,
         replica_id: replica.to_string(),
+        base_url: String::new(),
     }
 }
 

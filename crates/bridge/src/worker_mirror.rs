@@ -9,8 +9,8 @@
 use crate::engine_event::{EngineEvent, EventError, Extras, Stored};
 use kvrouter_indexer::{block_limit_for_capacity, Index, IndexError};
 use kvrouter_protocol::{
-    local_block_hash_with_extras, lora_seed, DpRank, EngineBlockHash, EventId, KvEvent,
-    KvEventData, LocalBlockHash, StoredBlock, WorkerId, WorkerKey,
+    prompt_local_hashes, DpRank, EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash,
+    PromptExtras, StoredBlock, WorkerId, WorkerKey,
 };
 use rustc_hash::FxHashMap;
 
@@ -305,37 +305,27 @@ fn on_device(medium: Option<&str>, locality: Option<&str>) -> bool {
 }
 
 /// The router's local hashes of a stored run: the LoRA (its name, else its decimal id) seeds
-/// the hash; each block's extra keys other than the LoRA name, and the salt on block 0, go in.
+/// the hash; each block's extra keys other than the LoRA name, and the salt on block 0, go in
+/// as a route request's [`PromptExtras`] would put them.
 fn local_hashes(s: &Stored, bs: usize) -> Vec<LocalBlockHash> {
     let lora_id_name = s.lora_id.map(|id| id.to_string());
     let lora = s.lora_name.as_deref().or(lora_id_name.as_deref());
-    let seed = lora_seed(lora);
-    let mut extras: Extras = Vec::new();
-    s.token_ids
-        .chunks_exact(bs)
-        .enumerate()
-        .map(|(i, block)| {
-            extras.clear();
-            if let Some(Some(keys)) = s.extra_keys.get(i) {
-                let mut lora_seen = false;
-                for k in keys {
-                    if !lora_seen && Some(k.as_str()) == lora {
-                        lora_seen = true; // the LoRA is in the seed already
-                        continue;
-                    }
-                    extras.push(k.clone());
+    let extras = PromptExtras {
+        block_extras: s
+            .extra_keys
+            .iter()
+            .map(|keys| {
+                let mut keys: Extras = keys.clone().unwrap_or_default();
+                // The LoRA is in the seed already.
+                if let Some(i) = keys.iter().position(|k| Some(k.as_str()) == lora) {
+                    keys.remove(i);
                 }
-            }
-            if i == 0 {
-                if let Some(salt) = &s.cache_salt {
-                    if !extras.contains(salt) {
-                        extras.push(salt.clone());
-                    }
-                }
-            }
-            local_block_hash_with_extras(block, seed, &extras)
-        })
-        .collect()
+                keys
+            })
+            .collect(),
+        cache_salt: s.cache_salt.clone(),
+    };
+    prompt_local_hashes(&s.token_ids, bs, lora, Some(&extras)).unwrap_or_default()
 }
 
 #[cfg(test)]

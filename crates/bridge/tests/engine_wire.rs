@@ -3,8 +3,8 @@
 
 use kvrouter_bridge::{decode_batch, EngineBatch, EngineEvent, EventError, Skip, WorkerMirror};
 use kvrouter_protocol::{
-    local_block_hash_with_extras, local_block_hashes, lora_seed, EngineBlockHash, KvEventData,
-    LocalBlockHash, BASE_SEED,
+    local_block_hash_with_extras, local_block_hashes, lora_seed, prompt_local_hashes,
+    EngineBlockHash, KvEventData, LocalBlockHash, PromptExtras, BASE_SEED,
 };
 use std::collections::HashMap;
 use std::process::Command;
@@ -166,6 +166,19 @@ fn salt_and_multimodal_keys_change_the_hash() {
     assert_eq!(
         blocks[0].local_hash,
         local_block_hash_with_extras(&T8[..4], BASE_SEED, &["img-abc", "2", "salt-1"])
+    );
+    // A route request naming the same image and salt hashes its blocks the same way.
+    let extras = PromptExtras {
+        block_extras: vec![
+            vec!["img-abc".into(), "2".into()],
+            vec!["img-abc".into(), "-2".into()],
+        ],
+        cache_salt: Some("salt-1".into()),
+    };
+    let request = prompt_local_hashes(&T8, 4, None, Some(&extras)).unwrap();
+    assert_eq!(
+        request,
+        blocks.iter().map(|b| b.local_hash).collect::<Vec<_>>()
     );
 }
 

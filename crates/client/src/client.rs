@@ -31,6 +31,7 @@ pub fn route_request(model: impl Into<String>, tokens: Vec<u32>) -> RouteRequest
         allowed_workers: None,
         pin: None,
         update_states: true,
+        extras: None,
     }
 }
 

@@ -122,6 +122,7 @@ impl KvRouterClient {
             allowed_workers: params.allowed_workers.clone(),
             pin: params.pin,
             update_states: true,
+            extras: None,
         };
         let decision = self.route(&route).await?;
         let route_wall_us = micros(t0);

@@ -299,6 +299,74 @@ mod tests {
         }
     }
 
+    /// Routes cross versions: a version-1 request hashes on tokens alone (no extras), a
+    /// version-1 answer names no HTTP address; both read exactly what version 1 wrote.
+    #[test]
+    fn route_messages_in_both_versions() {
+        let req = RouteRequest {
+            model: "m".into(),
+            request_id: "r".into(),
+            tokens: vec![1, 2, 3],
+            lora: Some("a".into()),
+            allowed_workers: Some(vec![4]),
+            pin: None,
+            update_states: true,
+            extras: Some(PromptExtras {
+                block_extras: vec![vec!["img".into(), "2".into()]],
+                cache_salt: Some("s".into()),
+            }),
+        };
+        assert_eq!(
+            decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
+            (req.clone(), 2)
+        );
+        let old = v1_codec_read::<v1::RouteRequest>(&encode_as(&req, 1).unwrap());
+        assert_eq!(old, req.to_previous());
+        let back = decode_versioned::<RouteRequest>(&encode_as(&req, 1).unwrap()).unwrap();
+        assert_eq!(
+            back,
+            (
+                RouteRequest {
+                    extras: None,
+                    ..req
+                },
+                1
+            )
+        );
+
+        let d = RouteDecision {
+            worker_id: 7,
+            dp_rank: 1,
+            overlap_blocks: 3,
+            replica_id: "r1".into(),
+            base_url: "http://10.0.0.5:8000".into(),
+        };
+        let both = DisaggDecision {
+            prefill: d.clone(),
+            decode: d.clone(),
+            replica_id: "r1".into(),
+        };
+        assert_eq!(
+            decode_versioned::<DisaggDecision>(&encode(&both).unwrap())
+                .unwrap()
+                .0,
+            both
+        );
+        let old: v1::DisaggDecision = v1_codec_read(&encode_as(&both, 1).unwrap());
+        assert_eq!(old.decode, d.to_previous());
+        let back = decode_versioned::<RouteDecision>(&encode_as(&d, 1).unwrap()).unwrap();
+        assert_eq!(
+            back,
+            (
+                RouteDecision {
+                    base_url: String::new(),
+                    ..d
+                },
+                1
+            )
+        );
+    }
+
     #[test]
     fn typed_errors() {
         let ev = KvEvent {

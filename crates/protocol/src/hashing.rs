@@ -5,7 +5,9 @@
 //! (shifted by the LoRA name, if any). Sequence hashes chain the local hashes so that two
 //! prompts share blocks `0..=k` exactly when their sequence hashes agree at `k`.
 
-use crate::types::{EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, SequenceHash};
+use crate::types::{
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, PromptExtras, SequenceHash,
+};
 use std::collections::{HashMap, HashSet};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -74,6 +76,48 @@ pub fn local_block_hash_with_extras<S: AsRef<str>>(
         bytes.extend_from_slice(e);
     }
     LocalBlockHash(xxh3_64_with_seed(&bytes, seed))
+}
+
+/// The extra keys of block `i` of a prompt: its own, then the cache salt on block 0 (unless
+/// already among them, as vLLM puts it there itself).
+pub fn block_extra_keys(extras: &PromptExtras, i: usize) -> Vec<&str> {
+    let mut keys: Vec<&str> = extras
+        .block_extras
+        .get(i)
+        .map(|k| k.iter().map(String::as_str).collect())
+        .unwrap_or_default();
+    if i == 0 {
+        if let Some(salt) = extras.cache_salt.as_deref() {
+            if !keys.contains(&salt) {
+                keys.push(salt);
+            }
+        }
+    }
+    keys
+}
+
+/// Local hashes of every full block of a prompt whose cache keys may depend on extras:
+/// [`local_block_hashes`] without them, [`local_block_hash_with_extras`] block by block
+/// with them.
+pub fn prompt_local_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    lora: Option<&str>,
+    extras: Option<&PromptExtras>,
+) -> Result<Vec<LocalBlockHash>, HashError> {
+    let Some(extras) = extras.filter(|e| !e.block_extras.is_empty() || e.cache_salt.is_some())
+    else {
+        return local_block_hashes(tokens, block_size, lora);
+    };
+    if block_size == 0 {
+        return Err(HashError::ZeroBlockSize);
+    }
+    let seed = lora_seed(lora);
+    Ok(tokens
+        .chunks_exact(block_size)
+        .enumerate()
+        .map(|(i, block)| local_block_hash_with_extras(block, seed, &block_extra_keys(extras, i)))
+        .collect())
 }
 
 /// One step of the sequence-hash chain.

@@ -24,8 +24,8 @@ pub use codec::{
     write_version, CodecError, FORMAT_VERSION, MAX_MESSAGE_BYTES, MIN_READ_VERSION,
 };
 pub use hashing::{
-    local_block_hash_with_extras, local_block_hashes, lora_seed, sequence_hashes, HashError,
-    BASE_SEED,
+    block_extra_keys, local_block_hash_with_extras, local_block_hashes, lora_seed,
+    prompt_local_hashes, sequence_hashes, HashError, BASE_SEED,
 };
 pub use messages::*;
 pub use subjects::{fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects};

@@ -5,7 +5,7 @@
 //! docs/protocol.md lists which subject carries which message.
 
 use crate::chunk::chunk_by_budget;
-use crate::types::{DpRank, EventId, KvEvent, WorkerId, WorkerKey};
+use crate::types::{DpRank, EventId, KvEvent, PromptExtras, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use uuid::Uuid;
@@ -216,6 +216,9 @@ pub struct RouteRequest {
     pub pin: Option<Pin>,
     /// Track the request as active load (then `mark_prefill` and `free` must follow).
     pub update_states: bool,
+    /// What the engine's cache keys depend on besides the tokens (`None`: nothing). New in
+    /// format version 2.
+    pub extras: Option<PromptExtras>,
 }
 
 /// The choice, and the replica that made it (send `mark_prefill` and `free` there).
@@ -225,6 +228,9 @@ pub struct RouteDecision {
     pub dp_rank: DpRank,
     pub overlap_blocks: u32,
     pub replica_id: String,
+    /// The chosen worker's HTTP address from its registration (empty for the mocker). New
+    /// in format version 2.
+    pub base_url: String,
 }
 
 impl RouteDecision {
@@ -588,6 +594,7 @@ mod tests {
             dp_rank: 1,
             overlap_blocks: 3,
             replica_id: "r1".into(),
+            base_url: String::new(),
         });
         let back: Reply<RouteDecision> = decode(&encode(&ok).unwrap()).unwrap();
         assert_eq!(back, ok);
@@ -689,6 +696,7 @@ mod tests {
             dp_rank: r,
             overlap_blocks: 1,
             replica_id: "r".into(),
+            base_url: String::new(),
         };
         let ok: Reply<DisaggDecision> = Reply::Ok(DisaggDecision {
             prefill: d(1, 2),

@@ -107,3 +107,15 @@ impl KvEvent {
         }
     }
 }
+
+/// Extra keys a prompt's cached blocks depend on besides their tokens, as the engine keys
+/// them: multimodal identifiers per block, a cache salt. A block with extras matches only
+/// blocks cached with the same extras (see [`crate::prompt_local_hashes`] and
+/// docs/protocol.md).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptExtras {
+    /// Per block, in order, its extra keys as strings; blocks past the end have none.
+    pub block_extras: Vec<Vec<String>>,
+    /// The request's cache salt: an extra key of block 0, after that block's others.
+    pub cache_salt: Option<String>,
+}

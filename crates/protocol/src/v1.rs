@@ -67,6 +67,109 @@ impl Wire for crate::messages::Registration {
     }
 }
 
+/// [`crate::RouteRequest`] in version 1: no `extras`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    pub model: String,
+    pub request_id: String,
+    pub tokens: Vec<u32>,
+    pub lora: Option<String>,
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    pub pin: Option<Pin>,
+    pub update_states: bool,
+}
+
+/// A version-1 request has no extra keys: its blocks hash on their tokens (and LoRA) alone.
+impl Wire for crate::messages::RouteRequest {
+    type Previous = RouteRequest;
+
+    fn from_previous(p: RouteRequest) -> Self {
+        Self {
+            model: p.model,
+            request_id: p.request_id,
+            tokens: p.tokens,
+            lora: p.lora,
+            allowed_workers: p.allowed_workers,
+            pin: p.pin,
+            update_states: p.update_states,
+            extras: None,
+        }
+    }
+
+    fn to_previous(&self) -> RouteRequest {
+        RouteRequest {
+            model: self.model.clone(),
+            request_id: self.request_id.clone(),
+            tokens: self.tokens.clone(),
+            lora: self.lora.clone(),
+            allowed_workers: self.allowed_workers.clone(),
+            pin: self.pin,
+            update_states: self.update_states,
+        }
+    }
+}
+
+/// [`crate::RouteDecision`] in version 1: no `base_url`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteDecision {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub overlap_blocks: u32,
+    pub replica_id: String,
+}
+
+/// A version-1 decision names no HTTP address (version-1 workers had none).
+impl Wire for crate::messages::RouteDecision {
+    type Previous = RouteDecision;
+
+    fn from_previous(p: RouteDecision) -> Self {
+        Self {
+            worker_id: p.worker_id,
+            dp_rank: p.dp_rank,
+            overlap_blocks: p.overlap_blocks,
+            replica_id: p.replica_id,
+            base_url: String::new(),
+        }
+    }
+
+    fn to_previous(&self) -> RouteDecision {
+        RouteDecision {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+            overlap_blocks: self.overlap_blocks,
+            replica_id: self.replica_id.clone(),
+        }
+    }
+}
+
+/// [`crate::DisaggDecision`] in version 1: its decisions in version 1.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisaggDecision {
+    pub prefill: RouteDecision,
+    pub decode: RouteDecision,
+    pub replica_id: String,
+}
+
+impl Wire for crate::messages::DisaggDecision {
+    type Previous = DisaggDecision;
+
+    fn from_previous(p: DisaggDecision) -> Self {
+        Self {
+            prefill: Wire::from_previous(p.prefill),
+            decode: Wire::from_previous(p.decode),
+            replica_id: p.replica_id,
+        }
+    }
+
+    fn to_previous(&self) -> DisaggDecision {
+        DisaggDecision {
+            prefill: self.prefill.to_previous(),
+            decode: self.decode.to_previous(),
+            replica_id: self.replica_id.clone(),
+        }
+    }
+}
+
 // Every message encoded the same in versions 1 and 2.
 unchanged_since_previous!(
     KvEvent,
@@ -78,10 +181,7 @@ unchanged_since_previous!(
     LoadReport,
     StateQuery,
     StateChunk,
-    RouteRequest,
-    RouteDecision,
     DisaggRouteRequest,
-    DisaggDecision,
     TransferReport,
     OverlapRequest,
     OverlapScoresReply,

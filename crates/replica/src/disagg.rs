@@ -161,7 +161,7 @@ async fn route_disagg(
     })?;
     let m = &dm.shared;
     let (local, seq) =
-        endpoints::hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
+        endpoints::hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
             .map_err(|e| endpoints::error(shared, &req.model, e))?;
     if req.update_states && req.request_id.is_empty() {
         return Err(endpoints::error(
@@ -254,6 +254,7 @@ async fn route_disagg(
         dp_rank: sel.key.dp_rank,
         overlap_blocks: sel.overlap_blocks,
         replica_id: shared.replica_id.clone(),
+        base_url: m.status.layouts.base_url(sel.key.worker_id),
     };
     tracing::debug!(model = %req.model, request_id = %req.request_id, prefill = %pre.key, decode = %dec.key, "disaggregated route");
     Ok((

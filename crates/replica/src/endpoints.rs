@@ -9,9 +9,9 @@ use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    local_block_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OverlapRequest,
-    OverlapScoresReply, Pin, PotentialLoad, RequestUpdate, RouteDecision, RouteRequest,
-    SequenceHash, WorkerKey,
+    prompt_local_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OverlapRequest,
+    OverlapScoresReply, Pin, PotentialLoad, PromptExtras, RequestUpdate, RouteDecision,
+    RouteRequest, SequenceHash, WorkerKey,
 };
 use kvrouter_scheduler::Selection;
 use std::sync::Arc;
@@ -161,6 +161,7 @@ pub(crate) fn hash_prompt(
     model: &ModelShared,
     tokens: &[u32],
     lora: Option<&str>,
+    extras: Option<&PromptExtras>,
     max_prompt_tokens: usize,
 ) -> Result<(Vec<LocalBlockHash>, Vec<SequenceHash>), ErrorReply> {
     if tokens.is_empty() {
@@ -184,7 +185,7 @@ pub(crate) fn hash_prompt(
             format!("no worker of model {:?} has registered yet", model.name),
         )
     })?;
-    let local = local_block_hashes(tokens, block_size as usize, lora)
+    let local = prompt_local_hashes(tokens, block_size as usize, lora, extras)
         .map_err(|e| ErrorReply::new(ErrorKind::Internal, e.to_string()))?;
     let seq = sequence_hashes(&local);
     Ok((local, seq))
@@ -198,8 +199,14 @@ async fn route(
     // Not entered: the overlap query may await (an entered span is not Send).
     let _span = tracing::debug_span!("route", model = %req.model, request_id = %req.request_id);
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
-    let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
-        .map_err(|e| error(shared, &req.model, e))?;
+    let (local, seq) = hash_prompt(
+        m,
+        &req.tokens,
+        req.lora.as_deref(),
+        req.extras.as_ref(),
+        max_prompt_tokens,
+    )
+    .map_err(|e| error(shared, &req.model, e))?;
     if req.update_states && req.request_id.is_empty() {
         return Err(error(
             shared,
@@ -250,6 +257,7 @@ async fn route(
             dp_rank: sel.key.dp_rank,
             overlap_blocks: sel.overlap_blocks,
             replica_id: shared.replica_id.clone(),
+            base_url: m.status.layouts.base_url(sel.key.worker_id),
         },
     ))
 }
@@ -286,7 +294,7 @@ async fn overlap_scores(
     req: OverlapRequest,
 ) -> Result<OverlapScoresReply, ErrorReply> {
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
-    let (local, _) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
+    let (local, _) = hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
     Ok(OverlapScoresReply {
         block_size: m.status.block_size().unwrap_or(0),
@@ -304,7 +312,7 @@ async fn potential_loads(
     req: OverlapRequest,
 ) -> Result<Vec<PotentialLoad>, ErrorReply> {
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
-    let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), max_prompt_tokens)
+    let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
     let overlaps = m.find_overlaps(&local).await;
     let (tx, rx) = oneshot::channel();

@@ -5,6 +5,7 @@
 use kvrouter_protocol::{DpRank, Registration, WorkerId, WorkerKey, WorkerRole};
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
 
 /// A worker's role and data-parallel layout, from its registration.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -26,13 +27,20 @@ impl WorkerLayout {
     }
 }
 
-/// Every registered worker's layout (one model).
+/// Every registered worker's layout and HTTP address (one model).
 #[derive(Default)]
-pub struct Layouts(RwLock<FxHashMap<WorkerId, WorkerLayout>>);
+pub struct Layouts(RwLock<FxHashMap<WorkerId, (WorkerLayout, Arc<str>)>>);
 
 impl Layouts {
-    pub fn set(&self, worker_id: WorkerId, layout: WorkerLayout) {
-        self.0.write().insert(worker_id, layout);
+    pub fn set(&self, worker_id: WorkerId, layout: WorkerLayout, base_url: &str) {
+        let mut map = self.0.write();
+        match map.get_mut(&worker_id) {
+            // Re-registrations repeat the address: keep the allocation.
+            Some(entry) if &*entry.1 == base_url => entry.0 = layout,
+            _ => {
+                map.insert(worker_id, (layout, base_url.into()));
+            }
+        }
     }
 
     pub fn remove(&self, worker_id: WorkerId) {
@@ -40,7 +48,16 @@ impl Layouts {
     }
 
     pub fn get(&self, worker_id: WorkerId) -> Option<WorkerLayout> {
-        self.0.read().get(&worker_id).copied()
+        self.0.read().get(&worker_id).map(|e| e.0)
+    }
+
+    /// Where a worker takes HTTP requests (empty when unknown or it has no address).
+    pub fn base_url(&self, worker_id: WorkerId) -> String {
+        self.0
+            .read()
+            .get(&worker_id)
+            .map(|e| e.1.to_string())
+            .unwrap_or_default()
     }
 
     /// Whether `key` is a rank of a registered worker (within its data-parallel ranks).
@@ -56,7 +73,7 @@ impl Layouts {
             .0
             .read()
             .iter()
-            .filter(|(w, l)| l.role == role && allowed.is_none_or(|a| a.contains(w)))
+            .filter(|(w, (l, _))| l.role == role && allowed.is_none_or(|a| a.contains(w)))
             .map(|(&w, _)| w)
             .collect();
         out.sort_unstable();
@@ -66,7 +83,7 @@ impl Layouts {
     /// (workers of role `role`, workers of any other role).
     fn role_counts(&self, role: WorkerRole) -> (usize, usize) {
         let map = self.0.read();
-        let n = map.values().filter(|l| l.role == role).count();
+        let n = map.values().filter(|(l, _)| l.role == role).count();
         (n, map.len() - n)
     }
 }
@@ -112,8 +129,8 @@ pub fn decode_candidates(
     let map = layouts.0.read();
     let mut out: Vec<WorkerKey> = map
         .iter()
-        .filter(|(w, l)| l.role == WorkerRole::Decode && allowed.is_none_or(|a| a.contains(w)))
-        .map(|(&w, l)| {
+        .filter(|(w, (l, _))| l.role == WorkerRole::Decode && allowed.is_none_or(|a| a.contains(w)))
+        .map(|(&w, (l, _))| {
             WorkerKey::new(
                 w,
                 decode_rank(
@@ -156,9 +173,9 @@ mod tests {
     #[test]
     fn candidates_and_aggregated_filter() {
         let l = Layouts::default();
-        l.set(1, layout(WorkerRole::Prefill, 2, 2));
-        l.set(2, layout(WorkerRole::Decode, 0, 4));
-        l.set(3, layout(WorkerRole::Decode, 8, 1));
+        l.set(1, layout(WorkerRole::Prefill, 2, 2), "");
+        l.set(2, layout(WorkerRole::Decode, 0, 4), "");
+        l.set(3, layout(WorkerRole::Decode, 8, 1), "");
         let pre = WorkerKey::new(1, 3);
         assert_eq!(
             decode_candidates(&l, pre, l.get(1).unwrap(), None),
@@ -170,7 +187,7 @@ mod tests {
         );
         // No aggregated worker: aggregated routes keep every worker.
         assert_eq!(aggregated_workers(&l, None, false), None);
-        l.set(4, layout(WorkerRole::Aggregated, 0, 1));
+        l.set(4, layout(WorkerRole::Aggregated, 0, 1), "");
         assert_eq!(aggregated_workers(&l, None, false), Some(vec![4]));
         assert_eq!(aggregated_workers(&l, Some(vec![1]), false), Some(vec![]));
         assert_eq!(aggregated_workers(&l, Some(vec![1]), true), Some(vec![1]));

@@ -413,7 +413,11 @@ impl Actor for WorkerTracker {
                 state.apply_changes(changes, &myself).await;
                 if state.discovery.instance(reg.worker_id) == Some(reg.instance_id) {
                     let layout = WorkerLayout::of(&reg);
-                    state.args.status.layouts.set(reg.worker_id, layout);
+                    state
+                        .args
+                        .status
+                        .layouts
+                        .set(reg.worker_id, layout, &reg.base_url);
                 }
             }
             TrackerMsg::Heartbeat(hb) => {

@@ -54,6 +54,7 @@ fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
         allowed_workers: None,
         pin: None,
         update_states,
+        extras: None,
     }
 }
 

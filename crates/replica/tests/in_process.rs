@@ -207,6 +207,7 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         allowed_workers: None,
         pin: None,
         update_states: true,
+        extras: None,
     };
     // potential_loads answers for every rank, before and after a request is tracked.
     let overlap = kvrouter_protocol::OverlapRequest {
@@ -315,6 +316,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
             allowed_workers: None,
             pin: None,
             update_states: true,
+            extras: None,
         };
         decisions.push(client.route(&req).await.unwrap());
     }
@@ -407,6 +409,7 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
             dp_rank: r,
         }),
         update_states: false,
+        extras: None,
     };
     for r in [4, 5] {
         let d = client.route(&pinned(10, Some(r))).await.unwrap();

@@ -86,6 +86,7 @@ fn route_req(tokens: Vec<u32>) -> RouteRequest {
         allowed_workers: None,
         pin: None,
         update_states: false,
+        extras: None,
     }
 }
 

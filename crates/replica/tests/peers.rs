@@ -163,6 +163,7 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
             allowed_workers: Some(vec![SILENT]),
             pin: None,
             update_states: false,
+            extras: None,
         })
         .await;
     assert!(pinned.is_err(), "{pinned:?}");
@@ -275,6 +276,7 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         allowed_workers: None,
         pin: None,
         update_states: false,
+        extras: None,
     };
     for version in [MIN_READ_VERSION, FORMAT_VERSION] {
         let bytes = Bytes::from(encode_as(&req, version).unwrap());

@@ -20,6 +20,9 @@ pub enum BenchCommand {
     /// Replay a Mooncake trace through router replicas and a mocker fleet, per routing
     /// policy and rate: hit rates against two ideals, TTFT, ITL, throughput, goodput.
     Replay(super::replay::ReplayArgs),
+    /// The bridge: engine KV event payloads decoded and forwarded per second on one core,
+    /// and the delay from an engine's ZMQ publish to index visibility at a fixed rate.
+    Bridge(super::bench_bridge::BridgeBenchArgs),
 }
 
 #[derive(Args)]
@@ -75,6 +78,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::RouteLatency(args) => {
             super::runtime()?.block_on(super::bench_route::run(args))
         }
+        BenchCommand::Bridge(args) => super::runtime()?.block_on(super::bench_bridge::run(args)),
         BenchCommand::IndexerRss(args) => {
             let figures =
                 super::runtime()?.block_on(measure_rss(&args.stream, args.mode, args.shards))?;

@@ -1,6 +1,7 @@
 //! Subcommand implementations: argument parsing and output only; the work lives in crates/.
 
 pub mod bench;
+pub mod bench_bridge;
 pub mod bench_route;
 pub mod bridge;
 pub mod generate;

@@ -2,6 +2,7 @@
 //! replay through router replicas and a mocker fleet, and open-loop route latency against
 //! running replicas.
 
+pub mod bridge_bench;
 pub mod indexer_bench;
 pub mod indexer_stream;
 mod percentile;

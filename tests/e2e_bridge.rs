@@ -249,6 +249,20 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
         "{m}"
     );
 
+    // The engine's own load (its metrics, scraped by the bridge) reaches the replicas.
+    engine.cmd(json!({"load": {"rank": 0, "running": 2, "waiting": 5, "usage": 0.5}}));
+    let labels = format!("{{model=\"{E2E_MODEL}\",worker=\"{worker}\",dp_rank=\"0\"}}");
+    let waiting = format!("kvrouter_worker_reported_waiting_requests{labels} 5");
+    let blocks = format!("kvrouter_worker_reported_active_blocks{labels} 500");
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let m = metrics(a1);
+            m.contains(&waiting) && m.contains(&blocks)
+        }),
+        "{}",
+        metrics(a1)
+    );
+
     // The engine's health check fails: its ranks leave routing within a second or so.
     engine.cmd(json!({"health": false}));
     let t = Instant::now();

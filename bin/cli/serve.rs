@@ -49,6 +49,10 @@ pub struct ServeArgs {
     /// A worker rank is busy when its in-flight prefill tokens reach this.
     #[arg(long, env = "KVROUTER_BUSY_PREFILL_TOKENS")]
     busy_prefill_tokens: Option<u64>,
+    /// A worker rank is busy when its engine reports this many waiting requests (engines
+    /// behind `kvrouter bridge` report them from their metrics).
+    #[arg(long, env = "KVROUTER_BUSY_WAITING_REQUESTS")]
+    busy_waiting_requests: Option<u64>,
     /// Requests that may wait for a non-busy worker; beyond it, routes fail as overloaded.
     #[arg(long, env = "KVROUTER_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
     max_queued_requests: usize,
@@ -159,6 +163,7 @@ impl ServeArgs {
             temperature: self.router_temperature,
             busy_active_blocks_frac: self.busy_active_blocks_frac,
             busy_prefill_tokens: self.busy_prefill_tokens,
+            busy_waiting_requests: self.busy_waiting_requests,
             max_queued_requests: self.max_queued_requests,
             request_timeout: secs("request-timeout-secs", self.request_timeout_secs)?,
             queue_timeout: Duration::from_millis(self.max_queue_wait_ms),

@@ -109,6 +109,10 @@ pub struct Metrics {
     pub active_blocks: Family<KeyLabels, Gauge>,
     pub prefill_tokens: Family<KeyLabels, Gauge>,
     pub active_requests: Family<KeyLabels, Gauge>,
+    /// What a worker rank's engine last reported itself (load reports): KV blocks in use and
+    /// waiting requests.
+    pub reported_active_blocks: Family<KeyLabels, Gauge>,
+    pub reported_waiting_requests: Family<KeyLabels, Gauge>,
     /// Disaggregated prefill/decode: routes made, transfer reports that changed nothing
     /// (unknown request, wrong worker or tp rank, duplicate), transfers overdue or dropped,
     /// transfers pending.
@@ -281,6 +285,16 @@ impl Metrics {
                 "Requests routed to a worker rank and not yet freed",
                 Family::default()
             ),
+            reported_active_blocks: reg!(
+                "worker_reported_active_blocks",
+                "KV blocks in use on a worker rank, as its engine last reported",
+                Family::default()
+            ),
+            reported_waiting_requests: reg!(
+                "worker_reported_waiting_requests",
+                "Requests waiting on a worker rank, as its engine last reported",
+                Family::default()
+            ),
             disagg_routes: reg!(
                 "disagg_routes",
                 "Disaggregated route decisions made (a prefill and a decode worker rank)",
@@ -363,6 +377,8 @@ impl Metrics {
         self.active_blocks.remove(&labels);
         self.prefill_tokens.remove(&labels);
         self.active_requests.remove(&labels);
+        self.reported_active_blocks.remove(&labels);
+        self.reported_waiting_requests.remove(&labels);
     }
 
     /// The Prometheus text exposition (OpenMetrics).

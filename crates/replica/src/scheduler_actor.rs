@@ -430,13 +430,24 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::ReportedLoad(report) => {
                 for r in &report.ranks {
-                    state.core.set_reported_load(
-                        WorkerKey::new(report.worker_id, r.dp_rank),
+                    let key = WorkerKey::new(report.worker_id, r.dp_rank);
+                    let known = state.core.set_reported_load(
+                        key,
                         ReportedLoad {
                             active_blocks: r.active_blocks,
                             waiting_requests: r.waiting_requests,
                         },
                     );
+                    if known {
+                        let labels = KeyLabels::new(&state.model, key);
+                        let m = &state.metrics;
+                        m.reported_active_blocks
+                            .get_or_create(&labels)
+                            .set(r.active_blocks as i64);
+                        m.reported_waiting_requests
+                            .get_or_create(&labels)
+                            .set(r.waiting_requests as i64);
+                    }
                 }
                 state.drain(now);
             }

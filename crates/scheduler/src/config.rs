@@ -65,6 +65,9 @@ pub struct SchedulerConfig {
     pub busy_active_blocks_frac: Option<f64>,
     /// A key is busy when its in-flight prefill tokens ≥ this (> 0).
     pub busy_prefill_tokens: Option<u64>,
+    /// A key is busy when its engine last reported at least this many waiting requests
+    /// (> 0; engines behind `kvrouter bridge` report it from their own metrics).
+    pub busy_waiting_requests: Option<u64>,
     /// Bound of the queue of requests that found every candidate busy (0: no queue).
     pub max_queued_requests: usize,
     /// Active sequences older than this are freed by `sweep`.
@@ -91,6 +94,7 @@ impl Default for SchedulerConfig {
             temperature: 0.0,
             busy_active_blocks_frac: None,
             busy_prefill_tokens: None,
+            busy_waiting_requests: None,
             max_queued_requests: 1024,
             request_timeout: Duration::from_secs(300),
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
@@ -125,6 +129,11 @@ impl SchedulerConfig {
         }
         if self.busy_prefill_tokens == Some(0) {
             return bad("busy_prefill_tokens must be > 0 (0 would make every worker busy)".into());
+        }
+        if self.busy_waiting_requests == Some(0) {
+            return bad(
+                "busy_waiting_requests must be > 0 (0 would make every worker busy)".into(),
+            );
         }
         if self.max_queued_requests > 0 && self.queue_timeout.is_zero() {
             return bad(

@@ -653,7 +653,8 @@ impl<P> Scheduler<P> {
 }
 
 /// Busy thresholds. The blocks threshold uses the larger of the tracked and the reported
-/// active blocks, and does not apply to a key of unknown (0) capacity.
+/// active blocks (an engine's own figure is the fresher one when it is higher), and does not
+/// apply to a key of unknown (0) capacity. Waiting requests are the engine's own count.
 fn is_busy(config: &SchedulerConfig, load: &KeyLoad) -> bool {
     if let Some(frac) = config.busy_active_blocks_frac {
         if load.capacity_blocks > 0 {
@@ -662,6 +663,11 @@ fn is_busy(config: &SchedulerConfig, load: &KeyLoad) -> bool {
             if active as f64 >= frac * load.capacity_blocks as f64 {
                 return true;
             }
+        }
+    }
+    if let (Some(t), Some(r)) = (config.busy_waiting_requests, load.reported) {
+        if r.waiting_requests >= t {
+            return true;
         }
     }
     config
@@ -999,6 +1005,21 @@ mod tests {
         s.route(&y, &[], "y".into(), true, t0 + Duration::from_millis(20))
             .unwrap();
         assert_eq!(s.load(k(1, 0)).unwrap().active_requests, 1);
+    }
+
+    #[test]
+    fn engine_waiting_requests_make_a_key_busy() {
+        let mut s = sched(|c| c.busy_waiting_requests = Some(3));
+        s.add_worker_key(k(1, 0), 8);
+        let waiting = |n| ReportedLoad {
+            active_blocks: 0,
+            waiting_requests: n,
+        };
+        assert_eq!(s.is_busy(k(1, 0)), Some(false));
+        s.set_reported_load(k(1, 0), waiting(2));
+        assert_eq!(s.is_busy(k(1, 0)), Some(false));
+        s.set_reported_load(k(1, 0), waiting(3));
+        assert_eq!(s.is_busy(k(1, 0)), Some(true));
     }
 
     #[test]

@@ -439,6 +439,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         temperature: 0.0,
         busy_active_blocks_frac: cfg.busy_frac,
         busy_prefill_tokens: cfg.busy_prefill,
+        busy_waiting_requests: None,
         max_queued_requests: cfg.max_queued,
         request_timeout: TIMEOUT,
         queue_timeout: QUEUE_TIMEOUT,

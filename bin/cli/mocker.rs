@@ -4,6 +4,7 @@ use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
 use anyhow::Context;
 use clap::Args;
+use kvrouter_mocker::emulate::{EmulateConfig, Emulated, EmulatedFleet, ZmqWire};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::WorkerRole;
 use std::io::Write;
@@ -75,6 +76,25 @@ pub struct MockerArgs {
     /// never reports the KV sent, a decode tp rank never receives it).
     #[arg(long, env = "KVROUTER_SILENCE_TP_RANK")]
     silence_tp_rank: Option<u32>,
+    /// Look like vllm or sglang from outside instead of joining the bus: KV events on
+    /// ZeroMQ, OpenAI-compatible HTTP, /health and /metrics. A `kvrouter bridge` per worker
+    /// connects them to the routers.
+    #[arg(long, env = "KVROUTER_EMULATE", value_parser = ["vllm", "sglang"], requires_all = ["zmq_port", "http_port"])]
+    emulate: Option<String>,
+    /// With --emulate: worker i's rank r publishes KV events on PORT + 2·i·dp + r and serves
+    /// replay on PORT + 2·i·dp + dp + r.
+    #[arg(long, env = "KVROUTER_ZMQ_PORT")]
+    zmq_port: Option<u16>,
+    /// With --emulate: worker i serves HTTP on PORT + i.
+    #[arg(long, env = "KVROUTER_HTTP_PORT")]
+    http_port: Option<u16>,
+    /// With --emulate: how batches and events are laid out: map (events as maps, vLLM after
+    /// 0.23), array (events as arrays, older vLLM and SGLang) or map-batch.
+    #[arg(long, env = "KVROUTER_ZMQ_WIRE", default_value = "map")]
+    zmq_wire: ZmqWire,
+    /// With --emulate: the interface to bind.
+    #[arg(long, env = "KVROUTER_EMULATE_HOST", default_value = "127.0.0.1")]
+    emulate_host: String,
 }
 
 impl MockerArgs {
@@ -122,6 +142,9 @@ fn random_worker_id_base(workers: u32) -> u64 {
 
 pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
     let config = args.config()?;
+    if let Some(engine) = &args.emulate {
+        return emulate(&args, engine, config).await;
+    }
     let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
     let mut life = Lifecycle::install("mocker", drain_timeout)?;
     let fleet = life
@@ -165,6 +188,52 @@ pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
             .shutdown_within(drain_budget)
             .await
             .context("mocker shutdown did not complete cleanly")
+    })
+    .await
+}
+
+/// `--emulate`: workers that look like vLLM or SGLang from outside; one JSON line per worker
+/// on stdout (base URL, ZMQ endpoints, metrics URL).
+async fn emulate(args: &MockerArgs, engine: &str, fleet: FleetConfig) -> anyhow::Result<()> {
+    let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
+    let mut life = Lifecycle::install("mocker", drain_timeout)?;
+    let config = EmulateConfig {
+        engine: if engine == "sglang" {
+            Emulated::Sglang
+        } else {
+            Emulated::Vllm
+        },
+        wire: args.zmq_wire,
+        zmq_port: args.zmq_port.context("--emulate needs --zmq-port")?,
+        http_port: args.http_port.context("--emulate needs --http-port")?,
+        host: args.emulate_host.clone(),
+        topic: String::new(),
+        fleet,
+    };
+    let fleet = life
+        .startup(async {
+            EmulatedFleet::start(config)
+                .await
+                .context("cannot start the emulated engines")
+        })
+        .await?;
+    {
+        let mut out = std::io::stdout().lock();
+        for w in &fleet.workers {
+            writeln!(out, "{}", serde_json::to_string(w)?).context("cannot write to stdout")?;
+        }
+        out.flush().context("cannot write to stdout")?;
+    }
+    tracing::info!(
+        engine,
+        workers = fleet.workers.len(),
+        "emulated engines running"
+    );
+    life.wait().await;
+    let budget = life.drain_budget();
+    life.shutdown(|| "stopping the emulated engines".to_string(), async move {
+        fleet.shutdown_within(budget).await;
+        Ok(())
     })
     .await
 }

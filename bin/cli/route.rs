@@ -123,15 +123,17 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         extras: None,
     };
     let d = client.route(&req).await?;
-    println!(
-        "{}",
-        json_line(&[
-            ("worker_id", d.worker_id.into()),
-            ("dp_rank", d.dp_rank.into()),
-            ("overlap_blocks", d.overlap_blocks.into()),
-            ("replica_id", d.replica_id.into()),
-        ])
-    );
+    let mut fields = vec![
+        ("worker_id", d.worker_id.into()),
+        ("dp_rank", d.dp_rank.into()),
+        ("overlap_blocks", d.overlap_blocks.into()),
+        ("replica_id", d.replica_id.into()),
+    ];
+    // Where to send the request, for engines with an HTTP address (not the mocker's).
+    if !d.base_url.is_empty() {
+        fields.push(("base_url", d.base_url.into()));
+    }
+    println!("{}", json_line(&fields));
     Ok(())
 }
 

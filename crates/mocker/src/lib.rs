@@ -35,6 +35,7 @@
 
 pub mod config;
 mod disagg;
+pub mod emulate;
 pub mod engine;
 pub mod engine_hash;
 pub mod fleet;

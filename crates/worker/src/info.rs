@@ -168,6 +168,11 @@ impl WorkerInfo {
         self.load_changed.notify_one();
     }
 
+    /// Every rank's last load, in rank order (live or not).
+    pub fn loads(&self) -> Vec<RankLoad> {
+        self.loads.lock().clone()
+    }
+
     /// Resolves once a rank's load changed (a wake-up stored by [`Self::set_load`] counts).
     pub fn load_changed(&self) -> Notified<'_> {
         self.load_changed.notified()

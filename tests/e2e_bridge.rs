@@ -228,9 +228,11 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     assert_eq!(metric(&m, "kvrouter_bridge_gaps_replayed_total"), 1, "{m}");
     assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 0, "{m}");
 
-    // Rank 1's engine restarts (sequence numbers from 0, cache empty): its old blocks are
-    // gone everywhere, rank 0's survive through the new instance's state fetch.
+    // The engine restarts (sequence numbers from 0, caches empty), seen first on rank 1:
+    // every rank's old blocks are gone everywhere, and rank 0's own restart signal (its
+    // next batch) is the same restart, not another.
     engine.cmd(json!({"restart": {"rank": 1}}));
+    engine.cmd(json!({"restart": {"rank": 0}}));
     let e = tokens(5, 2);
     engine.store(1, &e);
     assert!(
@@ -239,8 +241,15 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     );
     assert!(overlap_becomes(&client, &e, k1, 2));
     assert!(
-        overlap_becomes(&client, &b, k0, 3),
-        "the other rank keeps its blocks"
+        overlap_becomes(&client, &b, k0, 0),
+        "the other rank's old blocks"
+    );
+    let f = tokens(6, 2);
+    engine.store(0, &f);
+    assert!(overlap_becomes(&client, &f, k0, 2));
+    assert!(
+        overlap_becomes(&client, &e, k1, 2),
+        "rank 1 kept after rank 0's signal"
     );
     let m = http_get(ab, "/metrics").1;
     assert_eq!(
@@ -267,9 +276,9 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     engine.cmd(json!({"health": false}));
     let t = Instant::now();
     assert!(wait_until(Duration::from_secs(5), || overlap(
-        &client, &b, k0
+        &client, &f, k0
     ) == 0
-        && overlap(&client, &b, k0) == 0));
+        && overlap(&client, &f, k0) == 0));
     let took = t.elapsed();
     assert!(
         took < Duration::from_millis(1500),
@@ -277,7 +286,7 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     );
     assert_eq!(http_get(ab, "/readyz").0, 503);
     engine.cmd(json!({"health": true}));
-    assert!(overlap_becomes(&client, &b, k0, 3), "back once healthy");
+    assert!(overlap_becomes(&client, &f, k0, 2), "back once healthy");
 }
 
 #[test]

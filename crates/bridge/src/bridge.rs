@@ -128,6 +128,8 @@ impl Bridge {
             metrics: metrics.clone(),
             bus: bus.clone(),
             subjects: subjects.clone(),
+            // The first instance is new: a rank's first batch is never a restart anyway.
+            fresh: vec![false; c.dp_size as usize],
         };
         tasks.push(tokio::spawn(mirror.run(mirror_rx)));
 

@@ -33,6 +33,9 @@ pub struct MirrorTask {
     pub metrics: Arc<BridgeMetrics>,
     pub bus: Bus,
     pub subjects: ModelSubjects,
+    /// Per rank (from the first): nothing came from it since the instance was renewed, so
+    /// its own restart signal is the same restart (ranks of one engine restart together).
+    pub fresh: Vec<bool>,
 }
 
 impl MirrorTask {
@@ -43,6 +46,7 @@ impl MirrorTask {
             match cmd {
                 MirrorCmd::Batch { rank, events } => {
                     if let Some(out) = self.mirror.apply(rank, &events) {
+                        self.set_fresh(rank, false);
                         self.forward(rank, out);
                     }
                 }
@@ -91,17 +95,34 @@ impl MirrorTask {
         let _ = self.publisher.send(PubMsg::Events(events));
     }
 
+    fn set_fresh(&mut self, rank: DpRank, fresh: bool) {
+        let i = rank
+            .checked_sub(self.info.dp_start_rank)
+            .map(|i| i as usize);
+        if let Some(f) = i.and_then(|i| self.fresh.get_mut(i)) {
+            *f = fresh;
+        }
+    }
+
     /// Everything forwarded so far goes out under the old instance id; then the new one, with
-    /// event ids from 0, and `rank`'s blocks gone. Replicas see the new instance, drop the
-    /// old state and fetch every rank's state again.
+    /// event ids from 0 and every rank's blocks gone (the engine's ranks restart together).
+    /// Replicas see the new instance and drop the old state. Another rank's signal of the
+    /// same restart (nothing came from it since) changes nothing more.
     async fn restarted(&mut self, rank: DpRank) {
+        let i = rank
+            .checked_sub(self.info.dp_start_rank)
+            .map(|i| i as usize);
+        if i.and_then(|i| self.fresh.get(i)).copied().unwrap_or(true) {
+            return;
+        }
         let (done, flushed) = oneshot::channel();
         if self.publisher.send(PubMsg::Flush(done)).is_ok() {
             let _ = flushed.await;
         }
         let old = self.info.instance_id();
         let new = self.info.renew_instance();
-        self.mirror.new_instance(Some(rank));
+        self.mirror.new_instance();
+        self.fresh.iter_mut().for_each(|f| *f = true);
         self.metrics.engine_restarts.inc();
         tracing::warn!(
             worker_id = self.info.worker_id,

@@ -272,12 +272,12 @@ impl WorkerMirror {
         Some(self.next_event(slot, key, KvEventData::Cleared))
     }
 
-    /// A new worker instance (the engine restarted): event ids start again at 0 for every
-    /// rank, and `restarted`'s blocks are gone; other ranks keep theirs (the router fetches
-    /// them again as the new instance's state).
-    pub fn new_instance(&mut self, restarted: Option<DpRank>) {
-        if let Some(rank) = restarted {
-            self.index.remove_worker_rank(self.key(rank));
+    /// A new worker instance (the engine process started again): every rank's cache is
+    /// gone and event ids start again at 0.
+    pub fn new_instance(&mut self) {
+        for i in 0..self.last_ids.len() as u32 {
+            self.index
+                .remove_worker_rank(self.key(self.dp_start_rank + i));
         }
         self.last_ids.iter_mut().for_each(|l| *l = None);
     }

@@ -1,0 +1,329 @@
+//! `kvrouter mocker --emulate` as a vLLM or SGLang engine, behind a real `kvrouter bridge`,
+//! feeding real `serve` replicas over a real nats-server: the whole engine-facing path with
+//! the real binaries only.
+
+mod common;
+
+use common::*;
+use kvrouter_protocol::{OverlapRequest, RouteRequest, WorkerKey};
+use serde_json::{json, Value};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 16;
+
+/// `POST path` with a JSON body: (status, body). (0, "") when nothing listens.
+fn post(port: u16, path: &str, headers: &[(&str, &str)], body: &Value) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let body = body.to_string();
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(&body);
+    if s.write_all(req.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// Consecutive free loopback ports, `n` of them.
+fn free_ports(n: u16) -> u16 {
+    loop {
+        let p = free_port();
+        if p < 60000 && (1..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i)).is_ok()) {
+            return p;
+        }
+    }
+}
+
+struct Engine {
+    proc: Proc,
+    http: u16,
+    zmq: u16,
+    dp: u32,
+    kind: &'static str,
+}
+
+fn engine(kind: &'static str, wire: &str, dp: u32, zmq: u16, http: u16) -> Engine {
+    let (z, h, d) = (zmq.to_string(), http.to_string(), dp.to_string());
+    let mut p = Proc::start(
+        "engine",
+        &[
+            "mocker",
+            "--emulate",
+            kind,
+            "--zmq-port",
+            &z,
+            "--http-port",
+            &h,
+            "--zmq-wire",
+            wire,
+            "--model",
+            E2E_MODEL,
+            "--dp-size",
+            &d,
+            "--block-size",
+            "16",
+            "--capacity-blocks",
+            "512",
+            "--speedup",
+            "100",
+        ],
+    );
+    let line = p.first_line();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    assert_eq!(v["base_url"], format!("http://127.0.0.1:{http}"));
+    Engine {
+        proc: p,
+        http,
+        zmq,
+        dp,
+        kind,
+    }
+}
+
+fn bridge(nats: &NatsServer, e: &Engine, admin: u16) -> (Proc, u64) {
+    let url = nats.url();
+    let zmq = format!("tcp://127.0.0.1:{}", e.zmq);
+    let replay = format!("tcp://127.0.0.1:{}", u32::from(e.zmq) + e.dp);
+    let base = format!("http://127.0.0.1:{}", e.http);
+    let admin = format!("127.0.0.1:{admin}");
+    let dp = e.dp.to_string();
+    let mut p = Proc::start(
+        "bridge",
+        &[
+            "bridge",
+            "--nats",
+            &url,
+            "--engine",
+            e.kind,
+            "--model",
+            E2E_MODEL,
+            "--block-size",
+            "16",
+            "--zmq-endpoint",
+            &zmq,
+            "--replay-endpoint",
+            &replay,
+            "--dp-size",
+            &dp,
+            "--capacity-blocks",
+            "512",
+            "--base-url",
+            &base,
+            "--admin-addr",
+            &admin,
+            "--heartbeat-ms",
+            "200",
+        ],
+    );
+    let line = p.first_line();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    (p, v["worker_id"].as_u64().expect("worker_id"))
+}
+
+fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK) as u32)
+        .map(|i| seed * 100_000 + i)
+        .collect()
+}
+
+/// A completion on rank `rank` of the engine, as a frontend sends it after a route.
+fn complete(e: &Engine, rank: u32, prompt: &[u32]) -> Value {
+    let r = rank.to_string();
+    let (headers, body) = match e.kind {
+        "sglang" => (
+            vec![],
+            json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": 2, "routed_dp_rank": rank}),
+        ),
+        _ => (
+            vec![("X-data-parallel-rank", r.as_str())],
+            json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": 2}),
+        ),
+    };
+    let (status, body) = post(e.http, "/v1/completions", &headers, &body);
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn overlap(client: &E2eClient, tokens: &[u32], key: WorkerKey) -> u32 {
+    let req = OverlapRequest {
+        model: E2E_MODEL.into(),
+        tokens: tokens.to_vec(),
+        lora: None,
+    };
+    match client.rt.block_on(client.client.overlap_scores(&req)) {
+        Ok(r) => r.scores.iter().find(|(k, _)| *k == key).map_or(0, |s| s.1),
+        Err(_) => 0,
+    }
+}
+
+fn overlap_becomes(client: &E2eClient, tokens: &[u32], key: WorkerKey, want: u32) -> bool {
+    wait_until(Duration::from_secs(10), || {
+        (0..6).all(|_| overlap(client, tokens, key) == want)
+    })
+}
+
+fn route(client: &E2eClient, tokens: &[u32]) -> Option<kvrouter_protocol::RouteDecision> {
+    client
+        .route_req(RouteRequest {
+            model: E2E_MODEL.into(),
+            request_id: String::new(),
+            tokens: tokens.to_vec(),
+            lora: None,
+            allowed_workers: None,
+            pin: None,
+            update_states: false,
+            extras: None,
+        })
+        .ok()
+}
+
+#[test]
+fn emulated_vllm_behind_a_bridge_routes_replays_restarts_and_dies_cleanly() {
+    let nats = NatsServer::start();
+    let (zmq, http) = (free_ports(4), free_port());
+    let e = engine("vllm", "map", 2, zmq, http);
+    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let _r2 = serve(&nats, "r2", a2, &[]);
+    let (b, worker) = bridge(&nats, &e, ab);
+    assert!(ready(ab), "bridge: {:?}", http_get(ab, "/readyz"));
+    assert!(ready(a1) && ready(a2));
+    let client = E2eClient::new(&nats);
+    let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
+
+    // A prompt served by rank 1: every replica sees its blocks there; a repeat of it is
+    // routed to its holder with full overlap, with the engine's address.
+    let a = tokens(1, 4);
+    let first = complete(&e, 1, &a);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert!(overlap_becomes(&client, &a, k1, 4));
+    let d = route(&client, &a).expect("a route");
+    assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));
+    assert_eq!(d.base_url, format!("http://127.0.0.1:{http}"));
+    let again = complete(&e, d.dp_rank, &a);
+    // Cached: every block but the last, which the engine computes again (as vLLM does, so
+    // that at least one token is prefilled).
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], 48,
+        "{again}"
+    );
+
+    // Streaming through a real HTTP client.
+    let out = Command::new("curl")
+        .args(["-sN", "-H", "X-data-parallel-rank: 0", "-d"])
+        .arg(json!({"model": E2E_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true}).to_string())
+        .arg(format!("http://127.0.0.1:{http}/v1/chat/completions"))
+        .output()
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches("chat.completion.chunk").count(), 4, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+
+    // Rank 0's next two batches are lost on the wire; the one after reveals the gap and the
+    // bridge replays both.
+    let warm = tokens(9, 1);
+    complete(&e, 0, &warm);
+    assert!(overlap_becomes(&client, &warm, k0, 1));
+    let (status, body) = post(
+        http,
+        "/kvrouter/test/drop",
+        &[],
+        &json!({"dp_rank": 0, "count": 2}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (pb, pc, pd) = (tokens(2, 3), tokens(3, 2), tokens(4, 2));
+    complete(&e, 0, &pb);
+    complete(&e, 0, &pc);
+    complete(&e, 0, &pd);
+    assert!(overlap_becomes(&client, &pb, k0, 3), "replayed");
+    assert!(overlap_becomes(&client, &pc, k0, 2), "replayed");
+    assert!(overlap_becomes(&client, &pd, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    assert!(
+        m.contains("kvrouter_bridge_gaps_replayed_total{dp_rank=\"0\"} 1"),
+        "{m}"
+    );
+
+    // The engine is killed: within about a second of its health check failing nobody
+    // routes to it.
+    e.proc.signal("-KILL");
+    let t = Instant::now();
+    assert!(wait_until(Duration::from_secs(5), || route(&client, &a).is_none()));
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "still routable {took:?} after the kill"
+    );
+
+    // It comes back on the same ports (a restart: new process, sequence numbers from 0,
+    // an empty cache): the old blocks are gone everywhere, the new ones arrive.
+    let e = engine("vllm", "map", 2, zmq, http);
+    let fresh = tokens(5, 2);
+    assert!(wait_until(Duration::from_secs(10), || route(
+        &client, &fresh
+    )
+    .is_some()));
+    complete(&e, 1, &fresh);
+    assert!(overlap_becomes(&client, &fresh, k1, 2));
+    assert!(
+        overlap_becomes(&client, &a, k1, 0),
+        "the dead engine's blocks"
+    );
+    // Its other rank's blocks went with it, though that rank has published nothing since.
+    assert!(
+        overlap_becomes(&client, &pb, k0, 0),
+        "the other rank's old blocks"
+    );
+    let m = http_get(ab, "/metrics").1;
+    assert!(m.contains("kvrouter_bridge_engine_restarts_total 1"), "{m}");
+
+    // A killed bridge's worker leaves within its lease.
+    b.kill();
+    assert!(wait_until(Duration::from_secs(10), || route(
+        &client, &fresh
+    )
+    .is_none()));
+    e.proc.signal("-TERM");
+}
+
+#[test]
+fn emulated_sglang_behind_a_bridge() {
+    let nats = NatsServer::start();
+    let (zmq, http) = (free_ports(4), free_port());
+    let e = engine("sglang", "array", 2, zmq, http);
+    let (a1, ab) = (free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let (_b, worker) = bridge(&nats, &e, ab);
+    assert!(ready(ab) && ready(a1));
+    let client = E2eClient::new(&nats);
+    let a = tokens(7, 3);
+    complete(&e, 1, &a);
+    assert!(overlap_becomes(&client, &a, WorkerKey::new(worker, 1), 3));
+    let d = route(&client, &a).expect("a route");
+    assert_eq!((d.dp_rank, d.overlap_blocks), (1, 3));
+    // SGLang's metric names reach the bridge's load figures.
+    let m = http_get(e.http, "/metrics").1;
+    assert!(m.contains("sglang:num_queue_reqs{dp_rank=\"1\""), "{m}");
+}

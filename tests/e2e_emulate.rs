@@ -166,6 +166,26 @@ fn complete(e: &Engine, rank: u32, prompt: &[u32]) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
+/// Blocks as `[engine hash, parent engine hash, local hash]`, sorted.
+fn blocks_of(body: &str) -> Vec<Value> {
+    let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+    let mut b = v["blocks"].as_array().cloned().unwrap_or_default();
+    b.sort_by_key(|x| x.to_string());
+    b
+}
+
+/// What the engine caches on `rank` (its test hook).
+fn engine_cache(e: &Engine, rank: u32) -> Vec<Value> {
+    blocks_of(&http_get(e.http, &format!("/kvrouter/test/cache?dp_rank={rank}")).1)
+}
+
+/// What a replica's index holds for `rank` (its admin `/debug/rank`).
+fn index_of(admin: u16, worker: u64, rank: u32) -> Vec<Value> {
+    let model = E2E_MODEL.replace('/', "%2F");
+    let path = format!("/debug/rank?model={model}&worker={worker}&dp_rank={rank}");
+    blocks_of(&http_get(admin, &path).1)
+}
+
 fn overlap(client: &E2eClient, tokens: &[u32], key: WorkerKey) -> u32 {
     let req = OverlapRequest {
         model: E2E_MODEL.into(),
@@ -265,6 +285,21 @@ fn emulated_vllm_behind_a_bridge_routes_replays_restarts_and_dies_cleanly() {
         m.contains("kvrouter_bridge_gaps_replayed_total{dp_rank=\"0\"} 1"),
         "{m}"
     );
+    // And every replica's index now holds exactly what the engine caches, rank by rank.
+    for rank in 0..2 {
+        for admin in [a1, a2] {
+            assert!(
+                wait_until(Duration::from_secs(10), || {
+                    let (engine_side, index_side) =
+                        (engine_cache(&e, rank), index_of(admin, worker, rank));
+                    !engine_side.is_empty() && engine_side == index_side
+                }),
+                "rank {rank}: engine {:?} vs replica {:?}",
+                engine_cache(&e, rank),
+                index_of(admin, worker, rank)
+            );
+        }
+    }
 
     // The engine is killed: within about a second of its health check failing nobody
     // routes to it.

@@ -1,13 +1,15 @@
 //! The admin HTTP endpoint every long-running kvrouter process serves: `/healthz` (the
-//! process runs), `/readyz` (it can do its job; the body says why not) and `/metrics`
-//! (OpenMetrics text).
+//! process runs), `/readyz` (it can do its job; the body says why not), `/metrics`
+//! (OpenMetrics text) and whatever `/debug/...` pages the process offers.
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -18,6 +20,26 @@ pub trait AdminView: Send + Sync + 'static {
     fn readiness(&self) -> (bool, String);
     /// The metrics, rendered as OpenMetrics text.
     fn metrics(&self) -> String;
+
+    /// A `/debug/...` page: `path` after `/debug/`, the raw query string; `None` when there is
+    /// no such page. Answers (status, JSON body).
+    fn debug(
+        self: Arc<Self>,
+        path: String,
+        query: String,
+    ) -> Option<Pin<Box<dyn Future<Output = (u16, String)> + Send>>> {
+        let _ = (path, query);
+        None
+    }
+}
+
+/// The value of `key` in a query string (`a=1&b=2`; no percent-decoding).
+pub fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v)
 }
 
 fn respond(status: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
@@ -29,7 +51,26 @@ fn respond(status: StatusCode, content_type: &str, body: String) -> Response<Ful
     r
 }
 
-fn handle(view: &dyn AdminView, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+async fn handle(view: Arc<dyn AdminView>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    if let Some(page) = req.uri().path().strip_prefix("/debug/") {
+        let query = req.uri().query().unwrap_or("").to_string();
+        return match view.debug(page.to_string(), query) {
+            Some(f) => {
+                let (status, body) = f.await;
+                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+                respond(status, "application/json", body)
+            }
+            None => respond(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "no such debug page\n".into(),
+            ),
+        };
+    }
+    handle_plain(&*view, &req)
+}
+
+fn handle_plain(view: &dyn AdminView, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return respond(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -82,8 +123,8 @@ pub async fn serve(
             let view = view.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req| {
-                    let resp = handle(&*view, &req);
-                    async move { Ok::<_, std::convert::Infallible>(resp) }
+                    let view = view.clone();
+                    async move { Ok::<_, std::convert::Infallible>(handle(view, req).await) }
                 });
                 if let Err(e) = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)

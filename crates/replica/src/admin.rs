@@ -1,9 +1,12 @@
-//! Admin HTTP (`/healthz`, `/readyz`, `/metrics`): what a replica shows on the shared admin
-//! endpoint.
+//! Admin HTTP (`/healthz`, `/readyz`, `/metrics`, `/debug/rank`): what a replica shows on
+//! the shared admin endpoint.
 
 use crate::state::ReplicaShared;
-use kvrouter_admin::AdminView;
+use kvrouter_admin::{query_param, AdminView};
+use kvrouter_protocol::{KvEventData, WorkerKey};
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use tokio::task::JoinHandle;
 
@@ -15,6 +18,60 @@ impl AdminView for ReplicaShared {
     fn metrics(&self) -> String {
         self.refresh_gauges();
         self.metrics.render()
+    }
+
+    /// `/debug/rank?model=M&worker=W&dp_rank=R`: what this replica's index holds for one
+    /// rank, as `{"last_event_id", "blocks": [[engine_hash, parent_engine_hash, local_hash]]}`
+    /// (blocks a removed ancestor cut off from the root match nothing and are left out).
+    fn debug(
+        self: Arc<Self>,
+        path: String,
+        query: String,
+    ) -> Option<Pin<Box<dyn Future<Output = (u16, String)> + Send>>> {
+        if path != "rank" {
+            return None;
+        }
+        Some(Box::pin(async move {
+            let bad = |why: &str| (400, serde_json::json!({ "error": why }).to_string());
+            let Some(model) = query_param(&query, "model").map(|m| m.replace("%2F", "/")) else {
+                return bad("model= is required");
+            };
+            let (Some(worker), Some(rank)) = (
+                query_param(&query, "worker").and_then(|w| w.parse().ok()),
+                query_param(&query, "dp_rank").and_then(|r| r.parse().ok()),
+            ) else {
+                return bad("worker= and dp_rank= are required (numbers)");
+            };
+            let Some(m) = self.models.get(&model) else {
+                return (
+                    404,
+                    serde_json::json!({ "error": "unknown model" }).to_string(),
+                );
+            };
+            let dump = m
+                .sharded
+                .dump(WorkerKey::new(worker, rank))
+                .await
+                .ok()
+                .flatten();
+            let (last, events) = dump.map_or((None, Vec::new()), |d| (d.last_event_id, d.events));
+            let mut blocks = Vec::new();
+            for e in events {
+                if let KvEventData::Stored {
+                    parent,
+                    blocks: stored,
+                } = e.data
+                {
+                    let mut p = parent.map(|p| p.0);
+                    for b in stored {
+                        blocks.push(serde_json::json!([b.engine_hash.0, p, b.local_hash.0]));
+                        p = Some(b.engine_hash.0);
+                    }
+                }
+            }
+            let body = serde_json::json!({ "last_event_id": last, "blocks": blocks });
+            (200, body.to_string())
+        }))
     }
 }
 

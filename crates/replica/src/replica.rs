@@ -192,6 +192,7 @@ async fn start_model(
         subjects: model_subjects,
         status,
         index: index.reader(),
+        sharded: index.clone(),
         recorder,
         remote_index,
         scheduler: scheduler.clone(),

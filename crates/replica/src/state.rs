@@ -7,7 +7,7 @@ use crate::scheduler_actor::{PeerInbox, SchedulerMsg};
 use crate::status::ModelStatus;
 use crate::worker_tracker::TrackerMsg;
 use kvrouter_bus::Bus;
-use kvrouter_indexer::IndexReader;
+use kvrouter_indexer::{IndexReader, ShardedIndex};
 use kvrouter_protocol::{LocalBlockHash, ModelSubjects, WorkerKey};
 use prometheus_client::metrics::gauge::Gauge;
 use ractor::ActorRef;
@@ -21,6 +21,8 @@ pub struct ModelShared {
     pub subjects: ModelSubjects,
     pub status: Arc<ModelStatus>,
     pub index: IndexReader,
+    /// The index's shard actors, for what readers cannot do (a rank's dump).
+    pub sharded: Arc<ShardedIndex>,
     /// `Some` in approximate mode: route decisions that update state feed the index.
     pub recorder: Option<DecisionRecorder>,
     /// `Some` with `--use-remote-indexer`: overlaps come from a serving indexer.

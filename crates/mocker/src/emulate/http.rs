@@ -119,6 +119,15 @@ impl WorkerHttp {
             (Method::GET, "/metrics") => {
                 full(StatusCode::OK, "text/plain; version=0.0.4", self.metrics())
             }
+            (Method::GET, "/kvrouter/test/cache") => {
+                let rank = req.uri().query().and_then(|q| {
+                    q.split('&')
+                        .filter_map(|kv| kv.split_once('='))
+                        .find(|(k, _)| *k == "dp_rank")
+                        .and_then(|(_, v)| v.parse::<u32>().ok())
+                });
+                self.cache(rank).await
+            }
             (Method::POST, "/v1/completions" | "/v1/chat/completions" | "/kvrouter/test/drop") => {
                 let header_rank = req
                     .headers()
@@ -147,6 +156,52 @@ impl WorkerHttp {
             }
             _ => error(StatusCode::NOT_FOUND, format!("no route {path}")),
         }
+    }
+
+    /// Test hook: what a rank caches, as `{"last_event_id", "blocks": [[engine_hash,
+    /// parent_engine_hash, local_hash]]}` (the format of a replica's `/debug/rank`).
+    async fn cache(&self, rank: Option<u32>) -> Response<Body> {
+        let Some(i) = rank.and_then(|r| self.info.rank_index(r)) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "expected ?dp_rank=R, one of this engine's ranks",
+            );
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let cmd = RankCmd::Snapshot {
+            max_blocks: usize::MAX,
+            reply: tx,
+        };
+        if self.ranks[i].cmds.send(cmd).is_err() {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine is shutting down",
+            );
+        }
+        let Ok(snap) = rx.await else {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine is shutting down",
+            );
+        };
+        let mut blocks = Vec::new();
+        for e in snap.events {
+            if let kvrouter_protocol::KvEventData::Stored {
+                parent,
+                blocks: stored,
+            } = e.data
+            {
+                let mut p = parent.map(|p| p.0);
+                for b in stored {
+                    blocks.push(json!([b.engine_hash.0, p, b.local_hash.0]));
+                    p = Some(b.engine_hash.0);
+                }
+            }
+        }
+        json_response(
+            StatusCode::OK,
+            &json!({"last_event_id": snap.last_event_id, "blocks": blocks}),
+        )
     }
 
     fn drop_hook(&self, v: &Value) -> Response<Body> {

@@ -14,6 +14,9 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+/// A `/debug/...` page being produced: (HTTP status, JSON body).
+pub type DebugPage = Pin<Box<dyn Future<Output = (u16, String)> + Send>>;
+
 /// What the admin endpoint shows.
 pub trait AdminView: Send + Sync + 'static {
     /// Ready or not, and a one-line reason either way.
@@ -23,11 +26,7 @@ pub trait AdminView: Send + Sync + 'static {
 
     /// A `/debug/...` page: `path` after `/debug/`, the raw query string; `None` when there is
     /// no such page. Answers (status, JSON body).
-    fn debug(
-        self: Arc<Self>,
-        path: String,
-        query: String,
-    ) -> Option<Pin<Box<dyn Future<Output = (u16, String)> + Send>>> {
+    fn debug(self: Arc<Self>, path: String, query: String) -> Option<DebugPage> {
         let _ = (path, query);
         None
     }

@@ -2,11 +2,9 @@
 //! the shared admin endpoint.
 
 use crate::state::ReplicaShared;
-use kvrouter_admin::{query_param, AdminView};
+use kvrouter_admin::{query_param, AdminView, DebugPage};
 use kvrouter_protocol::{KvEventData, WorkerKey};
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use tokio::task::JoinHandle;
 
@@ -23,11 +21,7 @@ impl AdminView for ReplicaShared {
     /// `/debug/rank?model=M&worker=W&dp_rank=R`: what this replica's index holds for one
     /// rank, as `{"last_event_id", "blocks": [[engine_hash, parent_engine_hash, local_hash]]}`
     /// (blocks a removed ancestor cut off from the root match nothing and are left out).
-    fn debug(
-        self: Arc<Self>,
-        path: String,
-        query: String,
-    ) -> Option<Pin<Box<dyn Future<Output = (u16, String)> + Send>>> {
+    fn debug(self: Arc<Self>, path: String, query: String) -> Option<DebugPage> {
         if path != "rank" {
             return None;
         }

@@ -313,10 +313,26 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     let m = http_get(ab, "/metrics").1;
     assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 1, "{m}");
 
+    // Malformed messages are counted by kind; the good batch after them still lands. (An
+    // unreadable payload loses what it held, so the rank is cleared once more.)
+    for kind in ["frames", "seq", "payload"] {
+        engine.cmd(json!({"garbage": {"rank": 0, "kind": kind}}));
+    }
+    let after = tokens(4, 2);
+    engine.store(0, &after);
+    assert!(overlap_becomes(&client, &after, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    for kind in ["frames", "sequence", "payload"] {
+        let line = format!("kvrouter_bridge_malformed_total{{reason=\"{kind}\"}} 1");
+        assert!(m.contains(&line), "{line} in {m}");
+    }
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 2, "{m}");
+
     // A killed bridge's worker leaves within its lease.
     bridge.kill();
     assert!(
-        wait_until(Duration::from_secs(10), || overlap(&client, &c, k0) == 0),
+        wait_until(Duration::from_secs(10), || overlap(&client, &after, k0)
+            == 0),
         "the worker of a killed bridge is still routable"
     );
 }

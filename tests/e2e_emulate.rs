@@ -221,9 +221,22 @@ fn route(client: &E2eClient, tokens: &[u32]) -> Option<kvrouter_protocol::RouteD
 
 #[test]
 fn emulated_vllm_behind_a_bridge_routes_replays_restarts_and_dies_cleanly() {
+    scenario("vllm", "map");
+}
+
+#[test]
+fn emulated_sglang_the_same() {
+    scenario("sglang", "array");
+}
+
+/// A repeated prefix goes to its holder; dropped batches are replayed and every replica then
+/// equals the engine; a killed engine leaves routing within about a second of its health
+/// check; a restarted one's old blocks disappear on every rank; a killed bridge's worker
+/// leaves within its lease.
+fn scenario(kind: &'static str, wire: &str) {
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
-    let e = engine("vllm", "map", 2, zmq, http);
+    let e = engine(kind, wire, 2, zmq, http);
     let (a1, a2, ab) = (free_port(), free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
@@ -314,7 +327,7 @@ fn emulated_vllm_behind_a_bridge_routes_replays_restarts_and_dies_cleanly() {
 
     // It comes back on the same ports (a restart: new process, sequence numbers from 0,
     // an empty cache): the old blocks are gone everywhere, the new ones arrive.
-    let e = engine("vllm", "map", 2, zmq, http);
+    let e = engine(kind, wire, 2, zmq, http);
     let fresh = tokens(5, 2);
     assert!(wait_until(Duration::from_secs(10), || route(
         &client, &fresh

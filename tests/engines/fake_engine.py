@@ -12,6 +12,9 @@ Driven by JSON lines on stdin, each answered by one JSON line on stdout:
   {"health": true|false}
   {"load": {"rank": R, "running": x, "waiting": y, "usage": z}}
   {"cache": {"rank": R}}              -> {"hashes": [...]} the blocks R holds
+  {"garbage": {"rank": R, "kind": "frames"|"seq"|"payload"}}  one malformed message: two
+                                      frames, a 4-byte sequence number, or a payload that is
+                                      not msgpack (this one takes a sequence number)
 On start it prints {"ready": true}.
 """
 import argparse
@@ -169,6 +172,19 @@ def main():
         elif "load" in cmd:
             c = cmd["load"]
             state.loads[c["rank"]] = c
+        elif "garbage" in cmd:
+            c = cmd["garbage"]
+            r = ranks[c["rank"]]
+            with r.lock:
+                if c["kind"] == "frames":
+                    r.pub.send_multipart((r.topic, (0).to_bytes(8, "big")))
+                elif c["kind"] == "seq":
+                    r.pub.send_multipart((r.topic, b"\x00\x00\x00\x01", b"\x90"))
+                else:
+                    seq = next(r.seq)
+                    bad = b"\xc1 not msgpack"
+                    r.buffer.append((seq, bad))
+                    r.pub.send_multipart((r.topic, seq.to_bytes(8, "big"), bad))
         elif "cache" in cmd:
             out = {"hashes": sorted(ranks[cmd["cache"]["rank"]].blocks)}
         print(json.dumps(out), flush=True)

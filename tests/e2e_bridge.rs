@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvrouter_protocol::{OverlapRequest, RouteRequest, WorkerKey};
+use kvrouter_protocol::{RouteRequest, WorkerKey};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -25,7 +25,7 @@ struct FakeEngine {
 
 impl FakeEngine {
     fn start(dp: u32, wire: &str) -> Self {
-        let (zmq, replay, http) = (free_port_run(dp), free_port_run(dp), free_port());
+        let (zmq, replay, http) = (free_ports(dp as u16), free_ports(dp as u16), free_port());
         let script = repo_file("tests/engines/fake_engine.py");
         let mut child = Command::new("python3")
             .arg(&script)
@@ -85,18 +85,6 @@ impl Drop for FakeEngine {
     }
 }
 
-/// The first of `n` consecutive free loopback ports (checked one by one).
-fn free_port_run(n: u32) -> u16 {
-    loop {
-        let p = free_port();
-        if p < 60000
-            && (1..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i as u16)).is_ok())
-        {
-            return p;
-        }
-    }
-}
-
 fn bridge(
     nats: &NatsServer,
     engine: &FakeEngine,
@@ -143,33 +131,6 @@ fn bridge(
     (p, id)
 }
 
-fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BLOCK) as u32)
-        .map(|i| seed * 100_000 + i)
-        .collect()
-}
-
-/// Leading blocks of `tokens` that rank `key` holds, as a replica sees it.
-fn overlap(client: &E2eClient, tokens: &[u32], key: WorkerKey) -> u32 {
-    let req = OverlapRequest {
-        model: E2E_MODEL.into(),
-        tokens: tokens.to_vec(),
-        lora: None,
-    };
-    match client.rt.block_on(client.client.overlap_scores(&req)) {
-        Ok(r) => r.scores.iter().find(|(k, _)| *k == key).map_or(0, |s| s.1),
-        Err(_) => 0,
-    }
-}
-
-/// Waits until every replica answering overlap queries says `want` (several asks, so both
-/// replicas of the queue group answer).
-fn overlap_becomes(client: &E2eClient, tokens: &[u32], key: WorkerKey, want: u32) -> bool {
-    wait_until(Duration::from_secs(10), || {
-        (0..6).all(|_| overlap(client, tokens, key) == want)
-    })
-}
-
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .filter(|l| l.starts_with(name))
@@ -191,10 +152,10 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
 
     // A prefix stored on rank 1 is seen there, in full, by the replicas.
-    let a = tokens(1, 4);
+    let a = e2e_tokens(1, 4);
     engine.store(1, &a);
-    assert!(overlap_becomes(&client, &a, k1, 4));
-    assert_eq!(overlap(&client, &a, k0), 0);
+    assert!(client.overlap_becomes(&a, k1, 4));
+    assert_eq!(client.overlap(&a, k0), 0);
     // A route goes there, and names the engine's HTTP address from the registration.
     let d = client
         .route_req(RouteRequest {
@@ -213,17 +174,17 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
 
     // Two batches of rank 0 lost on the wire, then one more: the bridge replays the two.
     // (The first batch a bridge sees is never a gap: rank 0 gets one before.)
-    let warm = tokens(9, 1);
+    let warm = e2e_tokens(9, 1);
     engine.store(0, &warm);
-    assert!(overlap_becomes(&client, &warm, k0, 1));
-    let (b, c, d) = (tokens(2, 3), tokens(3, 2), tokens(4, 2));
+    assert!(client.overlap_becomes(&warm, k0, 1));
+    let (b, c, d) = (e2e_tokens(2, 3), e2e_tokens(3, 2), e2e_tokens(4, 2));
     engine.cmd(json!({"drop": {"rank": 0, "count": 2}}));
     engine.store(0, &b);
     engine.store(0, &c);
     engine.store(0, &d);
-    assert!(overlap_becomes(&client, &b, k0, 3), "replayed batch B");
-    assert!(overlap_becomes(&client, &c, k0, 2), "replayed batch C");
-    assert!(overlap_becomes(&client, &d, k0, 2));
+    assert!(client.overlap_becomes(&b, k0, 3), "replayed batch B");
+    assert!(client.overlap_becomes(&c, k0, 2), "replayed batch C");
+    assert!(client.overlap_becomes(&d, k0, 2));
     let m = http_get(ab, "/metrics").1;
     assert_eq!(metric(&m, "kvrouter_bridge_gaps_replayed_total"), 1, "{m}");
     assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 0, "{m}");
@@ -233,22 +194,22 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     // next batch) is the same restart, not another.
     engine.cmd(json!({"restart": {"rank": 1}}));
     engine.cmd(json!({"restart": {"rank": 0}}));
-    let e = tokens(5, 2);
+    let e = e2e_tokens(5, 2);
     engine.store(1, &e);
     assert!(
-        overlap_becomes(&client, &a, k1, 0),
+        client.overlap_becomes(&a, k1, 0),
         "restarted rank's old blocks"
     );
-    assert!(overlap_becomes(&client, &e, k1, 2));
+    assert!(client.overlap_becomes(&e, k1, 2));
     assert!(
-        overlap_becomes(&client, &b, k0, 0),
+        client.overlap_becomes(&b, k0, 0),
         "the other rank's old blocks"
     );
-    let f = tokens(6, 2);
+    let f = e2e_tokens(6, 2);
     engine.store(0, &f);
-    assert!(overlap_becomes(&client, &f, k0, 2));
+    assert!(client.overlap_becomes(&f, k0, 2));
     assert!(
-        overlap_becomes(&client, &e, k1, 2),
+        client.overlap_becomes(&e, k1, 2),
         "rank 1 kept after rank 0's signal"
     );
     let m = http_get(ab, "/metrics").1;
@@ -275,10 +236,9 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     // The engine's health check fails: its ranks leave routing within a second or so.
     engine.cmd(json!({"health": false}));
     let t = Instant::now();
-    assert!(wait_until(Duration::from_secs(5), || overlap(
-        &client, &f, k0
-    ) == 0
-        && overlap(&client, &f, k0) == 0));
+    assert!(wait_until(Duration::from_secs(5), || {
+        client.overlap(&f, k0) == 0 && client.overlap(&f, k0) == 0
+    }));
     let took = t.elapsed();
     assert!(
         took < Duration::from_millis(1500),
@@ -286,7 +246,7 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     );
     assert_eq!(http_get(ab, "/readyz").0, 503);
     engine.cmd(json!({"health": true}));
-    assert!(overlap_becomes(&client, &f, k0, 2), "back once healthy");
+    assert!(client.overlap_becomes(&f, k0, 2), "back once healthy");
 }
 
 #[test]
@@ -300,16 +260,16 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     let client = E2eClient::new(&nats);
     let k0 = WorkerKey::new(worker, 0);
 
-    let a = tokens(1, 3);
+    let a = e2e_tokens(1, 3);
     engine.store(0, &a);
-    assert!(overlap_becomes(&client, &a, k0, 3));
+    assert!(client.overlap_becomes(&a, k0, 3));
     engine.cmd(json!({"drop": {"rank": 0, "count": 1}}));
-    engine.store(0, &tokens(2, 2));
-    let c = tokens(3, 2);
+    engine.store(0, &e2e_tokens(2, 2));
+    let c = e2e_tokens(3, 2);
     engine.store(0, &c);
     // The rank was cleared, then the batch after the gap applied.
-    assert!(overlap_becomes(&client, &a, k0, 0));
-    assert!(overlap_becomes(&client, &c, k0, 2));
+    assert!(client.overlap_becomes(&a, k0, 0));
+    assert!(client.overlap_becomes(&c, k0, 2));
     let m = http_get(ab, "/metrics").1;
     assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 1, "{m}");
 
@@ -318,9 +278,9 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     for kind in ["frames", "seq", "payload"] {
         engine.cmd(json!({"garbage": {"rank": 0, "kind": kind}}));
     }
-    let after = tokens(4, 2);
+    let after = e2e_tokens(4, 2);
     engine.store(0, &after);
-    assert!(overlap_becomes(&client, &after, k0, 2));
+    assert!(client.overlap_becomes(&after, k0, 2));
     let m = http_get(ab, "/metrics").1;
     for kind in ["frames", "sequence", "payload"] {
         let line = format!("kvrouter_bridge_malformed_total{{reason=\"{kind}\"}} 1");
@@ -331,8 +291,7 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     // A killed bridge's worker leaves within its lease.
     bridge.kill();
     assert!(
-        wait_until(Duration::from_secs(10), || overlap(&client, &after, k0)
-            == 0),
+        wait_until(Duration::from_secs(10), || client.overlap(&after, k0) == 0),
         "the worker of a killed bridge is still routable"
     );
 }

@@ -5,56 +5,10 @@
 mod common;
 
 use common::*;
-use kvrouter_protocol::{OverlapRequest, RouteRequest, WorkerKey};
+use kvrouter_protocol::WorkerKey;
 use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-const BLOCK: usize = 16;
-
-/// `POST path` with a JSON body: (status, body). (0, "") when nothing listens.
-fn post(port: u16, path: &str, headers: &[(&str, &str)], body: &Value) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let body = body.to_string();
-    let mut req = format!(
-        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(&body);
-    if s.write_all(req.as_bytes()).is_err() {
-        return (0, String::new());
-    }
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
-/// Consecutive free loopback ports, `n` of them.
-fn free_ports(n: u16) -> u16 {
-    loop {
-        let p = free_port();
-        if p < 60000 && (1..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i)).is_ok()) {
-            return p;
-        }
-    }
-}
 
 struct Engine {
     proc: Proc,
@@ -142,12 +96,6 @@ fn bridge(nats: &NatsServer, e: &Engine, admin: u16) -> (Proc, u64) {
     (p, v["worker_id"].as_u64().expect("worker_id"))
 }
 
-fn tokens(seed: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BLOCK) as u32)
-        .map(|i| seed * 100_000 + i)
-        .collect()
-}
-
 /// A completion on rank `rank` of the engine, as a frontend sends it after a route.
 fn complete(e: &Engine, rank: u32, prompt: &[u32]) -> Value {
     let r = rank.to_string();
@@ -161,7 +109,7 @@ fn complete(e: &Engine, rank: u32, prompt: &[u32]) -> Value {
             json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": 2}),
         ),
     };
-    let (status, body) = post(e.http, "/v1/completions", &headers, &body);
+    let (status, body) = http_post(e.http, "/v1/completions", &headers, &body.to_string());
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
 }
@@ -184,39 +132,6 @@ fn index_of(admin: u16, worker: u64, rank: u32) -> Vec<Value> {
     let model = E2E_MODEL.replace('/', "%2F");
     let path = format!("/debug/rank?model={model}&worker={worker}&dp_rank={rank}");
     blocks_of(&http_get(admin, &path).1)
-}
-
-fn overlap(client: &E2eClient, tokens: &[u32], key: WorkerKey) -> u32 {
-    let req = OverlapRequest {
-        model: E2E_MODEL.into(),
-        tokens: tokens.to_vec(),
-        lora: None,
-    };
-    match client.rt.block_on(client.client.overlap_scores(&req)) {
-        Ok(r) => r.scores.iter().find(|(k, _)| *k == key).map_or(0, |s| s.1),
-        Err(_) => 0,
-    }
-}
-
-fn overlap_becomes(client: &E2eClient, tokens: &[u32], key: WorkerKey, want: u32) -> bool {
-    wait_until(Duration::from_secs(10), || {
-        (0..6).all(|_| overlap(client, tokens, key) == want)
-    })
-}
-
-fn route(client: &E2eClient, tokens: &[u32]) -> Option<kvrouter_protocol::RouteDecision> {
-    client
-        .route_req(RouteRequest {
-            model: E2E_MODEL.into(),
-            request_id: String::new(),
-            tokens: tokens.to_vec(),
-            lora: None,
-            allowed_workers: None,
-            pin: None,
-            update_states: false,
-            extras: None,
-        })
-        .ok()
 }
 
 #[test]
@@ -248,11 +163,11 @@ fn scenario(kind: &'static str, wire: &str) {
 
     // A prompt served by rank 1: every replica sees its blocks there; a repeat of it is
     // routed to its holder with full overlap, with the engine's address.
-    let a = tokens(1, 4);
+    let a = e2e_tokens(1, 4);
     let first = complete(&e, 1, &a);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    assert!(overlap_becomes(&client, &a, k1, 4));
-    let d = route(&client, &a).expect("a route");
+    assert!(client.overlap_becomes(&a, k1, 4));
+    let d = client.route_tokens(&a).expect("a route");
     assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));
     assert_eq!(d.base_url, format!("http://127.0.0.1:{http}"));
     let again = complete(&e, d.dp_rank, &a);
@@ -276,23 +191,19 @@ fn scenario(kind: &'static str, wire: &str) {
 
     // Rank 0's next two batches are lost on the wire; the one after reveals the gap and the
     // bridge replays both.
-    let warm = tokens(9, 1);
+    let warm = e2e_tokens(9, 1);
     complete(&e, 0, &warm);
-    assert!(overlap_becomes(&client, &warm, k0, 1));
-    let (status, body) = post(
-        http,
-        "/kvrouter/test/drop",
-        &[],
-        &json!({"dp_rank": 0, "count": 2}),
-    );
+    assert!(client.overlap_becomes(&warm, k0, 1));
+    let drop = json!({"dp_rank": 0, "count": 2}).to_string();
+    let (status, body) = http_post(http, "/kvrouter/test/drop", &[], &drop);
     assert_eq!(status, 200, "{body}");
-    let (pb, pc, pd) = (tokens(2, 3), tokens(3, 2), tokens(4, 2));
+    let (pb, pc, pd) = (e2e_tokens(2, 3), e2e_tokens(3, 2), e2e_tokens(4, 2));
     complete(&e, 0, &pb);
     complete(&e, 0, &pc);
     complete(&e, 0, &pd);
-    assert!(overlap_becomes(&client, &pb, k0, 3), "replayed");
-    assert!(overlap_becomes(&client, &pc, k0, 2), "replayed");
-    assert!(overlap_becomes(&client, &pd, k0, 2));
+    assert!(client.overlap_becomes(&pb, k0, 3), "replayed");
+    assert!(client.overlap_becomes(&pc, k0, 2), "replayed");
+    assert!(client.overlap_becomes(&pd, k0, 2));
     let m = http_get(ab, "/metrics").1;
     assert!(
         m.contains("kvrouter_bridge_gaps_replayed_total{dp_rank=\"0\"} 1"),
@@ -318,7 +229,9 @@ fn scenario(kind: &'static str, wire: &str) {
     // routes to it.
     e.proc.signal("-KILL");
     let t = Instant::now();
-    assert!(wait_until(Duration::from_secs(5), || route(&client, &a).is_none()));
+    assert!(wait_until(Duration::from_secs(5), || client
+        .route_tokens(&a)
+        .is_none()));
     let took = t.elapsed();
     assert!(
         took < Duration::from_millis(1500),
@@ -328,20 +241,19 @@ fn scenario(kind: &'static str, wire: &str) {
     // It comes back on the same ports (a restart: new process, sequence numbers from 0,
     // an empty cache): the old blocks are gone everywhere, the new ones arrive.
     let e = engine(kind, wire, 2, zmq, http);
-    let fresh = tokens(5, 2);
-    assert!(wait_until(Duration::from_secs(10), || route(
-        &client, &fresh
-    )
-    .is_some()));
+    let fresh = e2e_tokens(5, 2);
+    assert!(wait_until(Duration::from_secs(10), || client
+        .route_tokens(&fresh)
+        .is_some()));
     complete(&e, 1, &fresh);
-    assert!(overlap_becomes(&client, &fresh, k1, 2));
+    assert!(client.overlap_becomes(&fresh, k1, 2));
     assert!(
-        overlap_becomes(&client, &a, k1, 0),
+        client.overlap_becomes(&a, k1, 0),
         "the dead engine's blocks"
     );
     // Its other rank's blocks went with it, though that rank has published nothing since.
     assert!(
-        overlap_becomes(&client, &pb, k0, 0),
+        client.overlap_becomes(&pb, k0, 0),
         "the other rank's old blocks"
     );
     let m = http_get(ab, "/metrics").1;
@@ -349,10 +261,9 @@ fn scenario(kind: &'static str, wire: &str) {
 
     // A killed bridge's worker leaves within its lease.
     b.kill();
-    assert!(wait_until(Duration::from_secs(10), || route(
-        &client, &fresh
-    )
-    .is_none()));
+    assert!(wait_until(Duration::from_secs(10), || client
+        .route_tokens(&fresh)
+        .is_none()));
     e.proc.signal("-TERM");
 }
 
@@ -366,10 +277,10 @@ fn emulated_sglang_behind_a_bridge() {
     let (_b, worker) = bridge(&nats, &e, ab);
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
-    let a = tokens(7, 3);
+    let a = e2e_tokens(7, 3);
     complete(&e, 1, &a);
-    assert!(overlap_becomes(&client, &a, WorkerKey::new(worker, 1), 3));
-    let d = route(&client, &a).expect("a route");
+    assert!(client.overlap_becomes(&a, WorkerKey::new(worker, 1), 3));
+    let d = client.route_tokens(&a).expect("a route");
     assert_eq!((d.dp_rank, d.overlap_blocks), (1, 3));
     // SGLang's metric names reach the bridge's load figures.
     let m = http_get(e.http, "/metrics").1;

@@ -241,6 +241,50 @@ pub fn http_get(port: u16, path: &str) -> (u16, String) {
     (status, body)
 }
 
+/// `POST path` with a JSON body and extra headers on a loopback port: (status, body).
+/// (0, "") when nothing listens.
+pub fn http_post(port: u16, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    if s.write_all(req.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The first of `n` consecutive free loopback ports (engines that offset ports by rank).
+pub fn free_ports(n: u16) -> u16 {
+    loop {
+        let p = free_port();
+        if p < 60000 && (1..n).all(|i| TcpListener::bind(("127.0.0.1", p + i)).is_ok()) {
+            return p;
+        }
+    }
+}
+
 /// Polls `f` every 50 ms until it returns true or `timeout` passes; returns the last answer.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
@@ -360,6 +404,48 @@ impl E2eClient {
 
     pub fn bus(&self) -> &kvrouter_bus::Bus {
         self.client.bus()
+    }
+
+    /// Leading blocks of `tokens` that rank `key` holds, as the replica answering says (0 on
+    /// an error).
+    pub fn overlap(&self, tokens: &[u32], key: kvrouter_protocol::WorkerKey) -> u32 {
+        let req = kvrouter_protocol::OverlapRequest {
+            model: E2E_MODEL.into(),
+            tokens: tokens.to_vec(),
+            lora: None,
+        };
+        match self.rt.block_on(self.client.overlap_scores(&req)) {
+            Ok(r) => r.scores.iter().find(|(k, _)| *k == key).map_or(0, |s| s.1),
+            Err(_) => 0,
+        }
+    }
+
+    /// Waits until every replica answering overlap queries says `want` (several asks, so
+    /// each replica of the queue group answers).
+    pub fn overlap_becomes(
+        &self,
+        tokens: &[u32],
+        key: kvrouter_protocol::WorkerKey,
+        want: u32,
+    ) -> bool {
+        wait_until(Duration::from_secs(10), || {
+            (0..6).all(|_| self.overlap(tokens, key) == want)
+        })
+    }
+
+    /// A plain route of `tokens` for [`E2E_MODEL`] (`None` on an error).
+    pub fn route_tokens(&self, tokens: &[u32]) -> Option<kvrouter_protocol::RouteDecision> {
+        self.route_req(kvrouter_protocol::RouteRequest {
+            model: E2E_MODEL.into(),
+            request_id: String::new(),
+            tokens: tokens.to_vec(),
+            lora: None,
+            allowed_workers: None,
+            pin: None,
+            update_states: false,
+            extras: None,
+        })
+        .ok()
     }
 
     pub fn route_req(

@@ -6,12 +6,20 @@
 //! - **Latency**: the same kind of payloads published on a real ZMQ PUB socket at a fixed
 //!   rate, through a running [`Bridge`] on the in-process bus, until a consumer has applied
 //!   them to an index (what a replica does): publish-to-index delay, p50/p99/max.
+//!
+//! The payloads are written by the mocker's vLLM emulation, the same encoder its emulated
+//! engines publish with.
 
 use crate::route_latency::LatencySummary;
 use kvrouter_bridge::{decode_batch, Bridge, BridgeConfig, WorkerMirror};
 use kvrouter_bus::Bus;
 use kvrouter_indexer::Index;
-use kvrouter_protocol::{decode, EngineKind, KvEventBatch, KvEventData, Subjects};
+use kvrouter_mocker::emulate::wire::{encode_batch, BlockTokens};
+use kvrouter_mocker::emulate::{Emulated, ZmqWire};
+use kvrouter_protocol::{
+    decode, EngineBlockHash, EngineKind, KvEvent, KvEventBatch, KvEventData, LocalBlockHash,
+    StoredBlock, Subjects, WorkerKey,
+};
 use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
 use zeromq::{Socket, SocketSend, ZmqMessage};
@@ -61,96 +69,35 @@ impl Default for StreamShape {
     }
 }
 
-fn w_str(out: &mut Vec<u8>, s: &str) {
-    rmp::encode::write_str(out, s).expect("vec write");
-}
-
-fn w_uint(out: &mut Vec<u8>, v: u64) {
-    rmp::encode::write_uint(out, v).expect("vec write");
-}
-
-fn w_nil(out: &mut Vec<u8>) {
-    rmp::encode::write_nil(out).expect("vec write");
-}
-
-/// Writes `{"type": "BlockStored", ...}` as vLLM's map-form `BlockStored` does.
-fn stored(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) {
-    rmp::encode::write_map_len(out, 10).expect("vec write");
-    w_str(out, "type");
-    w_str(out, "BlockStored");
-    w_str(out, "block_hashes");
-    rmp::encode::write_array_len(out, hashes.len() as u32).expect("vec write");
-    for &h in hashes {
-        w_uint(out, h);
-    }
-    w_str(out, "parent_block_hash");
-    match parent {
-        Some(p) => w_uint(out, p),
-        None => w_nil(out),
-    }
-    w_str(out, "token_ids");
-    rmp::encode::write_array_len(out, tokens.len() as u32).expect("vec write");
-    for &t in tokens {
-        w_uint(out, u64::from(t));
-    }
-    w_str(out, "block_size");
-    w_uint(out, u64::from(bs));
-    w_str(out, "lora_id");
-    w_nil(out);
-    w_str(out, "medium");
-    w_str(out, "GPU");
-    w_str(out, "lora_name");
-    w_nil(out);
-    w_str(out, "group_idx");
-    w_uint(out, 0);
-    w_str(out, "kv_cache_spec_kind");
-    w_str(out, "full_attention");
-}
-
-fn removed(out: &mut Vec<u8>, hashes: &[u64]) {
-    rmp::encode::write_map_len(out, 3).expect("vec write");
-    w_str(out, "type");
-    w_str(out, "BlockRemoved");
-    w_str(out, "block_hashes");
-    rmp::encode::write_array_len(out, hashes.len() as u32).expect("vec write");
-    for &h in hashes {
-        w_uint(out, h);
-    }
-    w_str(out, "medium");
-    w_str(out, "GPU");
-}
-
-/// A recorded stream of `batches` payloads and the blocks they store. Chains extend a recent
-/// chain half the time (shared prefixes), start afresh otherwise; past the capacity the oldest
-/// chains are removed, so the mirror stays bounded and removals are in the mix.
+/// A recorded stream of `batches` payloads and the blocks they store, encoded by the
+/// mocker's vLLM emulation (map-form events, as vLLM writes them today). Chains extend a
+/// recent chain half the time (shared prefixes), start afresh otherwise; past the capacity
+/// the oldest chains are removed, so the mirror stays bounded and removals are in the mix.
 pub fn record_stream(shape: &StreamShape, batches: usize) -> (Vec<Vec<u8>>, u64) {
     let mut rng = fastrand::Rng::with_seed(shape.seed);
     let bs = shape.block_size as usize;
+    let key = WorkerKey::new(1, 0);
     let mut next_hash = 1u64 << 40;
     let mut live: std::collections::VecDeque<Vec<u64>> = Default::default();
     let mut held = 0usize;
     let mut stored_blocks = 0u64;
+    let mut tokens = BlockTokens::default();
     let mut out = Vec::with_capacity(batches);
-    let mut tokens = vec![0u32; shape.blocks_per_event * bs];
+    let mut block = vec![0u32; bs];
+    let event = |data| KvEvent {
+        key,
+        event_id: 0,
+        data,
+    };
     for _ in 0..batches {
-        let mut p = Vec::with_capacity(64 * 1024);
-        rmp::encode::write_array_len(&mut p, 3).expect("vec write");
-        rmp::encode::write_f64(&mut p, 1.7e9).expect("vec write");
+        let mut events = Vec::new();
         // Removals, when over capacity, go in the same batch before the stores.
-        let mut removals: Vec<Vec<u64>> = Vec::new();
         while held + shape.events_per_batch * shape.blocks_per_event > shape.capacity_blocks {
-            match live.pop_front() {
-                Some(chain) => {
-                    held -= chain.len();
-                    removals.push(chain);
-                }
-                None => break,
-            }
-        }
-        rmp::encode::write_array_len(&mut p, (removals.len() + shape.events_per_batch) as u32)
-            .expect("vec write");
-        for chain in &removals {
-            removed(&mut p, chain);
+            let Some(chain) = live.pop_front() else { break };
+            held -= chain.len();
+            events.push(event(KvEventData::Removed {
+                engine_hashes: chain.into_iter().map(EngineBlockHash).collect(),
+            }));
         }
         for _ in 0..shape.events_per_batch {
             let parent = if rng.bool() {
@@ -158,20 +105,36 @@ pub fn record_stream(shape: &StreamShape, batches: usize) -> (Vec<Vec<u8>>, u64)
             } else {
                 None
             };
-            let hashes: Vec<u64> = (0..shape.blocks_per_event)
-                .map(|_| {
-                    next_hash += 1;
-                    next_hash
-                })
-                .collect();
-            tokens.iter_mut().for_each(|t| *t = rng.u32(..150_000));
-            stored(&mut p, &hashes, parent, &tokens, shape.block_size);
-            stored_blocks += hashes.len() as u64;
-            held += hashes.len();
-            live.push_back(hashes);
+            let mut chain = Vec::with_capacity(shape.blocks_per_event);
+            let mut blocks = Vec::with_capacity(shape.blocks_per_event);
+            for _ in 0..shape.blocks_per_event {
+                next_hash += 1;
+                block.iter_mut().for_each(|t| *t = rng.u32(..150_000));
+                tokens.insert(next_hash, &block);
+                chain.push(next_hash);
+                blocks.push(StoredBlock {
+                    engine_hash: EngineBlockHash(next_hash),
+                    // Not on the wire: the bridge computes local hashes from the tokens.
+                    local_hash: LocalBlockHash(0),
+                });
+            }
+            events.push(event(KvEventData::Stored {
+                parent: parent.map(EngineBlockHash),
+                blocks,
+            }));
+            stored_blocks += chain.len() as u64;
+            held += chain.len();
+            live.push_back(chain);
         }
-        rmp::encode::write_uint(&mut p, 0).expect("vec write");
-        out.push(p);
+        out.push(encode_batch(
+            Emulated::Vllm,
+            ZmqWire::Map,
+            1.7e9,
+            0,
+            &events,
+            shape.block_size,
+            &mut tokens,
+        ));
     }
     (out, stored_blocks)
 }

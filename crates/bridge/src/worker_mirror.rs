@@ -361,6 +361,45 @@ mod tests {
         ]
     }
 
+    /// A store without tokens (an engine re-announcing blocks) takes the local hashes the
+    /// mirror already has for those engine hashes, and is refused for blocks it has not.
+    #[test]
+    fn stores_without_tokens_use_the_mirror() {
+        let mut m = WorkerMirror::new(5, 0, 1, BS, 100);
+        let store = |hashes: Vec<u64>, tokens: Vec<u32>| {
+            Ok(EngineEvent::Stored(Stored {
+                block_hashes: hashes,
+                token_ids: tokens,
+                block_size: BS,
+                ..Stored::default()
+            }))
+        };
+        let first = m.apply(0, &[store(vec![1, 2], vec![7, 8, 9, 10])]).unwrap();
+        let KvEventData::Stored {
+            blocks: with_tokens,
+            ..
+        } = &first[0].data
+        else {
+            panic!()
+        };
+        let again = m.apply(0, &[store(vec![1, 2], vec![])]).unwrap();
+        let KvEventData::Stored {
+            blocks: from_mirror,
+            ..
+        } = &again[0].data
+        else {
+            panic!()
+        };
+        assert_eq!(from_mirror, with_tokens);
+        assert!(m.apply(0, &[store(vec![3], vec![])]).unwrap().is_empty());
+        assert_eq!(m.skipped(Skip::NoTokens), 1);
+        assert!(m
+            .apply(0, &[store(vec![4], vec![1, 2, 3])])
+            .unwrap()
+            .is_empty());
+        assert_eq!(m.skipped(Skip::TokenCount), 1);
+    }
+
     proptest! {
         /// A replica applying exactly the forwarded events (ids checked, gap-free) holds what
         /// the mirror holds, and so does one that loads the mirror's snapshot instead (blocks

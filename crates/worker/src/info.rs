@@ -25,25 +25,24 @@ pub struct WorkerSpec {
     pub base_url: String,
 }
 
-/// What every task of one worker shares: its spec, instance id, live ranks and loads.
+/// What every task of one worker shares: its spec (its fields read through `Deref`),
+/// instance id, live ranks and loads.
 pub struct WorkerInfo {
-    pub worker_id: WorkerId,
-    pub model: String,
-    pub role: WorkerRole,
-    pub block_size: u32,
-    pub dp_size: u32,
-    pub dp_start_rank: DpRank,
-    pub tp_size: u32,
-    pub capacity_blocks: u64,
-    pub heartbeat_interval_ms: u32,
-    pub engine: EngineKind,
-    pub base_url: String,
+    spec: WorkerSpec,
     /// New at every start, and whenever the engine behind the worker restarts.
     instance_id: Mutex<Uuid>,
     live: Vec<AtomicBool>,
     loads: Mutex<Vec<RankLoad>>,
     load_dirty: AtomicBool,
     load_changed: Notify,
+}
+
+impl std::ops::Deref for WorkerInfo {
+    type Target = WorkerSpec;
+
+    fn deref(&self) -> &WorkerSpec {
+        &self.spec
+    }
 }
 
 impl WorkerInfo {
@@ -54,31 +53,9 @@ impl WorkerInfo {
 
     /// Every rank starts live or not (a bridge waits for its engine's health check).
     pub fn with_live(spec: WorkerSpec, live: bool) -> Self {
-        let WorkerSpec {
-            worker_id,
-            model,
-            role,
-            block_size,
-            dp_size,
-            dp_start_rank,
-            tp_size,
-            capacity_blocks,
-            heartbeat_interval_ms,
-            engine,
-            base_url,
-        } = spec;
+        let (dp_size, dp_start_rank) = (spec.dp_size, spec.dp_start_rank);
         Self {
-            worker_id,
-            model,
-            role,
-            block_size,
-            dp_size,
-            dp_start_rank,
-            tp_size,
-            capacity_blocks,
-            heartbeat_interval_ms,
-            engine,
-            base_url,
+            spec,
             instance_id: Mutex::new(Uuid::new_v4()),
             live: (0..dp_size).map(|_| AtomicBool::new(live)).collect(),
             loads: Mutex::new(

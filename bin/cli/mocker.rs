@@ -88,9 +88,10 @@ pub struct MockerArgs {
     /// With --emulate: worker i serves HTTP on PORT + i.
     #[arg(long, env = "KVROUTER_HTTP_PORT")]
     http_port: Option<u16>,
-    /// With --emulate: how batches and events are laid out: map (events as maps, vLLM after
-    /// 0.23), array (events as arrays, older vLLM and SGLang) or map-batch.
-    #[arg(long, env = "KVROUTER_ZMQ_WIRE", default_value = "map")]
+    /// With --emulate: how batches and events are laid out: array-batch (events as maps in an
+    /// array batch, vLLM after 0.23), array (events as arrays, older vLLM and SGLang) or map
+    /// (a map batch of map events).
+    #[arg(long, env = "KVROUTER_ZMQ_WIRE", default_value = "array-batch")]
     zmq_wire: ZmqWire,
     /// With --emulate: the interface to bind.
     #[arg(long, env = "KVROUTER_EMULATE_HOST", default_value = "127.0.0.1")]

@@ -128,7 +128,7 @@ pub fn record_stream(shape: &StreamShape, batches: usize) -> (Vec<Vec<u8>>, u64)
         }
         out.push(encode_batch(
             Emulated::Vllm,
-            ZmqWire::Map,
+            ZmqWire::ArrayBatch,
             1.7e9,
             0,
             &events,

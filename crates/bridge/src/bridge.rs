@@ -133,6 +133,7 @@ impl Bridge {
         };
         tasks.push(tokio::spawn(mirror.run(mirror_rx)));
 
+        let (reconnect, reconnect_rx) = watch::channel(0u64);
         let mut connected = Vec::new();
         for (rank, endpoint, replay_endpoint) in ranks {
             let up = Arc::new(RankConnected::default());
@@ -146,6 +147,7 @@ impl Bridge {
                 mirror: mirror_tx.clone(),
                 metrics: metrics.clone(),
                 connected: up,
+                reconnect: reconnect_rx.clone(),
             };
             tasks.push(tokio::spawn(stream.run(shutdown.subscribe())));
         }
@@ -155,7 +157,7 @@ impl Bridge {
             state,
             bus.clone(),
             info.clone(),
-            mirror_tx,
+            mirror_tx.clone(),
             shutdown.subscribe(),
         )));
         let who = bus.subscribe(&subjects.who_is_there()).await?;
@@ -178,6 +180,8 @@ impl Bridge {
             bus: bus.clone(),
             subjects: subjects.clone(),
             metrics: metrics.clone(),
+            reconnect,
+            mirror: mirror_tx.clone(),
         });
         tasks.push(tokio::spawn(watch.clone().health(shutdown.subscribe())));
         tasks.push(tokio::spawn(watch.load(shutdown.subscribe())));

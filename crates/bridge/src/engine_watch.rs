@@ -5,12 +5,13 @@ use crate::endpoints::HttpUrl;
 use crate::engine_load::parse_engine_metrics;
 use crate::http_get::http_get;
 use crate::metrics::{BridgeMetrics, LoadLabel};
+use crate::mirror_task::MirrorCmd;
 use kvrouter_bus::Bus;
 use kvrouter_protocol::{EngineKind, ModelSubjects, RankLoad};
 use kvrouter_worker::{announce, WorkerInfo};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 /// What the engine watchers need.
 pub struct EngineWatch {
@@ -25,6 +26,10 @@ pub struct EngineWatch {
     pub bus: Bus,
     pub subjects: ModelSubjects,
     pub metrics: Arc<BridgeMetrics>,
+    /// Bumped when the engine is healthy again after failing: the ZMQ readers connect afresh.
+    pub reconnect: watch::Sender<u64>,
+    /// Told first when the engine is back, so a new instance precedes its new events.
+    pub mirror: mpsc::Sender<MirrorCmd>,
 }
 
 impl EngineWatch {
@@ -50,8 +55,12 @@ impl EngineWatch {
             if healthy == Some(up) {
                 continue;
             }
-            healthy = Some(up);
+            let before = healthy.replace(up);
             metrics.engine_healthy.set(i64::from(up));
+            if up && before == Some(false) {
+                let _ = self.mirror.send(MirrorCmd::EngineBack).await;
+                self.reconnect.send_modify(|n| *n += 1);
+            }
             if up {
                 tracing::info!(url = %url.path, authority = %url.authority, "engine healthy: its ranks are live");
             } else {

@@ -20,6 +20,9 @@ pub enum MirrorCmd {
     Lost { rank: DpRank },
     /// `rank`'s engine process started again: a new worker instance.
     Restarted { rank: DpRank },
+    /// The engine answers its health check again after failing it: assume it restarted
+    /// (its cache may be gone; a cold start costs affinity, a stale index costs more).
+    EngineBack,
     Snapshot {
         rank: DpRank,
         reply: oneshot::Sender<Option<Snapshot>>,
@@ -59,7 +62,8 @@ impl MirrorTask {
                         self.forward(rank, vec![cleared]);
                     }
                 }
-                MirrorCmd::Restarted { rank } => self.restarted(rank).await,
+                MirrorCmd::Restarted { rank } => self.restarted(Some(rank)).await,
+                MirrorCmd::EngineBack => self.restarted(None).await,
                 MirrorCmd::Snapshot { rank, reply } => {
                     let snap = self
                         .mirror
@@ -106,13 +110,19 @@ impl MirrorTask {
 
     /// Everything forwarded so far goes out under the old instance id; then the new one, with
     /// event ids from 0 and every rank's blocks gone (the engine's ranks restart together).
-    /// Replicas see the new instance and drop the old state. Another rank's signal of the
-    /// same restart (nothing came from it since) changes nothing more.
-    async fn restarted(&mut self, rank: DpRank) {
-        let i = rank
-            .checked_sub(self.info.dp_start_rank)
-            .map(|i| i as usize);
-        if i.and_then(|i| self.fresh.get(i)).copied().unwrap_or(true) {
+    /// Replicas see the new instance and drop the old state. A signal of the same restart
+    /// (nothing came from the rank, or from any rank, since) changes nothing more.
+    async fn restarted(&mut self, rank: Option<DpRank>) {
+        let already = match rank {
+            Some(rank) => {
+                let i = rank
+                    .checked_sub(self.info.dp_start_rank)
+                    .map(|i| i as usize);
+                i.and_then(|i| self.fresh.get(i)).copied().unwrap_or(true)
+            }
+            None => self.fresh.iter().all(|f| *f),
+        };
+        if already {
             return;
         }
         let (done, flushed) = oneshot::channel();
@@ -126,11 +136,11 @@ impl MirrorTask {
         self.metrics.engine_restarts.inc();
         tracing::warn!(
             worker_id = self.info.worker_id,
-            dp_rank = rank,
+            dp_rank = ?rank,
             old_instance = %old,
             new_instance = %new,
-            "the engine restarted (its sequence numbers went back): its cache is gone; \
-             registering as a new instance"
+            "the engine restarted (its sequence numbers went back, or it is back after failing \
+             its health check): its cache is gone; registering as a new instance"
         );
         announce(&self.bus, &self.subjects, &self.info).await;
     }

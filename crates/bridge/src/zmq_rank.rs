@@ -36,6 +36,9 @@ pub struct RankStream {
     pub mirror: mpsc::Sender<MirrorCmd>,
     pub metrics: Arc<BridgeMetrics>,
     pub connected: Arc<RankConnected>,
+    /// Bumped when the engine comes back after its health check failed: connect afresh
+    /// (a new engine process publishes on a new socket).
+    pub reconnect: watch::Receiver<u64>,
 }
 
 /// At most one warning per kind per minute, with how many were suppressed.
@@ -68,11 +71,14 @@ impl LogLimiter {
 }
 
 impl RankStream {
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         let mut seq = SeqTracker::default();
         let mut logs = LogLimiter::default();
         let mut backoff = BACKOFF_START;
         let label = RankLabel { dp_rank: self.rank };
+        // After the engine came back: its sequence numbers may start again anywhere below or
+        // above the last, and what it published before this reconnection is missing.
+        let mut from_start = false;
         loop {
             let mut socket = SubSocket::new();
             let mut monitor = socket.monitor();
@@ -86,6 +92,8 @@ impl RankStream {
             };
             match connected {
                 Ok(Ok(())) => {
+                    backoff = BACKOFF_START;
+                    self.reconnect.borrow_and_update();
                     self.set_connected(true);
                     tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "connected to the engine's KV event publisher");
                 }
@@ -106,36 +114,46 @@ impl RankStream {
                     continue;
                 }
             }
+            // Until the publisher goes away: then a fresh socket (a restarted engine is a
+            // new peer; the socket's own reconnection is not relied on).
             loop {
                 let msg = tokio::select! {
                     _ = shutdown.wait_for(|s| *s) => return,
-                    ev = futures_next(&mut monitor) => {
-                        match ev {
-                            Some(SocketEvent::Disconnected(_)) => self.set_connected(false),
-                            Some(SocketEvent::Connected(..)) => self.set_connected(true),
-                            _ => {}
-                        }
-                        continue;
+                    _ = self.reconnect.changed() => {
+                        seq.reset();
+                        from_start = true;
+                        break;
                     }
+                    ev = futures_next(&mut monitor) => match ev {
+                        Some(SocketEvent::Disconnected(_)) | None => break,
+                        _ => continue,
+                    },
                     m = socket.recv() => m,
                 };
                 let msg = match msg {
                     Ok(m) => m,
                     Err(e) => {
-                        // The socket reconnects by itself; wait a little rather than spin.
-                        self.set_connected(false);
                         tracing::debug!(dp_rank = self.rank, error = %e, "ZMQ receive failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
+                        break;
                     }
                 };
                 self.metrics.batches.get_or_create(&label).inc();
                 let Some((s, payload)) = self.frames(msg, &mut logs) else {
                     continue;
                 };
-                if !self.on_message(&mut seq, s, payload, &mut logs).await {
+                let from_start = std::mem::take(&mut from_start);
+                if !self
+                    .on_message(&mut seq, s, payload, from_start, &mut logs)
+                    .await
+                {
                     return;
                 }
+            }
+            self.set_connected(false);
+            tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "the engine's KV event publisher went away; connecting again");
+            tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(BACKOFF_START) => {}
             }
         }
     }
@@ -186,10 +204,14 @@ impl RankStream {
         seq: &mut SeqTracker,
         s: u64,
         payload: Bytes,
+        from_start: bool,
         logs: &mut LogLimiter,
     ) -> bool {
-        match seq.observe(s) {
-            SeqStep::First | SeqStep::Next => {}
+        let missing = match seq.observe(s) {
+            SeqStep::First if from_start => (s > 0).then_some((0, s)),
+            SeqStep::First | SeqStep::Next => None,
+            // The new process's first batches went out while the bridge was reconnecting:
+            // they are missing as surely as a gap's.
             SeqStep::Restart => {
                 if self
                     .send(MirrorCmd::Restarted { rank: self.rank })
@@ -198,41 +220,43 @@ impl RankStream {
                 {
                     return false;
                 }
+                (s > 0).then_some((0, s))
             }
-            SeqStep::Gap { from, to } => {
-                let label = RankLabel { dp_rank: self.rank };
-                self.metrics.gaps.get_or_create(&label).inc();
-                match self.replay(from, to).await {
-                    Some(batches) => {
-                        self.metrics.gaps_replayed.get_or_create(&label).inc();
-                        tracing::info!(
-                            dp_rank = self.rank,
-                            from,
-                            to,
-                            "lost KV event batches replayed"
-                        );
-                        for payload in batches {
-                            if !self.apply(payload, logs).await {
-                                return false;
-                            }
-                        }
-                    }
-                    None => {
-                        tracing::warn!(
-                            dp_rank = self.rank,
-                            missing = to - from,
-                            replay = self.replay_endpoint.is_some(),
-                            "KV event batches lost for good (no replay endpoint, or it no longer \
-                             holds them): clearing the rank; the router loses its cache affinity \
-                             until the engine caches again"
-                        );
-                        if self
-                            .send(MirrorCmd::Lost { rank: self.rank })
-                            .await
-                            .is_err()
-                        {
+            SeqStep::Gap { from, to } => Some((from, to)),
+        };
+        if let Some((from, to)) = missing {
+            let label = RankLabel { dp_rank: self.rank };
+            self.metrics.gaps.get_or_create(&label).inc();
+            match self.replay(from, to).await {
+                Some(batches) => {
+                    self.metrics.gaps_replayed.get_or_create(&label).inc();
+                    tracing::info!(
+                        dp_rank = self.rank,
+                        from,
+                        to,
+                        "lost KV event batches replayed"
+                    );
+                    for payload in batches {
+                        if !self.apply(payload, logs).await {
                             return false;
                         }
+                    }
+                }
+                None => {
+                    tracing::warn!(
+                        dp_rank = self.rank,
+                        missing = to - from,
+                        replay = self.replay_endpoint.is_some(),
+                        "KV event batches lost for good (no replay endpoint, or it no longer \
+                             holds them): clearing the rank; the router loses its cache affinity \
+                             until the engine caches again"
+                    );
+                    if self
+                        .send(MirrorCmd::Lost { rank: self.rank })
+                        .await
+                        .is_err()
+                    {
+                        return false;
                     }
                 }
             }

@@ -14,23 +14,24 @@ pub enum Emulated {
 /// How batches and events are laid out (engine versions differ).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ZmqWire {
-    /// Events as tagged maps (vLLM after #42892, SGLang after #37482) in an array batch.
-    Map,
+    /// Events as tagged maps in an array batch: vLLM after #42892 and SGLang after #37482
+    /// (their batches kept `array_like`).
+    ArrayBatch,
     /// Events as tagged arrays in an array batch (the older `array_like` classes).
     Array,
     /// Events as tagged maps in a map batch (`{ts, events, data_parallel_rank}`).
-    MapBatch,
+    Map,
 }
 
 impl std::str::FromStr for ZmqWire {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "map" => Ok(Self::Map),
+            "array-batch" => Ok(Self::ArrayBatch),
             "array" => Ok(Self::Array),
-            "map-batch" => Ok(Self::MapBatch),
+            "map" => Ok(Self::Map),
             other => Err(format!(
-                "unknown ZMQ wire {other:?} (map, array or map-batch)"
+                "unknown ZMQ wire {other:?} (array-batch, array or map)"
             )),
         }
     }
@@ -116,14 +117,14 @@ pub fn encode_batch(
         Emulated::Vllm => "data_parallel_rank",
         Emulated::Sglang => "attn_dp_rank",
     };
-    if wire == ZmqWire::MapBatch {
+    if wire == ZmqWire::Map {
         map(&mut out, 3);
         str_(&mut out, "ts");
     } else {
         array(&mut out, 3);
     }
     w(rmp::encode::write_f64(&mut out, ts));
-    if wire == ZmqWire::MapBatch {
+    if wire == ZmqWire::Map {
         str_(&mut out, "events");
     }
     array(&mut out, events.len());
@@ -131,7 +132,7 @@ pub fn encode_batch(
         event(&mut out, engine, wire, &e.data, block_size, tokens);
         tokens.forget(&e.data);
     }
-    if wire == ZmqWire::MapBatch {
+    if wire == ZmqWire::Map {
         str_(&mut out, rank_key);
     }
     uint(&mut out, u64::from(rank));

@@ -187,3 +187,93 @@ impl BridgeConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> BridgeConfig {
+        let mut c = BridgeConfig::new(
+            EngineKind::Vllm,
+            "m",
+            "tcp://10.0.0.5:5557",
+            "http://10.0.0.5:8000",
+        );
+        c.capacity_blocks = 1000;
+        c
+    }
+
+    #[test]
+    fn resolves_ports_urls_and_the_default_worker_id() {
+        let mut c = base();
+        c.dp_size = 2;
+        c.dp_start_rank = 4;
+        c.replay_endpoint = Some("tcp://10.0.0.5:5600".into());
+        let r = c.resolve().unwrap();
+        assert_eq!(
+            r.ranks,
+            vec![
+                (
+                    4,
+                    "tcp://10.0.0.5:5561".to_string(),
+                    Some("tcp://10.0.0.5:5604".to_string())
+                ),
+                (
+                    5,
+                    "tcp://10.0.0.5:5562".to_string(),
+                    Some("tcp://10.0.0.5:5605".to_string())
+                ),
+            ]
+        );
+        assert_eq!(r.health_url.path, "/health");
+        assert_eq!(r.metrics_url.path, "/metrics");
+        assert_eq!(
+            r.worker_id,
+            crate::endpoints::default_worker_id("m", "http://10.0.0.5:8000", 4)
+        );
+    }
+
+    #[test]
+    fn refuses_what_cannot_work() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut BridgeConfig)>)> = vec![
+            ("no model", Box::new(|c| c.model.clear())),
+            ("block size 0", Box::new(|c| c.block_size = 0)),
+            ("dp 0", Box::new(|c| c.dp_size = 0)),
+            ("dp too large", Box::new(|c| c.dp_size = 5000)),
+            ("capacity 0", Box::new(|c| c.capacity_blocks = 0)),
+            ("capacity absurd", Box::new(|c| c.capacity_blocks = 1 << 40)),
+            (
+                "worker id > 2^53",
+                Box::new(|c| c.worker_id = Some(1 << 60)),
+            ),
+            (
+                "no heartbeat",
+                Box::new(|c| c.heartbeat_interval = Duration::ZERO),
+            ),
+            (
+                "zero interval",
+                Box::new(|c| c.health_interval = Duration::ZERO),
+            ),
+            (
+                "bind address",
+                Box::new(|c| c.zmq_endpoint = "tcp://*:5557".into()),
+            ),
+            ("ipc", Box::new(|c| c.zmq_endpoint = "ipc:///tmp/kv".into())),
+            ("https", Box::new(|c| c.base_url = "https://e:8000".into())),
+            (
+                "port overflow",
+                Box::new(|c| {
+                    c.zmq_endpoint = "tcp://h:65535".into();
+                    c.dp_size = 2;
+                }),
+            ),
+            ("bad namespace", Box::new(|c| c.namespace = "a b".into())),
+        ];
+        for (what, f) in cases {
+            let mut c = base();
+            f(&mut c);
+            assert!(c.resolve().is_err(), "{what} was accepted");
+        }
+        assert!(base().resolve().is_ok());
+    }
+}

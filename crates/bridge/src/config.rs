@@ -235,39 +235,27 @@ mod tests {
 
     #[test]
     fn refuses_what_cannot_work() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut BridgeConfig)>)> = vec![
-            ("no model", Box::new(|c| c.model.clear())),
-            ("block size 0", Box::new(|c| c.block_size = 0)),
-            ("dp 0", Box::new(|c| c.dp_size = 0)),
-            ("dp too large", Box::new(|c| c.dp_size = 5000)),
-            ("capacity 0", Box::new(|c| c.capacity_blocks = 0)),
-            ("capacity absurd", Box::new(|c| c.capacity_blocks = 1 << 40)),
-            (
-                "worker id > 2^53",
-                Box::new(|c| c.worker_id = Some(1 << 60)),
-            ),
-            (
-                "no heartbeat",
-                Box::new(|c| c.heartbeat_interval = Duration::ZERO),
-            ),
-            (
-                "zero interval",
-                Box::new(|c| c.health_interval = Duration::ZERO),
-            ),
-            (
-                "bind address",
-                Box::new(|c| c.zmq_endpoint = "tcp://*:5557".into()),
-            ),
-            ("ipc", Box::new(|c| c.zmq_endpoint = "ipc:///tmp/kv".into())),
-            ("https", Box::new(|c| c.base_url = "https://e:8000".into())),
+        let cases: Vec<(&str, fn(&mut BridgeConfig))> = vec![
+            ("no model", (|c| c.model.clear())),
+            ("block size 0", (|c| c.block_size = 0)),
+            ("dp 0", (|c| c.dp_size = 0)),
+            ("dp too large", (|c| c.dp_size = 5000)),
+            ("capacity 0", (|c| c.capacity_blocks = 0)),
+            ("capacity absurd", (|c| c.capacity_blocks = 1 << 40)),
+            ("worker id > 2^53", (|c| c.worker_id = Some(1 << 60))),
+            ("no heartbeat", (|c| c.heartbeat_interval = Duration::ZERO)),
+            ("zero interval", (|c| c.health_interval = Duration::ZERO)),
+            ("bind address", (|c| c.zmq_endpoint = "tcp://*:5557".into())),
+            ("ipc", (|c| c.zmq_endpoint = "ipc:///tmp/kv".into())),
+            ("https", (|c| c.base_url = "https://e:8000".into())),
             (
                 "port overflow",
-                Box::new(|c| {
+                (|c| {
                     c.zmq_endpoint = "tcp://h:65535".into();
                     c.dp_size = 2;
                 }),
             ),
-            ("bad namespace", Box::new(|c| c.namespace = "a b".into())),
+            ("bad namespace", (|c| c.namespace = "a b".into())),
         ];
         for (what, f) in cases {
             let mut c = base();

@@ -233,9 +233,12 @@ mod tests {
         );
     }
 
+    /// A change that makes a configuration unusable.
+    type Spoil = fn(&mut BridgeConfig);
+
     #[test]
     fn refuses_what_cannot_work() {
-        let cases: Vec<(&str, fn(&mut BridgeConfig))> = vec![
+        let cases: Vec<(&str, Spoil)> = vec![
             ("no model", (|c| c.model.clear())),
             ("block size 0", (|c| c.block_size = 0)),
             ("dp 0", (|c| c.dp_size = 0)),

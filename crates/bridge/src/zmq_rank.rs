@@ -93,6 +93,12 @@ impl RankStream {
             match connected {
                 Ok(Ok(())) => {
                     backoff = BACKOFF_START;
+                    // The engine came back while this socket was connecting: the same as
+                    // being told so while connected.
+                    if self.reconnect.has_changed().unwrap_or(false) {
+                        seq.reset();
+                        from_start = true;
+                    }
                     self.reconnect.borrow_and_update();
                     self.set_connected(true);
                     tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "connected to the engine's KV event publisher");

@@ -64,6 +64,18 @@ impl FakeEngine {
         }
     }
 
+    /// How a bridge finds it.
+    fn at(&self, dp: u32, replay: bool) -> EngineAt {
+        EngineAt {
+            kind: "vllm",
+            zmq: self.zmq,
+            replay: replay.then_some(self.replay),
+            http: self.http,
+            dp,
+            capacity_blocks: 1000,
+        }
+    }
+
     fn cmd(&mut self, c: Value) -> Value {
         writeln!(self.stdin, "{c}").unwrap();
         self.stdin.flush().unwrap();
@@ -85,52 +97,6 @@ impl Drop for FakeEngine {
     }
 }
 
-fn bridge(
-    nats: &NatsServer,
-    engine: &FakeEngine,
-    dp: u32,
-    admin: u16,
-    replay: bool,
-) -> (Proc, u64) {
-    let url = nats.url();
-    let zmq = format!("tcp://127.0.0.1:{}", engine.zmq);
-    let replay_ep = format!("tcp://127.0.0.1:{}", engine.replay);
-    let base = format!("http://127.0.0.1:{}", engine.http);
-    let admin = format!("127.0.0.1:{admin}");
-    let (dp, block) = (dp.to_string(), BLOCK.to_string());
-    let mut args = vec![
-        "bridge",
-        "--nats",
-        &url,
-        "--engine",
-        "vllm",
-        "--model",
-        E2E_MODEL,
-        "--block-size",
-        &block,
-        "--zmq-endpoint",
-        &zmq,
-        "--dp-size",
-        &dp,
-        "--capacity-blocks",
-        "1000",
-        "--base-url",
-        &base,
-        "--admin-addr",
-        &admin,
-        "--heartbeat-ms",
-        "200",
-    ];
-    if replay {
-        args.extend_from_slice(&["--replay-endpoint", &replay_ep]);
-    }
-    let mut p = Proc::start("bridge", &args);
-    let line = p.first_line();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-    let id = v["worker_id"].as_u64().expect("worker_id");
-    (p, id)
-}
-
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .filter(|l| l.starts_with(name))
@@ -145,7 +111,7 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     let (a1, a2, ab) = (free_port(), free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
-    let (_bridge, worker) = bridge(&nats, &engine, 2, ab, true);
+    let (_bridge, worker) = bridge(&nats, &engine.at(2, true), ab);
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1) && ready(a2));
     let client = E2eClient::new(&nats);
@@ -273,7 +239,7 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     let mut engine = FakeEngine::start(1, "array");
     let (a1, ab) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (bridge, worker) = bridge(&nats, &engine, 1, ab, false);
+    let (bridge, worker) = bridge(&nats, &engine.at(1, false), ab);
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
     let k0 = WorkerKey::new(worker, 0);

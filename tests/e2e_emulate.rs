@@ -44,8 +44,7 @@ fn engine(kind: &'static str, wire: &str, dp: u32, zmq: u16, http: u16) -> Engin
             "100",
         ],
     );
-    let line = p.first_line();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    let v = p.first_json();
     assert_eq!(v["base_url"], format!("http://127.0.0.1:{http}"));
     Engine {
         proc: p,
@@ -56,44 +55,18 @@ fn engine(kind: &'static str, wire: &str, dp: u32, zmq: u16, http: u16) -> Engin
     }
 }
 
-fn bridge(nats: &NatsServer, e: &Engine, admin: u16) -> (Proc, u64) {
-    let url = nats.url();
-    let zmq = format!("tcp://127.0.0.1:{}", e.zmq);
-    let replay = format!("tcp://127.0.0.1:{}", u32::from(e.zmq) + e.dp);
-    let base = format!("http://127.0.0.1:{}", e.http);
-    let admin = format!("127.0.0.1:{admin}");
-    let dp = e.dp.to_string();
-    let mut p = Proc::start(
-        "bridge",
-        &[
-            "bridge",
-            "--nats",
-            &url,
-            "--engine",
-            e.kind,
-            "--model",
-            E2E_MODEL,
-            "--block-size",
-            "16",
-            "--zmq-endpoint",
-            &zmq,
-            "--replay-endpoint",
-            &replay,
-            "--dp-size",
-            &dp,
-            "--capacity-blocks",
-            "512",
-            "--base-url",
-            &base,
-            "--admin-addr",
-            &admin,
-            "--heartbeat-ms",
-            "200",
-        ],
-    );
-    let line = p.first_line();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-    (p, v["worker_id"].as_u64().expect("worker_id"))
+impl Engine {
+    /// How a bridge finds it.
+    fn at(&self) -> EngineAt {
+        EngineAt {
+            kind: self.kind,
+            zmq: self.zmq,
+            replay: Some(self.zmq + self.dp as u16),
+            http: self.http,
+            dp: self.dp,
+            capacity_blocks: 512,
+        }
+    }
 }
 
 /// A completion on rank `rank` of the engine, as a frontend sends it after a route.
@@ -155,7 +128,7 @@ fn scenario(kind: &'static str, wire: &str) {
     let (a1, a2, ab) = (free_port(), free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
-    let (b, worker) = bridge(&nats, &e, ab);
+    let (b, worker) = bridge(&nats, &e.at(), ab);
     assert!(ready(ab), "bridge: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1) && ready(a2));
     let client = E2eClient::new(&nats);
@@ -286,7 +259,7 @@ fn emulated_sglang_behind_a_bridge() {
     let e = engine("sglang", "map", 2, zmq, http);
     let (a1, ab) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (_b, worker) = bridge(&nats, &e, ab);
+    let (_b, worker) = bridge(&nats, &e.at(), ab);
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
     let a = e2e_tokens(7, 3);

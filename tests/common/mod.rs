@@ -175,6 +175,13 @@ impl Proc {
         line
     }
 
+    /// The first line the process prints on stdout, as JSON.
+    pub fn first_json(&mut self) -> serde_json::Value {
+        let line = self.first_line();
+        serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("{}: first line {line:?} is not JSON: {e}", self.name))
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -218,37 +225,15 @@ impl Drop for Proc {
 
 /// `GET path` on a loopback port: (status code, body). (0, "") when nothing listens.
 pub fn http_get(port: u16, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    if s.write_all(req.as_bytes()).is_err() {
-        return (0, String::new());
-    }
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
+    http_call(
+        port,
+        &format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"),
+    )
 }
 
 /// `POST path` with a JSON body and extra headers on a loopback port: (status, body).
 /// (0, "") when nothing listens.
 pub fn http_post(port: u16, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
     let mut req = format!(
         "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
         body.len()
@@ -258,7 +243,17 @@ pub fn http_post(port: u16, path: &str, headers: &[(&str, &str)], body: &str) ->
     }
     req.push_str("\r\n");
     req.push_str(body);
-    if s.write_all(req.as_bytes()).is_err() {
+    http_call(port, &req)
+}
+
+/// Sends one raw HTTP/1.1 request (with `Connection: close`) and reads the whole answer.
+fn http_call(port: u16, request: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    if s.write_all(request.as_bytes()).is_err() {
         return (0, String::new());
     }
     let mut resp = String::new();
@@ -454,4 +449,60 @@ impl E2eClient {
     ) -> Result<kvrouter_protocol::RouteDecision, kvrouter_client::ClientError> {
         self.rt.block_on(self.client.route(&req))
     }
+}
+
+/// Where an engine (real, emulated or a stand-in) takes a bridge.
+pub struct EngineAt {
+    /// `vllm` or `sglang`.
+    pub kind: &'static str,
+    /// Rank 0's publisher and replay ports (`None`: no replay endpoint given).
+    pub zmq: u16,
+    pub replay: Option<u16>,
+    pub http: u16,
+    pub dp: u32,
+    pub capacity_blocks: u32,
+}
+
+/// `kvrouter bridge` for [`E2E_MODEL`] (block size [`E2E_BLOCK`]) beside an engine, with an
+/// admin port and 200 ms heartbeats; returns it and its worker id once it has started.
+pub fn bridge(nats: &NatsServer, e: &EngineAt, admin: u16) -> (Proc, u64) {
+    let url = nats.url();
+    let zmq = format!("tcp://127.0.0.1:{}", e.zmq);
+    let base = format!("http://127.0.0.1:{}", e.http);
+    let admin = format!("127.0.0.1:{admin}");
+    let (dp, block, cap) = (
+        e.dp.to_string(),
+        E2E_BLOCK.to_string(),
+        e.capacity_blocks.to_string(),
+    );
+    let mut args = vec![
+        "bridge",
+        "--nats",
+        &url,
+        "--engine",
+        e.kind,
+        "--model",
+        E2E_MODEL,
+        "--block-size",
+        &block,
+        "--zmq-endpoint",
+        &zmq,
+        "--dp-size",
+        &dp,
+        "--capacity-blocks",
+        &cap,
+        "--base-url",
+        &base,
+        "--admin-addr",
+        &admin,
+        "--heartbeat-ms",
+        "200",
+    ];
+    let replay = e.replay.map(|p| format!("tcp://127.0.0.1:{p}"));
+    if let Some(r) = &replay {
+        args.extend_from_slice(&["--replay-endpoint", r]);
+    }
+    let mut p = Proc::start("bridge", &args);
+    let id = p.first_json()["worker_id"].as_u64().expect("worker_id");
+    (p, id)
 }

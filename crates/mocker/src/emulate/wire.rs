@@ -150,12 +150,12 @@ fn event(
     let as_map = wire != ZmqWire::Array;
     match data {
         KvEventData::Stored { parent, blocks } => {
-            let toks: Option<Vec<u32>> = blocks
+            // Every block's tokens, or none if one is unknown.
+            let toks: Vec<&[u32]> = blocks
                 .iter()
-                .map(|b| tokens.0.get(&b.engine_hash.0).cloned())
-                .collect::<Option<Vec<_>>>()
-                .map(|v| v.concat());
-            let toks = toks.unwrap_or_default();
+                .map(|b| tokens.0.get(&b.engine_hash.0).map(Vec::as_slice))
+                .collect::<Option<_>>()
+                .unwrap_or_default();
             // vLLM: hashes, parent, tokens, block_size, lora_id, medium, lora_name,
             // extra_keys, group_idx, kv_cache_spec_kind; SGLang: up to medium.
             let vllm = engine == Emulated::Vllm;
@@ -183,9 +183,9 @@ fn event(
                 None => nil(out),
             }
             key(out, "token_ids");
-            array(out, toks.len());
-            for t in &toks {
-                uint(out, u64::from(*t));
+            array(out, toks.iter().map(|t| t.len()).sum());
+            for &t in toks.iter().copied().flatten() {
+                uint(out, u64::from(t));
             }
             key(out, "block_size");
             uint(out, u64::from(block_size));

@@ -579,6 +579,17 @@ async fn nats_reconnects_and_subscriptions_survive() {
     // and the reconnected client can publish and request too
     spawn_echo(&other, "re.echo").await;
     other.flush().await.unwrap();
-    let m = bus.request("re.echo", b("x"), WAIT).await.unwrap();
+    // The server may not route the new interest to the reconnected client's request at
+    // once (it answered "no responders" once under CI load): ask again until the deadline.
+    let m = loop {
+        match bus.request("re.echo", b("x"), WAIT).await {
+            Ok(m) => break m,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "no answer after reconnecting: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(m.payload, b("re:x"));
 }

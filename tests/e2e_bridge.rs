@@ -133,6 +133,8 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
             pin: None,
             update_states: false,
             extras: None,
+            excluded_workers: Vec::new(),
+            overrides: None,
         })
         .unwrap();
     assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));

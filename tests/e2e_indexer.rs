@@ -45,6 +45,8 @@ fn request(tokens: &[u32], request_id: &str) -> RouteRequest {
         pin: None,
         update_states: !request_id.is_empty(),
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

@@ -22,6 +22,8 @@ fn request(tokens: &[u32]) -> RouteRequest {
         pin: None,
         update_states: false,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

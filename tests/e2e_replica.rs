@@ -102,6 +102,8 @@ fn route_request(tokens: &[u32], pin: Option<Pin>) -> RouteRequest {
         pin,
         update_states: false,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

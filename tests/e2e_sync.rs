@@ -54,6 +54,8 @@ fn synced_replicas_share_requests_catch_up_and_drop_a_killed_peer() {
                 pin: None,
                 update_states: true,
                 extras: None,
+                excluded_workers: Vec::new(),
+                overrides: None,
             })
             .expect("route");
         by_a += usize::from(d.replica_id == "a");

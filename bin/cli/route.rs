@@ -121,6 +121,8 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         pin: args.pin,
         update_states: !args.no_update_states,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     };
     let d = client.route(&req).await?;
     let mut fields = vec![

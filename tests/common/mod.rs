@@ -439,6 +439,8 @@ impl E2eClient {
             pin: None,
             update_states: false,
             extras: None,
+            excluded_workers: Vec::new(),
+            overrides: None,
         })
         .ok()
     }

@@ -282,6 +282,8 @@ pub async fn run_route_latency(
                     pin: None,
                     update_states: false,
                     extras: None,
+                    excluded_workers: Vec::new(),
+                    overrides: None,
                 };
                 let now = Instant::now();
                 if intended > now {

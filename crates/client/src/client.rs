@@ -32,6 +32,8 @@ pub fn route_request(model: impl Into<String>, tokens: Vec<u32>) -> RouteRequest
         pin: None,
         update_states: true,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

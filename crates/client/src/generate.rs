@@ -123,6 +123,8 @@ impl KvRouterClient {
             pin: params.pin,
             update_states: true,
             extras: None,
+            excluded_workers: Vec::new(),
+            overrides: None,
         };
         let decision = self.route(&route).await?;
         let route_wall_us = micros(t0);

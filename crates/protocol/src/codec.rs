@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 
 /// The format version this build writes.
-pub const FORMAT_VERSION: u8 = 2;
+pub const FORMAT_VERSION: u8 = 3;
 /// The oldest version this build still reads: the previous one, read through [`Wire`].
 pub const MIN_READ_VERSION: u8 = FORMAT_VERSION - 1;
 /// Upper bound on an encoded message and on what decoding may allocate for it.
@@ -177,7 +177,7 @@ mod tests {
     use super::*;
     use crate::messages::*;
     use crate::types::*;
-    use crate::v1;
+    use crate::v2;
     use proptest::prelude::*;
     use uuid::Uuid;
 
@@ -260,20 +260,29 @@ mod tests {
     }
 
     proptest! {
+        /// A registration is unchanged since version 2: the same bytes behind either version
+        /// byte, read back whole from both.
         #[test]
         fn registrations_round_trip_in_both_versions(reg in arb_registration()) {
-            prop_assert_eq!(decode_versioned::<Registration>(&encode(&reg).unwrap()).unwrap(), (reg.clone(), 2));
-            let old = decode_versioned::<Registration>(&encode_as(&reg, 1).unwrap()).unwrap();
-            let expected = Registration { engine: EngineKind::Mocker, base_url: String::new(), ..reg.clone() };
-            prop_assert_eq!(old, (expected, 1));
-            prop_assert_eq!(v1_codec_read::<v1::Registration>(&encode_as(&reg, 1).unwrap()), reg.to_previous());
+            let now = encode(&reg).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 3));
+            let old = encode_as(&reg, 2).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 2));
+            prop_assert_eq!(&old[1..], &now[1..]);
         }
 
         #[test]
-        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..4) {
+        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..5) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             let _ = decode::<Registration>(&bytes);
+        }
+
+        #[test]
+        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..4) {
+            let mut bytes = bytes;
+            bytes.insert(0, v);
+            let _ = decode::<RouteRequest>(&bytes);
         }
 
         #[test]
@@ -299,38 +308,28 @@ mod tests {
         }
     }
 
-    /// Routes cross versions: a version-1 request hashes on tokens alone (no extras), a
-    /// version-1 answer names no HTTP address; both read exactly what version 1 wrote.
+    /// Routes cross versions: a version-2 request excludes nothing and overrides nothing,
+    /// and reads exactly what version 2 wrote; decisions are unchanged.
     #[test]
     fn route_messages_in_both_versions() {
-        let req = RouteRequest {
-            model: "m".into(),
-            request_id: "r".into(),
-            tokens: vec![1, 2, 3],
-            lora: Some("a".into()),
-            allowed_workers: Some(vec![4]),
-            pin: None,
-            update_states: true,
-            extras: Some(PromptExtras {
-                block_extras: vec![vec!["img".into(), "2".into()]],
-                cache_salt: Some("s".into()),
-            }),
-        };
+        let req = v3_route_request();
         assert_eq!(
             decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
-            (req.clone(), 2)
+            (req.clone(), 3)
         );
-        let old = v1_codec_read::<v1::RouteRequest>(&encode_as(&req, 1).unwrap());
+        let old = v2_codec_read::<v2::RouteRequest>(&encode_as(&req, 2).unwrap());
         assert_eq!(old, req.to_previous());
-        let back = decode_versioned::<RouteRequest>(&encode_as(&req, 1).unwrap()).unwrap();
+        assert_eq!(old, v2_route_request());
+        let back = decode_versioned::<RouteRequest>(&encode_as(&req, 2).unwrap()).unwrap();
         assert_eq!(
             back,
             (
                 RouteRequest {
-                    extras: None,
+                    excluded_workers: vec![],
+                    overrides: None,
                     ..req
                 },
-                1
+                2
             )
         );
 
@@ -346,25 +345,32 @@ mod tests {
             decode: d.clone(),
             replica_id: "r1".into(),
         };
-        assert_eq!(
-            decode_versioned::<DisaggDecision>(&encode(&both).unwrap())
-                .unwrap()
-                .0,
-            both
-        );
-        let old: v1::DisaggDecision = v1_codec_read(&encode_as(&both, 1).unwrap());
-        assert_eq!(old.decode, d.to_previous());
-        let back = decode_versioned::<RouteDecision>(&encode_as(&d, 1).unwrap()).unwrap();
-        assert_eq!(
-            back,
-            (
-                RouteDecision {
-                    base_url: String::new(),
-                    ..d
-                },
-                1
-            )
-        );
+        for v in [2, 3] {
+            assert_eq!(
+                decode_versioned::<DisaggDecision>(&encode_as(&both, v).unwrap()).unwrap(),
+                (both.clone(), v)
+            );
+        }
+    }
+
+    #[test]
+    fn overrides_name_the_bad_value() {
+        let ok = RouteOverrides {
+            overlap_credit: Some(0.0),
+            temperature: Some(2.5),
+        };
+        assert_eq!(ok.invalid(), None);
+        assert_eq!(RouteOverrides::default().invalid(), None);
+        let bad = RouteOverrides {
+            overlap_credit: Some(1.0),
+            temperature: Some(-1.0),
+        };
+        assert_eq!(bad.invalid(), Some(("temperature", -1.0)));
+        let nan = RouteOverrides {
+            overlap_credit: Some(f64::NAN),
+            temperature: None,
+        };
+        assert_eq!(nan.invalid().map(|(n, _)| n), Some("overlap_credit"));
     }
 
     #[test]
@@ -396,65 +402,70 @@ mod tests {
         ));
     }
 
-    /// What the version-1 codec wrote: the version byte, then bincode of the v1 type.
-    fn v1_codec_bytes(reg: &v1::Registration) -> Vec<u8> {
-        let mut out = vec![1u8];
+    /// What the version-2 codec wrote: the version byte, then bincode of the v2 type.
+    fn v2_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+        let mut out = vec![2u8];
         let config = config::standard().with_fixed_int_encoding();
-        out.extend(bincode::serde::encode_to_vec(reg, config).unwrap());
+        out.extend(bincode::serde::encode_to_vec(value, config).unwrap());
         out
     }
 
-    /// What a version-1 peer reads.
-    fn v1_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
-        assert_eq!(bytes[0], 1, "a version-1 peer reads only version 1");
+    /// What a version-2 peer reads.
+    fn v2_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
+        assert_eq!(bytes[0], 2, "a version-2 peer reads only version 2");
         let config = config::standard().with_fixed_int_encoding();
         let (v, n) = bincode::serde::decode_from_slice(&bytes[1..], config).unwrap();
         assert_eq!(n, bytes.len() - 1);
         v
     }
 
-    fn v1_registration() -> v1::Registration {
-        v1::Registration {
-            worker_id: 0x0102_0304_0506_0708,
-            instance_id: Uuid::from_u128(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff),
+    fn v2_route_request() -> v2::RouteRequest {
+        v2::RouteRequest {
             model: "llama".into(),
-            role: WorkerRole::Prefill,
-            block_size: 16,
-            dp_size: 4,
-            dp_start_rank: 2,
-            live_ranks: vec![2, 3, 5],
-            tp_size: 2,
-            capacity_blocks: 1000,
-            heartbeat_interval_ms: 1500,
+            request_id: "req-1".into(),
+            tokens: vec![1, 2, 0xdead_beef],
+            lora: Some("a".into()),
+            allowed_workers: Some(vec![4, 0x0102_0304_0506_0708]),
+            pin: Some(Pin {
+                worker_id: 9,
+                dp_rank: Some(3),
+            }),
+            update_states: true,
+            extras: Some(PromptExtras {
+                block_extras: vec![vec!["img".into(), "2".into()], vec![]],
+                cache_salt: Some("s".into()),
+            }),
         }
     }
 
-    fn v2_registration(engine: EngineKind, base_url: &str) -> Registration {
-        let r = v1_registration();
-        Registration {
-            worker_id: r.worker_id,
-            instance_id: r.instance_id,
+    fn v3_route_request() -> RouteRequest {
+        let r = v2_route_request();
+        RouteRequest {
             model: r.model,
-            role: r.role,
-            block_size: r.block_size,
-            dp_size: r.dp_size,
-            dp_start_rank: r.dp_start_rank,
-            live_ranks: r.live_ranks,
-            tp_size: r.tp_size,
-            capacity_blocks: r.capacity_blocks,
-            heartbeat_interval_ms: r.heartbeat_interval_ms,
-            engine,
-            base_url: base_url.into(),
+            request_id: r.request_id,
+            tokens: r.tokens,
+            lora: r.lora,
+            allowed_workers: r.allowed_workers,
+            pin: r.pin,
+            update_states: r.update_states,
+            extras: r.extras,
+            excluded_workers: vec![5, 6],
+            overrides: Some(RouteOverrides {
+                overlap_credit: Some(0.5),
+                temperature: None,
+            }),
         }
     }
 
-    /// `v1_registration()` as the version-1 codec encoded it, captured by running the code
-    /// before version 2 existed. Never update this: a mismatch means v1 types changed.
-    const V1_REGISTRATION_HEX: &str = concat!(
-        "010807060504030201100000000000000000112233445566778899aabbccddee",
-        "ff05000000000000006c6c616d61010000001000000004000000020000000300",
-        "00000000000002000000030000000500000002000000e803000000000000dc05",
-        "0000",
+    /// `v2_route_request()` as the version-2 codec encoded it, captured by running the code
+    /// before version 3 existed. Never update this: a mismatch means v2 types changed.
+    const V2_ROUTE_REQUEST_HEX: &str = concat!(
+        "0205000000000000006c6c616d6105000000000000007265712d310300000000",
+        "0000000100000002000000efbeadde0101000000000000006101020000000000",
+        "0000040000000000000008070605040302010109000000000000000103000000",
+        "0101020000000000000002000000000000000300000000000000696d67010000",
+        "0000000000320000000000000000010100000000000000",
+        "73",
     );
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -465,75 +476,45 @@ mod tests {
     }
 
     #[test]
-    fn version_1_registration_bytes_are_frozen() {
-        let frozen = unhex(V1_REGISTRATION_HEX);
-        assert_eq!(v1_codec_bytes(&v1_registration()), frozen);
-        // A v2 registration answered to a v1 peer is exactly those bytes.
-        let reg = v2_registration(EngineKind::Vllm, "http://10.0.0.5:8000");
-        assert_eq!(encode_as(&reg, 1).unwrap(), frozen);
+    fn version_2_route_request_bytes_are_frozen() {
+        let frozen = unhex(V2_ROUTE_REQUEST_HEX);
+        assert_eq!(v2_codec_bytes(&v2_route_request()), frozen);
+        // A version-3 request written for a version-2 peer is exactly those bytes...
+        assert_eq!(encode_as(&v3_route_request(), 2).unwrap(), frozen);
+        // ...and those bytes read with the new fields defaulted.
         assert_eq!(
-            decode_versioned::<Registration>(&frozen).unwrap(),
-            (v2_registration(EngineKind::Mocker, ""), 1)
+            decode_versioned::<RouteRequest>(&frozen).unwrap(),
+            (
+                RouteRequest {
+                    excluded_workers: vec![],
+                    overrides: None,
+                    ..v3_route_request()
+                },
+                2
+            )
         );
     }
 
     #[test]
-    fn version_1_bytes_decode_with_the_new_fields_defaulted() {
-        let bytes = v1_codec_bytes(&v1_registration());
-        let reg: Registration = decode(&bytes).unwrap();
-        assert_eq!(reg.worker_id, 0x0102_0304_0506_0708);
-        assert_eq!(reg.model, "llama");
-        assert_eq!(reg.role, WorkerRole::Prefill);
-        assert_eq!(reg.live_ranks, vec![2, 3, 5]);
-        assert_eq!(reg.heartbeat_interval_ms, 1500);
-        assert_eq!(reg.engine, EngineKind::Mocker);
-        assert_eq!(reg.base_url, "");
-        // Containers convert their items.
-        let reply: Reply<v1::Registration> = Reply::Ok(v1_registration());
-        let mut bytes = vec![1u8];
-        bytes.extend(
-            bincode::serde::encode_to_vec(&reply, config::standard().with_fixed_int_encoding())
-                .unwrap(),
-        );
-        assert_eq!(
-            decode::<Reply<Registration>>(&bytes).unwrap(),
-            Reply::Ok(v2_registration(EngineKind::Mocker, ""))
-        );
-    }
-
-    #[test]
-    fn decode_versioned_says_which_version_came() {
-        let reg = v2_registration(EngineKind::Sglang, "http://h:30000");
-        let (back, v) = decode_versioned::<Registration>(&encode(&reg).unwrap()).unwrap();
-        assert_eq!((back, v), (reg.clone(), 2));
-        let (back, v) = decode_versioned::<Registration>(&encode_as(&reg, 1).unwrap()).unwrap();
-        assert_eq!((back, v), (v2_registration(EngineKind::Mocker, ""), 1));
-        let ev = KvEvent {
-            key: WorkerKey::new(1, 2),
-            event_id: 3,
-            data: KvEventData::Cleared,
-        };
-        assert_eq!(decode_versioned(&encode_as(&ev, 1).unwrap()), Ok((ev, 1)));
-    }
-
-    #[test]
-    fn encoding_as_version_1_is_what_a_version_1_peer_reads() {
-        let reg = v2_registration(EngineKind::Vllm, "http://10.0.0.5:8000");
-        let bytes = encode_as(&reg, 1).unwrap();
-        assert_eq!(bytes[0], 1);
-        assert_eq!(v1_codec_read::<v1::Registration>(&bytes), v1_registration());
+    fn containers_convert_their_items() {
+        let old = vec![v2_route_request(), v2_route_request()];
+        let back: Vec<RouteRequest> = decode(&v2_codec_bytes(&old)).unwrap();
+        assert!(back
+            .iter()
+            .all(|r| r.excluded_workers.is_empty() && r.overrides.is_none()));
         let replies = vec![
-            Reply::Ok(reg.clone()),
+            Reply::Ok(v3_route_request()),
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x")),
         ];
-        let back: Vec<Reply<v1::Registration>> = v1_codec_read(&encode_as(&replies, 1).unwrap());
-        assert_eq!(back[0], Reply::Ok(v1_registration()));
+        let seen: Vec<Reply<v2::RouteRequest>> = v2_codec_read(&encode_as(&replies, 2).unwrap());
+        assert_eq!(seen[0], Reply::Ok(v2_route_request()));
         assert_eq!(
-            back[1],
+            seen[1],
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x"))
         );
-        let some: Option<v1::Registration> = v1_codec_read(&encode_as(&Some(reg), 1).unwrap());
-        assert_eq!(some, Some(v1_registration()));
+        let some: Option<v2::RouteRequest> =
+            v2_codec_read(&encode_as(&Some(v3_route_request()), 2).unwrap());
+        assert_eq!(some, Some(v2_route_request()));
         // An unchanged message is the same bytes behind either version byte.
         let batch = KvEventBatch {
             worker_id: 9,
@@ -541,7 +522,7 @@ mod tests {
             events: vec![],
         };
         assert_eq!(
-            encode_as(&batch, 1).unwrap()[1..],
+            encode_as(&batch, 2).unwrap()[1..],
             encode(&batch).unwrap()[1..]
         );
         assert_eq!(encode(&batch).unwrap()[0], FORMAT_VERSION);
@@ -549,26 +530,26 @@ mod tests {
 
     #[test]
     fn only_the_current_and_previous_versions_are_read_and_written() {
-        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (1, 2));
-        let reg = v2_registration(EngineKind::Mocker, "");
-        let bytes = encode(&reg).unwrap();
-        for v in [0u8, 3, 255] {
+        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (2, 3));
+        let req = v3_route_request();
+        let bytes = encode(&req).unwrap();
+        for v in [0u8, 1, 4, 255] {
             let mut bad = bytes.clone();
             bad[0] = v;
             assert_eq!(
-                decode::<Registration>(&bad),
+                decode::<RouteRequest>(&bad),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 1,
-                    max: 2
+                    min: 2,
+                    max: 3
                 })
             );
             assert_eq!(
-                encode_as(&reg, v),
+                encode_as(&req, v),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 1,
-                    max: 2
+                    min: 2,
+                    max: 3
                 })
             );
         }
@@ -577,19 +558,19 @@ mod tests {
     #[test]
     fn replies_go_out_in_the_request_version() {
         let q = StateQuery { dp_rank: 1 };
-        assert_eq!(reply_version(&encode(&q).unwrap()), 2);
-        assert_eq!(reply_version(&encode_as(&q, 1).unwrap()), 1);
+        assert_eq!(reply_version(&encode(&q).unwrap()), 3);
+        assert_eq!(reply_version(&encode_as(&q, 2).unwrap()), 2);
         assert_eq!(reply_version(&[]), FORMAT_VERSION);
         assert_eq!(reply_version(&[0, 1, 2]), FORMAT_VERSION);
-        assert_eq!(reply_version(&[3]), FORMAT_VERSION);
-        // Even an undecodable request in version 1 is answered in version 1.
-        assert_eq!(reply_version(&[1, 0xff]), 1);
+        assert_eq!(reply_version(&[1]), FORMAT_VERSION);
+        // Even an undecodable request in version 2 is answered in version 2.
+        assert_eq!(reply_version(&[2, 0xff]), 2);
     }
 
     #[test]
     fn encoded_len_is_the_payload_size() {
-        let reg = v2_registration(EngineKind::Vllm, "http://x");
-        assert_eq!(encoded_len(&reg).unwrap(), encode(&reg).unwrap().len() - 1);
+        let req = v3_route_request();
+        assert_eq!(encoded_len(&req).unwrap(), encode(&req).unwrap().len() - 1);
     }
 
     #[test]

@@ -89,7 +89,6 @@ impl std::str::FromStr for EngineKind {
 }
 
 /// A worker announcing itself: on start, on every "who is there", and again when asked.
-/// A version-1 registration reads as `engine: Mocker` with an empty `base_url`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registration {
     pub worker_id: WorkerId,
@@ -205,7 +204,7 @@ pub struct Pin {
 }
 
 /// Which worker rank should serve these tokens?
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
     pub model: String,
     pub request_id: String,
@@ -219,6 +218,34 @@ pub struct RouteRequest {
     /// What the engine's cache keys depend on besides the tokens (`None`: nothing). New in
     /// format version 2.
     pub extras: Option<PromptExtras>,
+    /// Workers that must not be chosen (a frontend routing around a worker that just failed
+    /// it). New in format version 3.
+    pub excluded_workers: Vec<WorkerId>,
+    /// This request's own cost settings, in place of the replica's (`None`: the replica's).
+    /// New in format version 3.
+    pub overrides: Option<RouteOverrides>,
+}
+
+/// Per-request cost settings (Dynamo's per-request router config override). Each `None`
+/// keeps the replica's setting; a value must be finite and not negative.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RouteOverrides {
+    /// How many prefill blocks one cached block saves (`--overlap-credit`).
+    pub overlap_credit: Option<f64>,
+    /// Softmax sampling temperature over costs; 0 picks the cheapest (`--router-temperature`).
+    pub temperature: Option<f64>,
+}
+
+impl RouteOverrides {
+    /// The first value that is not finite and non-negative, by field name.
+    pub fn invalid(&self) -> Option<(&'static str, f64)> {
+        [
+            ("overlap_credit", self.overlap_credit),
+            ("temperature", self.temperature),
+        ]
+        .into_iter()
+        .find_map(|(name, v)| v.filter(|v| !v.is_finite() || *v < 0.0).map(|v| (name, v)))
+    }
 }
 
 /// The choice, and the replica that made it (send `mark_prefill` and `free` there).

@@ -1,53 +1,49 @@
 //! The process-wide write version (its own test binary: it is global state).
 
 use kvrouter_protocol::{
-    decode, decode_versioned, encode, set_write_version, v1, write_version, EngineKind,
-    Registration, WorkerRole, FORMAT_VERSION,
+    decode, decode_versioned, encode, set_write_version, v2, write_version, RouteOverrides,
+    RouteRequest, FORMAT_VERSION,
 };
-use uuid::Uuid;
 
-fn registration() -> Registration {
-    Registration {
-        worker_id: 7,
-        instance_id: Uuid::from_u128(9),
+fn request() -> RouteRequest {
+    RouteRequest {
         model: "m".into(),
-        role: WorkerRole::Aggregated,
-        block_size: 16,
-        dp_size: 2,
-        dp_start_rank: 0,
-        live_ranks: vec![0, 1],
-        tp_size: 1,
-        capacity_blocks: 1024,
-        heartbeat_interval_ms: 500,
-        engine: EngineKind::Vllm,
-        base_url: "http://10.0.0.7:8000".into(),
+        request_id: "r".into(),
+        tokens: vec![1, 2, 3],
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states: true,
+        extras: None,
+        excluded_workers: vec![7],
+        overrides: Some(RouteOverrides {
+            overlap_credit: None,
+            temperature: Some(1.0),
+        }),
     }
 }
 
 #[test]
 fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     assert_eq!(write_version(), FORMAT_VERSION);
-    let current = encode(&registration()).unwrap();
+    let current = encode(&request()).unwrap();
     assert_eq!(current[0], FORMAT_VERSION);
 
     set_write_version(FORMAT_VERSION - 1).unwrap();
-    let old = encode(&registration()).unwrap();
+    let old = encode(&request()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
-    let seen: v1::Registration = bincode::serde::decode_from_slice(
+    let seen: v2::RouteRequest = bincode::serde::decode_from_slice(
         &old[1..],
         bincode::config::standard().with_fixed_int_encoding(),
     )
     .unwrap()
     .0;
-    assert_eq!((seen.worker_id, seen.capacity_blocks), (7, 1024));
+    assert_eq!((seen.tokens, seen.update_states), (vec![1, 2, 3], true));
     // ...and this build reads it too, without the fields the previous version lacks.
-    let (back, version): (Registration, u8) = decode_versioned(&old).unwrap();
+    let (back, version): (RouteRequest, u8) = decode_versioned(&old).unwrap();
     assert_eq!(version, FORMAT_VERSION - 1);
-    assert_eq!(
-        (back.engine, back.base_url.as_str()),
-        (EngineKind::Mocker, "")
-    );
+    assert_eq!((back.excluded_workers.len(), back.overrides), (0, None));
 
     assert!(set_write_version(FORMAT_VERSION + 1).is_err());
     assert!(set_write_version(0).is_err());
@@ -58,7 +54,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     );
     set_write_version(FORMAT_VERSION).unwrap();
     assert_eq!(
-        decode::<Registration>(&encode(&registration()).unwrap()).unwrap(),
-        registration()
+        decode::<RouteRequest>(&encode(&request()).unwrap()).unwrap(),
+        request()
     );
 }

@@ -217,6 +217,17 @@ async fn route(
             ),
         ));
     }
+    let overrides = req.overrides.unwrap_or_default();
+    if let Some((field, value)) = overrides.invalid() {
+        return Err(error(
+            shared,
+            &req.model,
+            ErrorReply::new(
+                ErrorKind::InvalidRequest,
+                format!("overrides.{field} must be a finite number >= 0, got {value}"),
+            ),
+        ));
+    }
     let overlaps = m.find_overlaps(&local).instrument(_span.clone()).await;
     // Approximate mode: a decision that updates state feeds the index once it is made.
     let record = match &m.recorder {
@@ -245,6 +256,7 @@ async fn route(
     job.allowed_workers =
         aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
     (job.pinned, job.pinned_worker) = (pinned, pinned_worker);
+    (job.excluded_workers, job.overrides) = (req.excluded_workers, overrides);
     drop(_span);
     let sel = schedule(shared, m, job, rx).await?;
     if let Some((recorder, local, seq)) = record {

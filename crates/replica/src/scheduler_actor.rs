@@ -53,6 +53,8 @@ pub fn route_job(
         pinned: None,
         pinned_worker: None,
         allowed_keys: None,
+        excluded_workers: Vec::new(),
+        overrides: Default::default(),
         overlaps,
         update_states,
         enqueued_at: crate::clock::now(),
@@ -97,6 +99,9 @@ pub struct SyncLink {
     pub echo_window: Duration,
 }
 
+// Route is nearly every message, so the mailbox's slots are its size whatever the rest;
+// boxing it would only add an allocation per decision.
+#[allow(clippy::large_enum_variant)]
 pub enum SchedulerMsg {
     Route(RouteJob),
     /// Replies whether the request was known.

@@ -55,6 +55,8 @@ fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
         pin: None,
         update_states,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

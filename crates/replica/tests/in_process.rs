@@ -208,6 +208,8 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         pin: None,
         update_states: true,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     };
     // potential_loads answers for every rank, before and after a request is tracked.
     let overlap = kvrouter_protocol::OverlapRequest {
@@ -317,6 +319,8 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
             pin: None,
             update_states: true,
             extras: None,
+            excluded_workers: Vec::new(),
+            overrides: None,
         };
         decisions.push(client.route(&req).await.unwrap());
     }
@@ -410,6 +414,8 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
         }),
         update_states: false,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     };
     for r in [4, 5] {
         let d = client.route(&pinned(10, Some(r))).await.unwrap();

@@ -87,6 +87,8 @@ fn route_req(tokens: Vec<u32>) -> RouteRequest {
         pin: None,
         update_states: false,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

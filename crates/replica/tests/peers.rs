@@ -164,6 +164,8 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
             pin: None,
             update_states: false,
             extras: None,
+            excluded_workers: Vec::new(),
+            overrides: None,
         })
         .await;
     assert!(pinned.is_err(), "{pinned:?}");
@@ -259,7 +261,7 @@ async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn previous_version_peers_are_read_and_answered_in_their_version() {
     use kvrouter_protocol::{
-        decode_versioned, encode_as, v1, Reply, RouteDecision, FORMAT_VERSION, MIN_READ_VERSION,
+        decode_versioned, encode_as, Reply, RouteDecision, FORMAT_VERSION, MIN_READ_VERSION,
     };
     let bus = Bus::local();
     let _fleet = MockerFleet::start(bus.clone(), fleet_config())
@@ -277,6 +279,8 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         pin: None,
         update_states: false,
         extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     };
     for version in [MIN_READ_VERSION, FORMAT_VERSION] {
         let bytes = Bytes::from(encode_as(&req, version).unwrap());
@@ -289,8 +293,8 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         reply.into_result().unwrap();
     }
 
-    // A worker still on version 1 registers with bytes its own types wrote.
-    let old = v1::Registration {
+    // A worker still on the previous version registers in its bytes.
+    let old = Registration {
         worker_id: 77,
         instance_id: Uuid::new_v4(),
         model: MODEL.into(),
@@ -302,12 +306,11 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         tp_size: 1,
         capacity_blocks: 1024,
         heartbeat_interval_ms: 200,
+        engine: EngineKind::Vllm,
+        base_url: "http://10.0.0.77:8000".into(),
     };
-    let mut bytes = vec![MIN_READ_VERSION];
-    bytes.extend(
-        bincode::serde::encode_to_vec(&old, bincode::config::standard().with_fixed_int_encoding())
-            .unwrap(),
-    );
+    let bytes = encode_as(&old, MIN_READ_VERSION).unwrap();
+    assert_eq!(bytes[0], MIN_READ_VERSION);
     bus.publish(&subjects().register(), Bytes::from(bytes))
         .await
         .unwrap();
@@ -315,7 +318,7 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
     while metric(&replica, "kvrouter_workers{") != Some(3) {
         assert!(
             Instant::now() < deadline,
-            "the version-1 registration was not taken"
+            "the previous-version registration was not taken"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -3,7 +3,7 @@
 use crate::active::RequestId;
 use crate::error::ScheduleError;
 use crate::route_query::RouteQuery;
-use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, WorkerId, WorkerKey};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -18,6 +18,8 @@ pub struct Queued<P> {
     pub pinned: Option<WorkerKey>,
     pub pinned_worker: Option<WorkerId>,
     pub allowed_keys: Option<Vec<WorkerKey>>,
+    pub excluded_workers: Vec<WorkerId>,
+    pub overrides: RouteOverrides,
     /// Sparse overlaps (keys with overlap > 0) as seen when the request arrived.
     pub overlaps: Vec<(WorkerKey, u32)>,
     pub update_states: bool,
@@ -43,6 +45,8 @@ impl<P> Queued<P> {
             pinned: query.pinned,
             pinned_worker: query.pinned_worker,
             allowed_keys: query.allowed_keys.map(<[WorkerKey]>::to_vec),
+            excluded_workers: query.excluded_workers.to_vec(),
+            overrides: query.overrides,
             overlaps: overlaps.to_vec(),
             update_states,
             enqueued_at,
@@ -59,6 +63,8 @@ impl<P> Queued<P> {
             pinned: self.pinned,
             pinned_worker: self.pinned_worker,
             allowed_keys: self.allowed_keys.as_deref(),
+            excluded_workers: &self.excluded_workers,
+            overrides: self.overrides,
         }
     }
 }

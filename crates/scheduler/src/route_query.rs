@@ -1,9 +1,9 @@
 //! A request to place: prompt, block hashes and the filters narrowing where it may go.
 
-use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, WorkerId, WorkerKey};
 
 /// A request to place.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
 pub struct RouteQuery<'a> {
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
@@ -18,6 +18,10 @@ pub struct RouteQuery<'a> {
     /// Only these worker keys may serve it (None: any), on top of the other filters (e.g.
     /// the decode ranks a disaggregated request may go to).
     pub allowed_keys: Option<&'a [WorkerKey]>,
+    /// Never these workers, whatever the other filters allow.
+    pub excluded_workers: &'a [WorkerId],
+    /// This request's own cost settings (each `None`: the scheduler's).
+    pub overrides: RouteOverrides,
 }
 
 impl<'a> RouteQuery<'a> {
@@ -30,9 +34,11 @@ impl<'a> RouteQuery<'a> {
         }
     }
 
-    /// True if any filter (allowed workers or keys, pinned key, pinned worker) is set.
+    /// True if any filter (allowed, excluded or pinned workers, allowed or pinned keys) is
+    /// set.
     pub fn is_filtered(&self) -> bool {
         self.allowed_workers.is_some()
+            || !self.excluded_workers.is_empty()
             || self.pinned.is_some()
             || self.pinned_worker.is_some()
             || self.allowed_keys.is_some()

@@ -196,7 +196,8 @@ impl<P> Scheduler<P> {
             .active
             .slots()
             .map(|slot| {
-                let (overlap, c) = self.cost_of(slot, request_blocks, distinct, false);
+                let (overlap, c) =
+                    self.cost_of(&self.params, slot, request_blocks, distinct, false);
                 PotentialLoad {
                     key: self.active.state(slot).key,
                     overlap_blocks: overlap,
@@ -451,6 +452,16 @@ impl<P> Scheduler<P> {
         } else {
             self.candidates.extend(self.active.slots());
         }
+        if !req.excluded_workers.is_empty() {
+            let active = &self.active;
+            self.candidates.retain(|&s| {
+                !req.excluded_workers
+                    .contains(&active.state(s).key.worker_id)
+            });
+            if self.candidates.is_empty() {
+                return Err(ScheduleError::NoAllowedWorkers);
+            }
+        }
         if let Some(keys) = req.allowed_keys {
             let active = &self.active;
             self.candidates
@@ -554,6 +565,7 @@ impl<P> Scheduler<P> {
     /// Cost of `slot` with the scratch prepared; `with_echo` adds the peer-echo guess.
     fn cost_of(
         &self,
+        params: &CostParams,
         slot: Slot,
         request_blocks: u64,
         distinct: u64,
@@ -572,7 +584,7 @@ impl<P> Scheduler<P> {
         let overlap = self.overlap_by_slot[slot as usize];
         let new_blocks = distinct - u64::from(self.hits_by_slot[slot as usize]);
         let c = cost::key_cost(
-            &self.params,
+            params,
             request_blocks,
             overlap,
             load.prefill_tokens + echo.prefill_tokens,
@@ -600,10 +612,15 @@ impl<P> Scheduler<P> {
         if self.config.policy == RoutingPolicy::Kv {
             self.charge_peers_first(req.prompt_tokens, request_blocks, distinct);
         }
+        let params = CostParams {
+            overlap_credit: (req.overrides.overlap_credit).unwrap_or(self.params.overlap_credit),
+            ..self.params
+        };
+        let temperature = req.overrides.temperature.unwrap_or(self.config.temperature);
         let mut scored = std::mem::take(&mut self.scored);
         scored.clear();
         scored.extend(self.candidates.iter().map(|&slot| {
-            let (overlap, c) = self.cost_of(slot, request_blocks, distinct, true);
+            let (overlap, c) = self.cost_of(&params, slot, request_blocks, distinct, true);
             (slot, overlap, c)
         }));
         self.reset_scratch(overlaps);
@@ -611,7 +628,7 @@ impl<P> Scheduler<P> {
         let i = match self.config.policy {
             RoutingPolicy::Kv => cost::choose(
                 &mut self.rng,
-                self.config.temperature,
+                temperature,
                 scored.len(),
                 |i| scored[i].2.cost,
                 &mut self.weights,
@@ -678,6 +695,7 @@ fn is_busy(config: &SchedulerConfig, load: &KeyLoad) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvrouter_protocol::RouteOverrides;
     use std::time::Duration;
 
     const BS: u32 = 4;
@@ -838,6 +856,84 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(s.select(&q_pin, &[]).unwrap().key, k(1, 3));
         }
+    }
+
+    #[test]
+    fn excluded_workers_are_never_chosen() {
+        let mut s = sched(|_| {});
+        let h = hs(&[1]);
+        let q = RouteQuery::new(4, &h);
+        for key in [k(1, 0), k(1, 1), k(2, 0), k(3, 0)] {
+            s.add_worker_key(key, 100);
+        }
+        let out = [1u64, 3];
+        let q_out = RouteQuery {
+            excluded_workers: &out,
+            ..q
+        };
+        assert!(q_out.is_filtered());
+        // Worker 1 caches the whole prompt on both ranks; it is still never picked.
+        for _ in 0..30 {
+            let sel = s.select(&q_out, &[(k(1, 0), 1), (k(1, 1), 1)]).unwrap();
+            assert_eq!(sel.key, k(2, 0));
+        }
+        // Exclusion narrows the other filters too.
+        let pinned = RouteQuery {
+            pinned: Some(k(1, 1)),
+            ..q_out
+        };
+        assert_eq!(s.select(&pinned, &[]), Err(ScheduleError::NoAllowedWorkers));
+        let all = [1u64, 2, 3];
+        let q_all = RouteQuery {
+            excluded_workers: &all,
+            ..q
+        };
+        assert_eq!(s.select(&q_all, &[]), Err(ScheduleError::NoAllowedWorkers));
+    }
+
+    #[test]
+    fn overrides_replace_the_cost_settings_for_one_request() {
+        let mut s = sched(|_| {});
+        let now = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        s.add_worker_key(k(2, 0), 100);
+        // Key 1 decodes 3 blocks; key 2 caches the whole prompt but decodes 4. Credit 1: key 2
+        // costs 0 + 7, key 1 3 + 6; credit 0: key 2 costs 3 + 7.
+        let busy = hs(&[10, 11, 12, 13]);
+        s.add_request("load2".into(), k(2, 0), &busy, 0, now)
+            .unwrap();
+        let light = hs(&[20, 21, 22]);
+        s.add_request("load1".into(), k(1, 0), &light, 0, now)
+            .unwrap();
+        let h = hs(&[1, 2, 3]);
+        let q = RouteQuery::new(12, &h);
+        let overlaps = [(k(2, 0), 3)];
+        // With the default credit the cached key wins...
+        assert_eq!(s.select(&q, &overlaps).unwrap().key, k(2, 0));
+        // ...with no credit for cached blocks it does not.
+        let no_credit = RouteQuery {
+            overrides: RouteOverrides {
+                overlap_credit: Some(0.0),
+                temperature: None,
+            },
+            ..q
+        };
+        let sel = s.select(&no_credit, &overlaps).unwrap();
+        assert_eq!(sel.key, k(1, 0), "{sel:?}");
+        // A high temperature samples both keys where temperature 0 never would.
+        let hot = RouteQuery {
+            overrides: RouteOverrides {
+                overlap_credit: None,
+                temperature: Some(100.0),
+            },
+            ..q
+        };
+        let mut seen = [false; 2];
+        for _ in 0..200 {
+            let key = s.select(&hot, &overlaps).unwrap().key;
+            seen[key.worker_id as usize - 1] = true;
+        }
+        assert_eq!(seen, [true, true]);
     }
 
     #[test]

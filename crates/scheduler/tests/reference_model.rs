@@ -28,6 +28,7 @@ enum Filter {
     PinnedWorker(WorkerId),
     PinnedBoth(WorkerKey, WorkerId),
     AllowedKeys(Vec<WorkerKey>),
+    Excluded(Vec<WorkerId>),
 }
 
 #[derive(Clone, Debug)]
@@ -63,6 +64,7 @@ fn filter() -> impl Strategy<Value = Filter> {
         1 => (0u64..=5).prop_map(Filter::PinnedWorker),
         1 => (key(), 1u64..=4).prop_map(|(k, w)| Filter::PinnedBoth(k, w)),
         1 => prop::collection::vec(key(), 0..4).prop_map(Filter::AllowedKeys),
+        1 => prop::collection::vec(0u64..=5, 0..4).prop_map(Filter::Excluded),
     ]
 }
 
@@ -255,6 +257,19 @@ impl Model {
                     Ok(c)
                 }
             }
+            Filter::Excluded(list) => {
+                let c: Vec<_> = self
+                    .keys
+                    .keys()
+                    .filter(|k| !list.contains(&k.worker_id))
+                    .copied()
+                    .collect();
+                if c.is_empty() {
+                    Err(ScheduleError::NoAllowedWorkers)
+                } else {
+                    Ok(c)
+                }
+            }
             Filter::Allowed(list) => {
                 let c: Vec<_> = self
                     .keys
@@ -396,6 +411,7 @@ fn query<'a>(
         Filter::None => {}
         Filter::Allowed(list) => q.allowed_workers = Some(list),
         Filter::AllowedKeys(list) => q.allowed_keys = Some(list),
+        Filter::Excluded(list) => q.excluded_workers = list,
         Filter::Pinned(k) => q.pinned = Some(*k),
         Filter::PinnedWorker(w) => q.pinned_worker = Some(*w),
         Filter::PinnedBoth(k, w) => {

@@ -35,6 +35,9 @@ enum Command {
     /// Speak for one vLLM or SGLang engine on the bus: its KV events from ZeroMQ, its
     /// health and load over HTTP (a sidecar beside the engine).
     Bridge(cli::bridge::BridgeArgs),
+    /// An OpenAI-compatible HTTP server in front of the fleet: tokenizes, routes through the
+    /// replicas, streams from the chosen engine.
+    Frontend(cli::frontend::FrontendArgs),
     /// Replay a Mooncake trace that ships in the repo through two router replicas and a
     /// simulated fleet, kv routing against round robin, and print what kv bought.
     Demo(cli::replay::DemoArgs),
@@ -65,7 +68,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let long_running = matches!(
         cli.command,
-        Command::Serve(_) | Command::Mocker(_) | Command::Bridge(_)
+        Command::Serve(_) | Command::Mocker(_) | Command::Bridge(_) | Command::Frontend(_)
     );
     cli::init_tracing(
         if long_running {
@@ -80,6 +83,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => cli::block_on(cli::serve::run(args)),
         Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
         Command::Bridge(args) => cli::block_on(cli::bridge::run(args)),
+        Command::Frontend(args) => cli::block_on(cli::frontend::run(args)),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::replay::run_demo(args),
         Command::Route(args) => cli::block_on(cli::route::run(args)),

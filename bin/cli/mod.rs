@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_bridge;
 pub mod bench_route;
 pub mod bridge;
+pub mod frontend;
 pub mod generate;
 pub mod hash;
 pub mod lifecycle;

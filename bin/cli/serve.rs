@@ -25,6 +25,10 @@ pub struct ServeArgs {
     /// Admin HTTP address for /healthz, /readyz and /metrics (e.g. 0.0.0.0:9090).
     #[arg(long, env = "KVROUTER_ADMIN_ADDR")]
     admin_addr: Option<SocketAddr>,
+    /// Address of the JSON API for peer routers (POST /v1/route, /v1/requests/ID/free ...;
+    /// see docs/protocol.md); without it the admin address serves the API.
+    #[arg(long, env = "KVROUTER_HTTP_ADDR")]
+    http_addr: Option<SocketAddr>,
     /// Block size of a model, MODEL=TOKENS (repeatable); otherwise the first worker's.
     #[arg(long = "block-size", env = "KVROUTER_BLOCK_SIZE", value_delimiter = ',', value_parser = parse_block_size)]
     block_sizes: Vec<(String, u32)>,
@@ -194,6 +198,7 @@ impl ServeArgs {
             index_shards: self.index_shards,
             drain_timeout: secs("drain-timeout-secs", self.drain_timeout_secs)?,
             admin_addr: self.admin_addr,
+            http_addr: self.http_addr,
             index,
             sync: self
                 .replica_sync

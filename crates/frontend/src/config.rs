@@ -1,0 +1,43 @@
+//! The frontend's settings and the models it serves.
+
+use std::time::Duration;
+
+/// How the engines behind the router take a data-parallel rank.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RankConvention {
+    /// vLLM: the `X-data-parallel-rank` header.
+    Vllm,
+    /// SGLang: the body's `data_parallel_rank` (the header is sent too).
+    Sglang,
+}
+
+#[derive(Clone, Debug)]
+pub struct FrontendConfig {
+    /// Requests answered at once; more get 503 with Retry-After.
+    pub max_inflight: usize,
+    /// Longest a request may take from arrival to its answer's end.
+    pub request_timeout: Duration,
+    /// Times a request is routed again around an engine that failed it before answering.
+    pub route_retries: u32,
+    /// Clients must send `Authorization: Bearer KEY` when set.
+    pub api_key: Option<String>,
+    pub ranks: RankConvention,
+    /// Largest request body read.
+    pub max_body_bytes: usize,
+    /// How long connecting to an engine may take.
+    pub connect_timeout: Duration,
+}
+
+impl Default for FrontendConfig {
+    fn default() -> Self {
+        Self {
+            max_inflight: 1024,
+            request_timeout: Duration::from_secs(600),
+            route_retries: 2,
+            api_key: None,
+            ranks: RankConvention::Vllm,
+            max_body_bytes: 32 << 20,
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! One request's way through the frontend: check, tokenize, route, send to the chosen
+//! engine (routing again around an engine that fails before answering).
+
+use crate::chat_template::ChatInput;
+use crate::config::{FrontendConfig, RankConvention};
+use crate::metrics::FrontendMetrics;
+use crate::model_dir::ModelFiles;
+use crate::openai::{ApiError, ClientRequest, Endpoint, Input, Prompt};
+use crate::route_lease::{LeaseCounts, RouteLease};
+use crate::upstream::{Upstream, UpstreamError};
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::header::{HeaderName, HeaderValue};
+use hyper::Response;
+use kvrouter_client::{ClientError, KvRouterClient};
+use kvrouter_protocol::{ErrorKind, PromptExtras, RouteRequest, WorkerId};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Prompts longer than this are tokenized off the async threads.
+const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
+
+pub struct Frontend {
+    pub(crate) models: HashMap<String, Arc<ModelFiles>>,
+    /// LoRA adapter name → the served model it applies to.
+    pub(crate) loras: HashMap<String, String>,
+    pub(crate) router: KvRouterClient,
+    pub(crate) upstream: Upstream,
+    pub(crate) config: FrontendConfig,
+    permits: Arc<Semaphore>,
+    pub(crate) metrics: FrontendMetrics,
+    leases: Arc<LeaseCounts>,
+}
+
+/// A request's place among the in-flight ones; gives it back (and the gauge) on drop.
+pub struct InFlight {
+    _permit: OwnedSemaphorePermit,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// A request routed and answered by an engine: the answer's head has arrived.
+pub struct Routed {
+    pub lease: RouteLease,
+    pub answer: Response<Incoming>,
+    pub model: Arc<ModelFiles>,
+}
+
+impl Frontend {
+    pub fn new(
+        models: Vec<ModelFiles>,
+        loras: HashMap<String, String>,
+        router: KvRouterClient,
+        config: FrontendConfig,
+    ) -> Result<Self, String> {
+        let models: HashMap<_, _> = models
+            .into_iter()
+            .map(|m| (m.name().to_string(), Arc::new(m)))
+            .collect();
+        for (adapter, base) in &loras {
+            if !models.contains_key(base) {
+                return Err(format!(
+                    "LoRA adapter {adapter:?} names model {base:?}, which is not served (--model)"
+                ));
+            }
+            if models.contains_key(adapter) {
+                return Err(format!(
+                    "LoRA adapter {adapter:?} has a served model's name"
+                ));
+            }
+        }
+        let leases = Arc::new(LeaseCounts::default());
+        Ok(Self {
+            models,
+            loras,
+            router,
+            upstream: Upstream::new(config.connect_timeout),
+            permits: Arc::new(Semaphore::new(config.max_inflight)),
+            metrics: FrontendMetrics::new(leases.clone()),
+            leases,
+            config,
+        })
+    }
+
+    /// Takes a place among the in-flight requests, or says the frontend is full.
+    pub fn admit(&self) -> Result<InFlight, ApiError> {
+        let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+            ApiError::overloaded(format!(
+                "the frontend is answering {} requests already (--max-inflight)",
+                self.config.max_inflight
+            ))
+        })?;
+        self.metrics.inflight.inc();
+        Ok(InFlight {
+            _permit: permit,
+            gauge: self.metrics.inflight.clone(),
+        })
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.config.max_inflight - self.permits.available_permits()
+    }
+
+    /// Model names as clients may ask for them: served models, then LoRA adapters.
+    pub fn model_names(&self) -> Vec<(&str, &ModelFiles)> {
+        let mut out: Vec<_> = self
+            .models
+            .iter()
+            .map(|(n, m)| (n.as_str(), &**m))
+            .collect();
+        out.sort_by_key(|(n, _)| *n);
+        let mut adapters: Vec<_> = self
+            .loras
+            .iter()
+            .filter_map(|(a, b)| Some((a.as_str(), &**self.models.get(b)?)))
+            .collect();
+        adapters.sort_by_key(|(n, _)| *n);
+        out.extend(adapters);
+        out
+    }
+
+    /// The served model and LoRA adapter a request names.
+    fn resolve(&self, name: &str) -> Result<(Arc<ModelFiles>, Option<String>), ApiError> {
+        if let Some(m) = self.models.get(name) {
+            return Ok((m.clone(), None));
+        }
+        if let Some(m) = self.loras.get(name).and_then(|b| self.models.get(b)) {
+            return Ok((m.clone(), Some(name.to_string())));
+        }
+        let names: Vec<&str> = self.model_names().into_iter().map(|(n, _)| n).collect();
+        Err(ApiError::model_not_found(name, &names))
+    }
+
+    /// The prompt's token ids, as the engine would make them.
+    async fn tokenize(model: &Arc<ModelFiles>, req: &ClientRequest) -> Result<Vec<u32>, ApiError> {
+        let (text, special) = match &req.input {
+            Input::Prompt(Prompt::Tokens(t)) => return Ok(t.clone()),
+            Input::Prompt(Prompt::Text(t)) => (t.clone(), true),
+            Input::Chat(c) => {
+                let input = ChatInput {
+                    messages: &c.messages,
+                    add_generation_prompt: c.add_generation_prompt,
+                    tools: c.tools.as_deref(),
+                    documents: c.documents.as_deref(),
+                    extra: Some(&c.template_kwargs),
+                };
+                let text = model
+                    .render_chat(&input)
+                    .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+                (text, false)
+            }
+        };
+        let inline = text.len() <= INLINE_TOKENIZE_BYTES;
+        let encode = {
+            let model = model.clone();
+            move || model.tokenizer().encode(&text, special)
+        };
+        let ids = if inline {
+            encode()
+        } else {
+            tokio::task::spawn_blocking(encode)
+                .await
+                .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+        };
+        ids.map_err(|e| {
+            ApiError::invalid(Some("prompt"), format!("cannot tokenize the prompt: {e}"))
+        })
+    }
+
+    /// Checks, tokenizes and routes the request, and sends it to the chosen engine,
+    /// routing again (that worker excluded) when an engine fails before answering.
+    pub async fn route_and_send(
+        &self,
+        req: &ClientRequest,
+        request_id: &str,
+    ) -> Result<Routed, ApiError> {
+        let (model, lora) = self.resolve(&req.model)?;
+        let labels = FrontendMetrics::model(model.name());
+        let started = Instant::now();
+        let tokens = Self::tokenize(&model, req).await?;
+        self.metrics
+            .tokenize
+            .get_or_create(&labels)
+            .observe(started.elapsed().as_secs_f64());
+        if tokens.is_empty() {
+            return Err(ApiError::invalid(
+                Some("prompt"),
+                "the prompt has no tokens",
+            ));
+        }
+        if tokens.len() > model.prompt_limit().tokens {
+            let param = match req.endpoint {
+                Endpoint::Chat => "messages",
+                Endpoint::Completions => "prompt",
+            };
+            return Err(ApiError::prompt_too_long(
+                param,
+                tokens.len(),
+                model.prompt_limit().tokens,
+            ));
+        }
+        self.metrics
+            .input_tokens
+            .get_or_create(&labels)
+            .inc_by(tokens.len() as u64);
+        let mut route = RouteRequest {
+            model: model.name().to_string(),
+            request_id: request_id.to_string(),
+            tokens,
+            lora,
+            allowed_workers: req.router.allowed_workers.clone(),
+            pin: req.router.pin,
+            update_states: true,
+            extras: req.cache_salt.as_ref().map(|s| PromptExtras {
+                block_extras: Vec::new(),
+                cache_salt: Some(s.clone()),
+            }),
+            excluded_workers: Vec::new(),
+            overrides: req.router.overrides,
+        };
+        let mut body = req.rest.clone();
+        body.insert("model".into(), req.model.clone().into());
+        body.insert("prompt".into(), Value::from(route.tokens.clone()));
+        body.insert("stream".into(), true.into());
+        body.insert(
+            "stream_options".into(),
+            serde_json::json!({"include_usage": true}),
+        );
+        if let Some(salt) = &req.cache_salt {
+            body.insert("cache_salt".into(), salt.clone().into());
+        }
+        let deadline = started + self.config.request_timeout;
+        let mut last_failure: Option<(WorkerId, UpstreamError)> = None;
+        for attempt in 0..=self.config.route_retries {
+            if attempt > 0 {
+                // A fresh id: the failed one may not be freed on its replica yet.
+                route.request_id = format!("{request_id}/retry{attempt}");
+            }
+            let t = Instant::now();
+            let decision = match self.router.route(&route).await {
+                Ok(d) => d,
+                Err(ClientError::Router(e))
+                    if e.kind == ErrorKind::NoAllowedWorkers && last_failure.is_some() =>
+                {
+                    break; // every worker it may use has failed it
+                }
+                Err(e) => return Err(ApiError::from_route(&e)),
+            };
+            self.metrics
+                .route
+                .get_or_create(&labels)
+                .observe(t.elapsed().as_secs_f64());
+            let lease = RouteLease::new(
+                self.router.clone(),
+                model.name().to_string(),
+                route.request_id.clone(),
+                decision,
+                self.leases.clone(),
+            );
+            let d = &lease.decision;
+            if self.config.ranks == RankConvention::Sglang {
+                body.insert("data_parallel_rank".into(), d.dp_rank.into());
+            }
+            let headers = self.upstream_headers(request_id, d.dp_rank);
+            let payload = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+            let timeout = deadline.saturating_duration_since(Instant::now());
+            match self
+                .upstream
+                .completions(&d.base_url, &headers, payload, timeout)
+                .await
+            {
+                Ok(answer) => {
+                    return Ok(Routed {
+                        lease,
+                        answer,
+                        model,
+                    })
+                }
+                Err(e) if e.route_around() => {
+                    tracing::warn!(
+                        request_id,
+                        worker_id = d.worker_id,
+                        dp_rank = d.dp_rank,
+                        error = %e,
+                        "engine failed the request before answering; routing around it"
+                    );
+                    let worker = d.worker_id;
+                    lease.free();
+                    if !route.excluded_workers.contains(&worker) {
+                        route.excluded_workers.push(worker);
+                    }
+                    last_failure = Some((worker, e));
+                    if attempt < self.config.route_retries {
+                        self.metrics.retries.get_or_create(&labels).inc();
+                    }
+                }
+                Err(UpstreamError::Status { status, body, .. }) => {
+                    lease.free();
+                    return Err(engine_refusal(status, &body));
+                }
+                Err(e) => {
+                    lease.free();
+                    return Err(ApiError::upstream(e.to_string()));
+                }
+            }
+        }
+        let (worker, e) = last_failure.expect("the loop ends early only after a failure");
+        Err(match e {
+            UpstreamError::Timeout { .. } => ApiError::timeout(format!(
+                "the engine of worker {worker} did not answer in time: {e}"
+            )),
+            _ => ApiError::upstream(format!(
+                "the engines failed the request ({} tried); last, worker {worker}: {e}",
+                route.excluded_workers.len()
+            )),
+        })
+    }
+
+    fn upstream_headers(&self, request_id: &str, dp_rank: u32) -> Vec<(HeaderName, HeaderValue)> {
+        let mut h = vec![(
+            HeaderName::from_static("x-data-parallel-rank"),
+            HeaderValue::from(dp_rank),
+        )];
+        if let Ok(v) = HeaderValue::from_str(request_id) {
+            h.push((HeaderName::from_static("x-request-id"), v));
+        }
+        h
+    }
+}
+
+/// An engine's 4xx, passed on: its own OpenAI-style error when it sent one.
+fn engine_refusal(status: u16, body: &str) -> ApiError {
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    let message = parsed
+        .as_ref()
+        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| body.chars().take(500).collect());
+    let mut e = ApiError::invalid(None, format!("the engine refused the request: {message}"));
+    e.status = status;
+    if status == 404 {
+        e.kind = "not_found_error";
+    }
+    e
+}

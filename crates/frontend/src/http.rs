@@ -1,0 +1,354 @@
+//! The frontend's HTTP server: the OpenAI endpoints, `/v1/models`, `/health`, `/readyz`
+//! and `/metrics`, with the kvrouter headers on every routed answer.
+
+use crate::frontend::{Frontend, Routed};
+use crate::metrics::RequestLabels;
+use crate::openai::{self, ApiError, Endpoint};
+use crate::relay::Relay;
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited, StreamBody};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+pub type Body = BoxBody<Bytes, Infallible>;
+
+fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed());
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+fn json_response(status: u16, v: &Value) -> Response<Body> {
+    full(status, "application/json", v.to_string())
+}
+
+pub fn error_response(e: &ApiError) -> Response<Body> {
+    let mut r = full(e.status, "application/json", e.to_bytes());
+    if let Some(s) = e.retry_after {
+        r.headers_mut()
+            .insert(hyper::header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    r
+}
+
+impl Frontend {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let method = req.method().clone();
+        if path.starts_with("/v1/") && !self.authorized(req.headers()) {
+            return error_response(&ApiError::unauthorized());
+        }
+        match (&method, path.as_str()) {
+            (&Method::POST, "/v1/completions") => self.openai(Endpoint::Completions, req).await,
+            (&Method::POST, "/v1/chat/completions") => self.openai(Endpoint::Chat, req).await,
+            (&Method::GET, "/v1/models") => json_response(200, &self.models_page()),
+            (&Method::GET, "/health" | "/healthz") => full(200, "text/plain", "ok\n"),
+            (&Method::GET, "/readyz") => {
+                let (ready, why) = self.readiness();
+                full(
+                    if ready { 200 } else { 503 },
+                    "text/plain",
+                    format!("{why}\n"),
+                )
+            }
+            (&Method::GET, "/metrics") => full(
+                200,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                self.metrics.render(),
+            ),
+            (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models") => {
+                let mut e = ApiError::invalid(None, format!("{method} is not allowed on {path}"));
+                e.status = 405;
+                error_response(&e)
+            }
+            _ => error_response(&ApiError::not_found(format!(
+                "no route {path}: try /v1/completions, /v1/chat/completions or /v1/models"
+            ))),
+        }
+    }
+
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        let Some(key) = &self.config.api_key else {
+            return true;
+        };
+        headers
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), key.as_bytes()))
+    }
+
+    /// Ready when the bus is up: routing needs nothing else of the frontend.
+    fn readiness(&self) -> (bool, String) {
+        if self.router.bus().is_connected() {
+            (
+                true,
+                format!("ready: {} requests in flight", self.in_flight()),
+            )
+        } else {
+            (false, "not connected to NATS".into())
+        }
+    }
+
+    fn models_page(&self) -> Value {
+        let data: Vec<Value> = self
+            .model_names()
+            .into_iter()
+            .map(|(id, m)| {
+                json!({"id": id, "object": "model", "created": 0, "owned_by": "kvrouter",
+                       "root": m.name(), "max_model_len": m.prompt_limit().tokens})
+            })
+            .collect();
+        json!({"object": "list", "data": data})
+    }
+
+    /// `/v1/completions` and `/v1/chat/completions`.
+    async fn openai(self: Arc<Self>, endpoint: Endpoint, req: Request<Incoming>) -> Response<Body> {
+        let started = Instant::now();
+        let request_id = req
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty() && v.len() <= 256)
+            .map_or_else(kvrouter_client::new_request_id, str::to_string);
+        let span =
+            tracing::info_span!("request", request_id = %request_id, endpoint = endpoint.as_str());
+        let (model, mut res) = self
+            .clone()
+            .answer(endpoint, req, &request_id, started)
+            .instrument(span)
+            .await
+            .unwrap_or_else(|(model, e)| (model, error_response(&e)));
+        if let Ok(v) = HeaderValue::from_str(&request_id) {
+            res.headers_mut().insert("x-request-id", v);
+        }
+        self.metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                model,
+                endpoint: endpoint.as_str(),
+                status: res.status().as_u16(),
+            })
+            .inc();
+        res
+    }
+
+    async fn answer(
+        self: Arc<Self>,
+        endpoint: Endpoint,
+        req: Request<Incoming>,
+        request_id: &str,
+        started: Instant,
+    ) -> Result<(String, Response<Body>), (String, ApiError)> {
+        let no_model = |e| (String::new(), e);
+        let in_flight = self.admit().map_err(no_model)?;
+        let body = read_body(req, self.config.max_body_bytes)
+            .await
+            .map_err(no_model)?;
+        let creq = openai::parse(endpoint, &body).map_err(no_model)?;
+        let model = creq.model.clone();
+        let Routed {
+            lease,
+            answer,
+            model: served,
+        } = self
+            .route_and_send(&creq, request_id)
+            .await
+            .map_err(|e| (model.clone(), e))?;
+        let d = &lease.decision;
+        let headers = [
+            (
+                "x-kvrouter-worker",
+                format!("{}:{}", d.worker_id, d.dp_rank),
+            ),
+            ("x-kvrouter-overlap-blocks", d.overlap_blocks.to_string()),
+            ("x-kvrouter-replica", d.replica_id.clone()),
+        ];
+        tracing::debug!(worker = %headers[0].1, overlap_blocks = d.overlap_blocks, "routed");
+        let chat = endpoint == Endpoint::Chat;
+        let relay = Relay::new(
+            answer.into_body(),
+            lease,
+            self.clone(),
+            served.name(),
+            started,
+            in_flight,
+        );
+        let mut res = if creq.stream {
+            let body = StreamBody::new(relay.into_sse_body(chat, creq.include_usage));
+            let mut r = Response::new(BodyExt::boxed(body));
+            let h = r.headers_mut();
+            h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+            h.insert(
+                hyper::header::CACHE_CONTROL,
+                HeaderValue::from_static("no-cache"),
+            );
+            r
+        } else {
+            match relay.gather(chat).await {
+                Ok(v) => json_response(200, &v),
+                Err(e) => error_response(&e),
+            }
+        };
+        for (k, v) in headers {
+            if let Ok(v) = HeaderValue::from_str(&v) {
+                res.headers_mut().insert(k, v);
+            }
+        }
+        Ok((served.name().to_string(), res))
+    }
+}
+
+/// The request body, refused (413) beyond `limit` bytes.
+async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        let mut e = ApiError::invalid(None, format!("the request body is over {limit} bytes"));
+        e.status = 413;
+        e
+    };
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large())
+        }
+        Err(e) => Err(ApiError::invalid(
+            None,
+            format!("cannot read the request body: {e}"),
+        )),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The frontend serving on a listener, until [`FrontendServer::shutdown_within`].
+pub struct FrontendServer {
+    pub addr: SocketAddr,
+    frontend: Arc<Frontend>,
+    accept: JoinHandle<()>,
+    connections: Arc<parking_lot::Mutex<tokio::task::JoinSet<()>>>,
+}
+
+impl FrontendServer {
+    /// Binds `addr` and serves.
+    pub async fn start(addr: SocketAddr, frontend: Frontend) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let frontend = Arc::new(frontend);
+        let connections = Arc::new(parking_lot::Mutex::new(tokio::task::JoinSet::new()));
+        let accept = tokio::spawn(accept_loop(listener, frontend.clone(), connections.clone()));
+        Ok(Self {
+            addr,
+            frontend,
+            accept,
+            connections,
+        })
+    }
+
+    pub fn frontend(&self) -> &Arc<Frontend> {
+        &self.frontend
+    }
+
+    /// Stops accepting, lets requests in flight finish for at most `drain`, then cuts the
+    /// rest (their routes are freed) and waits briefly for the frees to go out.
+    pub async fn shutdown_within(self, drain: std::time::Duration) {
+        self.accept.abort();
+        let deadline = tokio::time::Instant::now() + drain;
+        while self.frontend.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let left = self.frontend.in_flight();
+        if left > 0 {
+            tracing::warn!(
+                requests = left,
+                "drain timeout: cutting requests still in flight"
+            );
+        }
+        self.connections.lock().abort_all();
+        let m = &self.frontend.metrics.leases;
+        let settle = tokio::time::Instant::now() + std::time::Duration::from_millis(500);
+        while m.freed.get() < m.taken.get() && tokio::time::Instant::now() < settle {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // Let the spawned frees reach the bus.
+        let _ = (self.frontend.router.bus())
+            .flush_within(std::time::Duration::from_secs(1))
+            .await;
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    frontend: Arc<Frontend>,
+    connections: Arc<parking_lot::Mutex<tokio::task::JoinSet<()>>>,
+) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let frontend = frontend.clone();
+        let mut set = connections.lock();
+        // Reap finished connections so the set stays small.
+        while set.try_join_next().is_some() {}
+        set.spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let f = frontend.clone();
+                async move { Ok::<_, Infallible>(f.handle(req).await) }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(error = %e, "client connection ended with an error");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_keys_compare_whole() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+    }
+
+    #[test]
+    fn overload_carries_retry_after() {
+        let r = error_response(&ApiError::overloaded("full"));
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()[hyper::header::RETRY_AFTER], "1");
+    }
+}

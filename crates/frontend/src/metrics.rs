@@ -1,0 +1,135 @@
+//! What the frontend counts, on its `/metrics` (names in the style of Dynamo's frontend:
+//! requests by status, time to first token, inter-token latency, end-to-end duration).
+
+use crate::route_lease::LeaseCounts;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::Arc;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model: String,
+    pub endpoint: &'static str,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: String,
+}
+
+fn seconds_buckets() -> impl Iterator<Item = f64> {
+    // 100 µs .. ~100 s.
+    prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.5, 16)
+}
+
+fn histogram_family() -> Family<ModelLabel, Histogram> {
+    Family::new_with_constructor(|| Histogram::new(seconds_buckets()))
+}
+
+pub struct FrontendMetrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub ttft: Family<ModelLabel, Histogram>,
+    pub inter_token: Family<ModelLabel, Histogram>,
+    pub duration: Family<ModelLabel, Histogram>,
+    pub tokenize: Family<ModelLabel, Histogram>,
+    pub route: Family<ModelLabel, Histogram>,
+    pub retries: Family<ModelLabel, Counter>,
+    pub inflight: Gauge,
+    pub input_tokens: Family<ModelLabel, Counter>,
+    pub leases: Arc<LeaseCounts>,
+}
+
+impl FrontendMetrics {
+    pub fn new(leases: Arc<LeaseCounts>) -> Self {
+        let mut registry = Registry::with_prefix("kvrouter_frontend");
+        let m = Self {
+            requests: Family::default(),
+            ttft: histogram_family(),
+            inter_token: histogram_family(),
+            duration: histogram_family(),
+            tokenize: histogram_family(),
+            route: histogram_family(),
+            retries: Family::default(),
+            inflight: Gauge::default(),
+            input_tokens: Family::default(),
+            leases,
+            registry: Registry::default(),
+        };
+        registry.register(
+            "requests",
+            "Requests answered, by model, endpoint and HTTP status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            m.ttft.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Between streamed chunks of one answer",
+            m.inter_token.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "From request arrival to the answer's end",
+            m.duration.clone(),
+        );
+        registry.register(
+            "tokenize_seconds",
+            "Rendering the chat template and tokenizing",
+            m.tokenize.clone(),
+        );
+        registry.register(
+            "route_seconds",
+            "Asking the router replicas for a worker",
+            m.route.clone(),
+        );
+        registry.register(
+            "route_retries",
+            "Requests routed again around a failed engine",
+            m.retries.clone(),
+        );
+        registry.register(
+            "inflight_requests",
+            "Requests being answered",
+            m.inflight.clone(),
+        );
+        registry.register(
+            "input_tokens",
+            "Prompt tokens routed",
+            m.input_tokens.clone(),
+        );
+        registry.register(
+            "routes_taken",
+            "Route decisions holding router load",
+            m.leases.taken.clone(),
+        );
+        registry.register(
+            "routes_freed",
+            "Route decisions freed (equal to routes_taken at rest)",
+            m.leases.freed.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    pub fn model(model: &str) -> ModelLabel {
+        ModelLabel {
+            model: model.to_string(),
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "cannot render metrics");
+        }
+        out
+    }
+}

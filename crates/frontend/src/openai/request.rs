@@ -1,0 +1,477 @@
+//! What a client asked for: an OpenAI completions or chat request, checked field by field,
+//! with the fields the frontend does not interpret kept for the engine.
+
+use super::error::ApiError;
+use kvrouter_protocol::{Pin, RouteOverrides, WorkerId};
+use serde_json::{Map, Value};
+
+/// Which OpenAI endpoint a request came to.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completions => "completions",
+            Self::Chat => "chat_completions",
+        }
+    }
+}
+
+/// A completions prompt: text to tokenize, or token ids as they are.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The per-request `kvrouter` extension object.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RouterExt {
+    pub overrides: Option<RouteOverrides>,
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    pub pin: Option<Pin>,
+}
+
+/// A parsed request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClientRequest {
+    pub endpoint: Endpoint,
+    /// The model as the client named it (a served model or a LoRA adapter).
+    pub model: String,
+    pub input: Input,
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    pub cache_salt: Option<String>,
+    pub router: RouterExt,
+    /// Everything else, for the engine as it came.
+    pub rest: Map<String, Value>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    Prompt(Prompt),
+    Chat(Conversation),
+}
+
+/// What a chat template renders.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conversation {
+    pub messages: Vec<Value>,
+    pub add_generation_prompt: bool,
+    pub tools: Option<Vec<Value>>,
+    pub documents: Option<Vec<Value>>,
+    /// `chat_template_kwargs`: extra template variables.
+    pub template_kwargs: Map<String, Value>,
+}
+
+/// Chat fields that mean nothing to `/v1/completions` (the frontend renders the prompt).
+const CHAT_ONLY: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "top_logprobs",
+    "logprobs",
+    "max_completion_tokens",
+];
+
+fn bad(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(Some(param), message)
+}
+
+/// Parses a request body for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(mut rest) = value else {
+        return Err(ApiError::invalid(None, "the body must be a JSON object"));
+    };
+    let model = match rest.remove("model") {
+        Some(Value::String(m)) if !m.is_empty() => m,
+        Some(_) => return Err(bad("model", "model must be a non-empty string")),
+        None => return Err(bad("model", "model is required")),
+    };
+    let stream = match rest.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(_) => return Err(bad("stream", "stream must be a boolean")),
+    };
+    let include_usage = match rest.remove("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(bad(
+                    "stream_options.include_usage",
+                    "include_usage must be a boolean",
+                ))
+            }
+        },
+        Some(_) => return Err(bad("stream_options", "stream_options must be an object")),
+    };
+    let cache_salt = match rest.remove("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s),
+        Some(_) => return Err(bad("cache_salt", "cache_salt must be a non-empty string")),
+    };
+    let router = match rest.remove("kvrouter") {
+        None | Some(Value::Null) => RouterExt::default(),
+        Some(v) => parse_router_ext(v)?,
+    };
+    let input = match endpoint {
+        Endpoint::Completions => Input::Prompt(parse_prompt(rest.remove("prompt"))?),
+        Endpoint::Chat => Input::Chat(parse_chat(&mut rest)?),
+    };
+    Ok(ClientRequest {
+        endpoint,
+        model,
+        input,
+        stream,
+        include_usage,
+        cache_salt,
+        router,
+        rest,
+    })
+}
+
+fn parse_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
+    let one = "prompt must be a string or a list of token ids (one prompt per request)";
+    let prompt = match v {
+        None | Some(Value::Null) => return Err(bad("prompt", "prompt is required")),
+        Some(Value::String(s)) => Prompt::Text(s),
+        Some(Value::Array(items)) => match items.as_slice() {
+            [Value::String(s)] => Prompt::Text(s.clone()),
+            [Value::Array(ids)] => Prompt::Tokens(token_ids(ids)?),
+            ids if ids.iter().all(Value::is_number) => Prompt::Tokens(token_ids(ids)?),
+            _ => return Err(bad("prompt", one)),
+        },
+        Some(_) => return Err(bad("prompt", one)),
+    };
+    let empty = match &prompt {
+        Prompt::Text(s) => s.is_empty(),
+        Prompt::Tokens(t) => t.is_empty(),
+    };
+    if empty {
+        return Err(bad("prompt", "prompt is empty"));
+    }
+    Ok(prompt)
+}
+
+fn token_ids(ids: &[Value]) -> Result<Vec<u32>, ApiError> {
+    ids.iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| bad("prompt", format!("{v} is not a token id (0..2^32)")))
+        })
+        .collect()
+}
+
+fn parse_chat(rest: &mut Map<String, Value>) -> Result<Conversation, ApiError> {
+    let messages = match rest.remove("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        Some(Value::Array(_)) => return Err(bad("messages", "messages is empty")),
+        Some(_) => return Err(bad("messages", "messages must be a list of messages")),
+        None => return Err(bad("messages", "messages is required")),
+    };
+    for (i, m) in messages.iter().enumerate() {
+        if !m.get("role").is_some_and(Value::is_string) {
+            return Err(bad(
+                &format!("messages[{i}].role"),
+                "every message needs a string role",
+            ));
+        }
+    }
+    let add_generation_prompt = match rest.get("add_generation_prompt") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(bad(
+                "add_generation_prompt",
+                "add_generation_prompt must be a boolean",
+            ))
+        }
+    };
+    let template_kwargs = match rest.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(_) => {
+            return Err(bad(
+                "chat_template_kwargs",
+                "chat_template_kwargs must be an object",
+            ))
+        }
+    };
+    if rest.get("chat_template").is_some_and(|v| !v.is_null()) {
+        return Err(bad(
+            "chat_template",
+            "a per-request chat_template is not accepted; the model directory's (or \
+             --chat-template) is used",
+        ));
+    }
+    let list = |rest: &Map<String, Value>, key: &str| match rest.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(a)) => Ok(Some(a.clone())),
+        Some(_) => Err(bad(key, format!("{key} must be a list"))),
+    };
+    let tools = list(rest, "tools")?;
+    let documents = list(rest, "documents")?;
+    // Chat's max_completion_tokens and logprobs are completions' max_tokens and logprobs.
+    if let Some(n) = rest.get("max_completion_tokens").filter(|v| !v.is_null()) {
+        let n = n.clone();
+        rest.entry("max_tokens").or_insert(n);
+    }
+    let logprobs = match rest.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(Value::Bool(true)) => {
+            Some(rest.get("top_logprobs").cloned().unwrap_or(Value::from(0)))
+        }
+        Some(_) => return Err(bad("logprobs", "logprobs must be a boolean")),
+    };
+    for key in CHAT_ONLY {
+        rest.remove(*key);
+    }
+    if let Some(n) = logprobs {
+        rest.insert("logprobs".into(), n);
+    }
+    Ok(Conversation {
+        messages,
+        add_generation_prompt,
+        tools,
+        documents,
+        template_kwargs,
+    })
+}
+
+fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
+    let Value::Object(o) = v else {
+        return Err(bad("kvrouter", "kvrouter must be an object"));
+    };
+    let mut ext = RouterExt::default();
+    let mut overrides = RouteOverrides::default();
+    for (key, v) in o {
+        let param = format!("kvrouter.{key}");
+        match key.as_str() {
+            "overlap_credit" | "temperature" => {
+                let x = v
+                    .as_f64()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or_else(|| bad(&param, format!("{param} must be a number >= 0")))?;
+                if key == "overlap_credit" {
+                    overrides.overlap_credit = Some(x);
+                } else {
+                    overrides.temperature = Some(x);
+                }
+            }
+            "allowed_workers" => {
+                let ids = v
+                    .as_array()
+                    .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>())
+                    .ok_or_else(|| bad(&param, "allowed_workers must be a list of worker ids"))?;
+                ext.allowed_workers = Some(ids);
+            }
+            "pin" => {
+                let s = v
+                    .as_str()
+                    .ok_or_else(|| bad(&param, "pin must be a string WORKER:RANK or WORKER"))?;
+                ext.pin = Some(parse_pin(s).ok_or_else(|| {
+                    bad(&param, format!("pin {s:?} is not WORKER:RANK or WORKER"))
+                })?);
+            }
+            _ => {
+                return Err(bad(
+                    &param,
+                    format!(
+                        "unknown field {param} (known: overlap_credit, temperature, \
+                         allowed_workers, pin)"
+                    ),
+                ))
+            }
+        }
+    }
+    if overrides != RouteOverrides::default() {
+        ext.overrides = Some(overrides);
+    }
+    Ok(ext)
+}
+
+/// `WORKER:RANK` pins a rank, `WORKER` any rank of the worker.
+pub fn parse_pin(s: &str) -> Option<Pin> {
+    match s.split_once(':') {
+        Some((w, r)) => Some(Pin {
+            worker_id: w.trim().parse().ok()?,
+            dp_rank: Some(r.trim().parse().ok()?),
+        }),
+        None => Some(Pin {
+            worker_id: s.trim().parse().ok()?,
+            dp_rank: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn completions(v: Value) -> Result<ClientRequest, ApiError> {
+        parse(Endpoint::Completions, v.to_string().as_bytes())
+    }
+
+    fn chat(v: Value) -> Result<ClientRequest, ApiError> {
+        parse(Endpoint::Chat, v.to_string().as_bytes())
+    }
+
+    fn param_of(r: Result<ClientRequest, ApiError>) -> Option<String> {
+        r.unwrap_err().param
+    }
+
+    #[test]
+    fn prompts_in_every_accepted_shape() {
+        let text = completions(json!({"model": "m", "prompt": "hi"})).unwrap();
+        assert_eq!(text.input, Input::Prompt(Prompt::Text("hi".into())));
+        for p in [json!([1, 2, 3]), json!([[1, 2, 3]])] {
+            let r = completions(json!({"model": "m", "prompt": p})).unwrap();
+            assert_eq!(r.input, Input::Prompt(Prompt::Tokens(vec![1, 2, 3])));
+        }
+        let one = completions(json!({"model": "m", "prompt": ["hi"]})).unwrap();
+        assert_eq!(one.input, Input::Prompt(Prompt::Text("hi".into())));
+        for bad in [
+            json!(["a", "b"]),
+            json!([[1], [2]]),
+            json!([1, -2]),
+            json!([1, 4294967296u64]),
+            json!([1.5]),
+            json!(""),
+            json!([]),
+            json!(7),
+        ] {
+            let r = completions(json!({"model": "m", "prompt": bad}));
+            assert_eq!(param_of(r).as_deref(), Some("prompt"), "{bad}");
+        }
+        assert_eq!(
+            param_of(completions(json!({"model": "m"}))).as_deref(),
+            Some("prompt")
+        );
+    }
+
+    #[test]
+    fn the_fields_named_in_errors() {
+        assert_eq!(
+            param_of(completions(json!({"prompt": "x"}))).as_deref(),
+            Some("model")
+        );
+        assert_eq!(
+            param_of(completions(json!({"model": 3, "prompt": "x"}))).as_deref(),
+            Some("model")
+        );
+        assert_eq!(
+            param_of(completions(
+                json!({"model": "m", "prompt": "x", "stream": "yes"})
+            ))
+            .as_deref(),
+            Some("stream")
+        );
+        let r = completions(json!({"model": "m", "prompt": "x", "kvrouter": {"temperature": -1}}));
+        assert_eq!(param_of(r).as_deref(), Some("kvrouter.temperature"));
+        let r = completions(json!({"model": "m", "prompt": "x", "kvrouter": {"tmp": 1}}));
+        assert_eq!(param_of(r).as_deref(), Some("kvrouter.tmp"));
+        let r = completions(json!({"model": "m", "prompt": "x", "kvrouter": {"pin": "a:b"}}));
+        assert_eq!(param_of(r).as_deref(), Some("kvrouter.pin"));
+        let r = parse(Endpoint::Completions, b"{\"model\": ");
+        assert!(r.unwrap_err().message.contains("not valid JSON"));
+        let r = parse(Endpoint::Completions, b"[1]");
+        assert!(r.unwrap_err().message.contains("object"));
+        let r = chat(json!({"model": "m", "messages": [{"content": "x"}]}));
+        assert_eq!(param_of(r).as_deref(), Some("messages[0].role"));
+        let r = chat(json!({"model": "m", "messages": []}));
+        assert_eq!(param_of(r).as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn router_extension_and_pass_through() {
+        let r = completions(json!({
+            "model": "m", "prompt": [5], "max_tokens": 7, "temperature": 0.5, "seed": 3,
+            "stream": true, "stream_options": {"include_usage": true}, "cache_salt": "s",
+            "kvrouter": {"overlap_credit": 0.5, "temperature": 1, "allowed_workers": [4, 5], "pin": "4:1"}
+        }))
+        .unwrap();
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert_eq!(
+            r.router,
+            RouterExt {
+                overrides: Some(RouteOverrides {
+                    overlap_credit: Some(0.5),
+                    temperature: Some(1.0)
+                }),
+                allowed_workers: Some(vec![4, 5]),
+                pin: Some(Pin {
+                    worker_id: 4,
+                    dp_rank: Some(1)
+                }),
+            }
+        );
+        // The sampling temperature is the engine's, not the router's.
+        assert_eq!(
+            Value::Object(r.rest),
+            json!({"max_tokens": 7, "temperature": 0.5, "seed": 3})
+        );
+        assert_eq!(
+            parse_pin("9"),
+            Some(Pin {
+                worker_id: 9,
+                dp_rank: None
+            })
+        );
+    }
+
+    #[test]
+    fn chat_fields_become_completions_fields() {
+        let r = chat(json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2,
+            "tools": [{"type": "function"}], "tool_choice": "auto", "n": 1,
+            "chat_template_kwargs": {"enable_thinking": false}
+        }))
+        .unwrap();
+        let Input::Chat(c) = &r.input else {
+            panic!("not chat")
+        };
+        assert!(c.add_generation_prompt);
+        assert_eq!(c.tools, Some(vec![json!({"type": "function"})]));
+        assert_eq!(
+            c.template_kwargs.get("enable_thinking"),
+            Some(&json!(false))
+        );
+        assert_eq!(
+            Value::Object(r.rest),
+            json!({"max_tokens": 9, "logprobs": 2, "n": 1})
+        );
+        let r = chat(
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                            "add_generation_prompt": false, "logprobs": false}),
+        )
+        .unwrap();
+        let Input::Chat(c) = &r.input else {
+            panic!("not chat")
+        };
+        assert!(!c.add_generation_prompt);
+        assert_eq!(Value::Object(r.rest), json!({}));
+        let r = chat(
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                            "chat_template": "{{ x }}"}),
+        );
+        assert_eq!(param_of(r).as_deref(), Some("chat_template"));
+    }
+}

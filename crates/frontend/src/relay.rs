@@ -1,0 +1,226 @@
+//! The engine's answer on its way to the client: read as server-sent events, the first
+//! token marks the prefill, chunks are reshaped and streamed on (or gathered into one
+//! answer), and the route is freed when the answer ends, fails, times out or the client
+//! leaves (dropping the relay).
+
+use crate::frontend::InFlight;
+use crate::metrics::{FrontendMetrics, ModelLabel};
+use crate::openai::{read_chunk, ApiError, Chunk, ChunkShaper, Gathered};
+use crate::route_lease::RouteLease;
+use crate::sse::{self, SseEvent, SseParser};
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What reading the engine gave next.
+enum Step {
+    Event(SseEvent),
+    /// The engine closed the stream.
+    End,
+    Failed(String),
+    TimedOut,
+}
+
+pub struct Relay {
+    body: Incoming,
+    parser: SseParser,
+    pending: VecDeque<SseEvent>,
+    body_done: bool,
+    lease: Option<RouteLease>,
+    frontend: Arc<crate::Frontend>,
+    labels: ModelLabel,
+    started: Instant,
+    last_output: Option<Instant>,
+    deadline: tokio::time::Instant,
+    _in_flight: InFlight,
+}
+
+impl Relay {
+    pub fn new(
+        body: Incoming,
+        lease: RouteLease,
+        frontend: Arc<crate::Frontend>,
+        model: &str,
+        started: Instant,
+        in_flight: InFlight,
+    ) -> Self {
+        let deadline = tokio::time::Instant::from_std(started + frontend.config.request_timeout);
+        Self {
+            body,
+            parser: SseParser::new(),
+            pending: VecDeque::new(),
+            body_done: false,
+            lease: Some(lease),
+            frontend,
+            labels: FrontendMetrics::model(model),
+            started,
+            last_output: None,
+            deadline,
+            _in_flight: in_flight,
+        }
+    }
+
+    async fn step(&mut self) -> Step {
+        loop {
+            if let Some(ev) = self.pending.pop_front() {
+                return Step::Event(ev);
+            }
+            if self.body_done {
+                return Step::End;
+            }
+            match tokio::time::timeout_at(self.deadline, self.body.frame()).await {
+                Err(_) => return Step::TimedOut,
+                Ok(None) => {
+                    self.body_done = true;
+                    match self.parser.finish() {
+                        Ok(ev) => self.pending.extend(ev),
+                        Err(e) => return Step::Failed(format!("bad event stream: {e}")),
+                    }
+                }
+                Ok(Some(Err(e))) => {
+                    return Step::Failed(format!("the engine connection broke: {e}"))
+                }
+                Ok(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        match self.parser.feed(&data) {
+                            Ok(evs) => self.pending.extend(evs),
+                            Err(e) => return Step::Failed(format!("bad event stream: {e}")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A chunk with generated output: the first ends the prefill.
+    fn saw_output(&mut self) {
+        let now = Instant::now();
+        let m = &self.frontend.metrics;
+        match self.last_output.replace(now) {
+            None => {
+                if let Some(l) = &mut self.lease {
+                    l.mark_prefill();
+                }
+                m.ttft
+                    .get_or_create(&self.labels)
+                    .observe((now - self.started).as_secs_f64());
+            }
+            Some(prev) => m
+                .inter_token
+                .get_or_create(&self.labels)
+                .observe((now - prev).as_secs_f64()),
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(l) = self.lease.take() {
+            l.free();
+        }
+    }
+
+    /// The next bytes for a streaming client, or `None` after `[DONE]`.
+    async fn next_sse(&mut self, shaper: &mut ChunkShaper) -> Option<Bytes> {
+        self.lease.as_ref()?;
+        loop {
+            let failure = match self.step().await {
+                Step::Event(SseEvent::Done) => {
+                    self.finish();
+                    return Some(Bytes::from_static(sse::DONE));
+                }
+                Step::Event(SseEvent::Data(d)) => match read_chunk(&d) {
+                    Ok(Chunk::Answer { value, has_output }) => {
+                        if has_output {
+                            self.saw_output();
+                        }
+                        match shaper.shape(value) {
+                            Some(v) => return Some(sse::event(&v.to_string())),
+                            None => continue,
+                        }
+                    }
+                    Ok(Chunk::Error(e)) => engine_error_message(&e),
+                    Err(e) => e,
+                },
+                Step::End => "the engine closed the stream before [DONE]".to_string(),
+                Step::Failed(e) => e,
+                Step::TimedOut => format!(
+                    "the answer took longer than {:?} (--request-timeout-secs)",
+                    self.frontend.config.request_timeout
+                ),
+            };
+            self.finish();
+            let err = json!({"error": {"message": failure, "type": "upstream_error", "code": 502}});
+            let mut b = BytesMut::new();
+            b.extend_from_slice(&sse::event(&err.to_string()));
+            b.extend_from_slice(sse::DONE);
+            return Some(b.freeze());
+        }
+    }
+
+    /// The stream as the client's response body.
+    pub fn into_sse_body(
+        self,
+        chat: bool,
+        include_usage: bool,
+    ) -> impl futures_util::Stream<Item = Result<hyper::body::Frame<Bytes>, std::convert::Infallible>>
+    {
+        let shaper = ChunkShaper::new(chat, include_usage);
+        futures_util::stream::unfold((self, shaper), |(mut relay, mut shaper)| async move {
+            let bytes = relay.next_sse(&mut shaper).await?;
+            Some((Ok(hyper::body::Frame::data(bytes)), (relay, shaper)))
+        })
+    }
+
+    /// The whole answer, for a client that did not ask to stream.
+    pub async fn gather(mut self, chat: bool) -> Result<Value, ApiError> {
+        let mut gathered = Gathered::default();
+        loop {
+            let failure = match self.step().await {
+                Step::Event(SseEvent::Done) | Step::End => break,
+                Step::Event(SseEvent::Data(d)) => match read_chunk(&d) {
+                    Ok(Chunk::Answer { value, has_output }) => {
+                        if has_output {
+                            self.saw_output();
+                        }
+                        gathered.add(&value);
+                        continue;
+                    }
+                    Ok(Chunk::Error(e)) => ApiError::upstream(engine_error_message(&e)),
+                    Err(e) => ApiError::upstream(e),
+                },
+                Step::Failed(e) => ApiError::upstream(e),
+                Step::TimedOut => ApiError::timeout(format!(
+                    "the answer took longer than {:?} (--request-timeout-secs)",
+                    self.frontend.config.request_timeout
+                )),
+            };
+            self.finish();
+            return Err(failure);
+        }
+        self.finish();
+        Ok(gathered.finish(chat))
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        // A client that left: the lease's own drop frees the route; the engine sees its
+        // connection closed and stops generating.
+        self.frontend
+            .metrics
+            .duration
+            .get_or_create(&self.labels)
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+fn engine_error_message(e: &Value) -> String {
+    let m = e
+        .get("message")
+        .and_then(Value::as_str)
+        .map_or_else(|| e.to_string(), str::to_string);
+    format!("the engine failed mid-answer: {m}")
+}

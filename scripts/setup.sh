@@ -29,16 +29,19 @@ fi
 echo "setup: $(nats-server --version) at $(command -v nats-server)" >&2
 
 # Python packages the engine-facing tests use to speak as vLLM and SGLang do (msgspec
-# msgpack, pyzmq), installed under .tools/py unless python3 already has them.
-PY_PKGS="msgspec>=0.18 pyzmq>=25"
-if ! python3 -c "import msgspec, zmq" >/dev/null 2>&1; then
+# msgpack, pyzmq), to build and render model directories as transformers does (tokenizers,
+# jinja2) and to call the frontend as OpenAI clients do (openai), installed under .tools/py
+# unless python3 already has them.
+PY_PKGS="msgspec>=0.18 pyzmq>=25 openai>=1 tokenizers>=0.19 jinja2>=3"
+PY_IMPORTS="import msgspec, zmq, openai, tokenizers, jinja2"
+if ! python3 -c "$PY_IMPORTS" >/dev/null 2>&1; then
   export PYTHONPATH="$TOOLS/py${PYTHONPATH:+:$PYTHONPATH}"
-  if ! python3 -c "import msgspec, zmq" >/dev/null 2>&1; then
+  if ! python3 -c "$PY_IMPORTS" >/dev/null 2>&1; then
     echo "setup: installing $PY_PKGS into $TOOLS/py" >&2
     # shellcheck disable=SC2086
     python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
       --upgrade --target "$TOOLS/py" $PY_PKGS
-    python3 -c "import msgspec, zmq" || { echo "setup: msgspec/pyzmq still missing" >&2; exit 1; }
+    python3 -c "$PY_IMPORTS" || { echo "setup: python packages ($PY_PKGS) still missing" >&2; exit 1; }
   fi
 fi
-echo "setup: python3 with msgspec $(python3 -c 'import msgspec; print(msgspec.__version__)'), pyzmq $(python3 -c 'import zmq; print(zmq.__version__)')" >&2
+echo "setup: python3 with msgspec $(python3 -c 'import msgspec; print(msgspec.__version__)'), pyzmq $(python3 -c 'import zmq; print(zmq.__version__)'), tokenizers $(python3 -c 'import tokenizers; print(tokenizers.__version__)'), jinja2 $(python3 -c 'import jinja2; print(jinja2.__version__)'), openai $(python3 -c 'import openai; print(openai.__version__)')" >&2

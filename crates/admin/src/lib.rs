@@ -1,21 +1,73 @@
 //! The admin HTTP endpoint every long-running kvrouter process serves: `/healthz` (the
 //! process runs), `/readyz` (it can do its job; the body says why not), `/metrics`
-//! (OpenMetrics text) and whatever `/debug/...` pages the process offers.
+//! (OpenMetrics text), whatever `/debug/...` pages the process offers, and its JSON API
+//! under `/v1/` (any method; the body is read here, within [`AdminView::max_body_bytes`],
+//! before the view sees it).
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper::{Method, Request, Response, StatusCode};
+pub use hyper::Method;
+use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 /// A `/debug/...` page being produced: (HTTP status, JSON body).
 pub type DebugPage = Pin<Box<dyn Future<Output = (u16, String)> + Send>>;
+
+/// Where the JSON API lives: every path under it goes to [`AdminView::api`].
+pub const API_PREFIX: &str = "/v1/";
+
+/// The largest API request body a view accepts unless it says otherwise.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// One JSON API request, its body already read (and within the view's limit).
+#[derive(Clone, Debug)]
+pub struct ApiRequest {
+    pub method: Method,
+    /// The whole path, `/v1/...` included, not percent-decoded.
+    pub path: String,
+    /// The raw query string (empty when none).
+    pub query: String,
+    pub body: Bytes,
+}
+
+/// A JSON API answer: status, extra headers (the content type is always JSON), body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiResponse {
+    pub status: u16,
+    pub headers: Vec<(&'static str, String)>,
+    pub body: String,
+}
+
+impl ApiResponse {
+    pub fn json(status: u16, body: String) -> Self {
+        Self {
+            status,
+            headers: Vec::new(),
+            body,
+        }
+    }
+
+    /// `{"error":{"kind":KIND,"message":MESSAGE}}` with `status`.
+    pub fn error(status: u16, kind: &str, message: &str) -> Self {
+        let body = serde_json::json!({ "error": { "kind": kind, "message": message } });
+        Self::json(status, body.to_string())
+    }
+
+    pub fn with_header(mut self, name: &'static str, value: impl Into<String>) -> Self {
+        self.headers.push((name, value.into()));
+        self
+    }
+}
+
+/// A JSON API answer being produced.
+pub type ApiPage = Pin<Box<dyn Future<Output = ApiResponse> + Send>>;
 
 /// What the admin endpoint shows.
 pub trait AdminView: Send + Sync + 'static {
@@ -30,6 +82,18 @@ pub trait AdminView: Send + Sync + 'static {
         let _ = (path, query);
         None
     }
+
+    /// A JSON API request (a path under [`API_PREFIX`]); `None` when there is no such
+    /// endpoint (answered 404).
+    fn api(self: Arc<Self>, req: ApiRequest) -> Option<ApiPage> {
+        let _ = req;
+        None
+    }
+
+    /// The largest API request body accepted; a longer one is answered 413 unread.
+    fn max_body_bytes(&self) -> usize {
+        DEFAULT_MAX_BODY_BYTES
+    }
 }
 
 /// The value of `key` in a query string (`a=1&b=2`; no percent-decoding).
@@ -41,6 +105,28 @@ pub fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
+/// Decodes `%XX` escapes (a `%` not followed by two hex digits stays as it is); `None` when
+/// the result is not UTF-8.
+pub fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |j: usize| b.get(j).and_then(|&c| (c as char).to_digit(16));
+        match (b[i], hex(i + 1), hex(i + 2)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, ..) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 fn respond(status: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
@@ -50,7 +136,64 @@ fn respond(status: StatusCode, content_type: &str, body: String) -> Response<Ful
     r
 }
 
+fn respond_api(r: ApiResponse) -> Response<Full<Bytes>> {
+    let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = respond(status, "application/json", r.body);
+    for (name, value) in r.headers {
+        if let Ok(v) = value.parse() {
+            resp.headers_mut().insert(name, v);
+        }
+    }
+    resp
+}
+
+fn too_large(limit: usize) -> ApiResponse {
+    ApiResponse::error(
+        413,
+        "invalid_request",
+        &format!("request body over {limit} bytes"),
+    )
+}
+
+async fn handle_api(view: Arc<dyn AdminView>, req: Request<Incoming>) -> ApiResponse {
+    let limit = view.max_body_bytes();
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    // Refused unread when it says it is too long; otherwise read up to the limit.
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large(limit);
+    }
+    let (parts, body) = req.into_parts();
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_large(limit),
+        Err(e) => {
+            return ApiResponse::error(
+                400,
+                "malformed",
+                &format!("cannot read the request body: {e}"),
+            )
+        }
+    };
+    let req = ApiRequest {
+        method: parts.method,
+        path: parts.uri.path().to_string(),
+        query: parts.uri.query().unwrap_or("").to_string(),
+        body,
+    };
+    let what = format!("{} {}", req.method, req.path);
+    match view.api(req) {
+        Some(page) => page.await,
+        None => ApiResponse::error(404, "invalid_request", &format!("no such endpoint: {what}")),
+    }
+}
+
 async fn handle(view: Arc<dyn AdminView>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    if req.uri().path().starts_with(API_PREFIX) {
+        return respond_api(handle_api(view, req).await);
+    }
     if let Some(page) = req.uri().path().strip_prefix("/debug/") {
         let query = req.uri().query().unwrap_or("").to_string();
         return match view.debug(page.to_string(), query) {
@@ -101,8 +244,8 @@ fn handle_plain(view: &dyn AdminView, req: &Request<Incoming>) -> Response<Full<
     }
 }
 
-/// Binds `addr` and serves until the task is aborted. Returns the bound address (useful
-/// with port 0).
+/// Binds `addr` and serves until the task is aborted, which also ends every open
+/// connection. Returns the bound address (useful with port 0).
 pub async fn serve(
     addr: SocketAddr,
     view: Arc<dyn AdminView>,
@@ -110,7 +253,10 @@ pub async fn serve(
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let task = tokio::spawn(async move {
+        // Owned by this task: aborting it drops the set, which aborts the connections.
+        let mut conns = JoinSet::new();
         loop {
+            while conns.try_join_next().is_some() {}
             let (stream, _) = match listener.accept().await {
                 Ok(s) => s,
                 Err(e) => {
@@ -120,7 +266,7 @@ pub async fn serve(
                 }
             };
             let view = view.clone();
-            tokio::spawn(async move {
+            conns.spawn(async move {
                 let service = hyper::service::service_fn(move |req| {
                     let view = view.clone();
                     async move { Ok::<_, std::convert::Infallible>(handle(view, req).await) }
@@ -135,4 +281,151 @@ pub async fn serve(
         }
     });
     Ok((local, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// Echoes the API request; answers 503 with `Retry-After` on `/v1/busy`.
+    struct Echo;
+
+    impl AdminView for Echo {
+        fn readiness(&self) -> (bool, String) {
+            (true, "ready".into())
+        }
+
+        fn metrics(&self) -> String {
+            String::new()
+        }
+
+        fn api(self: Arc<Self>, req: ApiRequest) -> Option<ApiPage> {
+            match req.path.as_str() {
+                "/v1/echo" => Some(Box::pin(async move {
+                    let body = serde_json::json!({
+                        "method": req.method.as_str(),
+                        "query": req.query,
+                        "body": String::from_utf8_lossy(&req.body),
+                    });
+                    ApiResponse::json(200, body.to_string())
+                })),
+                "/v1/busy" => Some(Box::pin(async {
+                    ApiResponse::error(503, "overloaded", "busy").with_header("retry-after", "1")
+                })),
+                _ => None,
+            }
+        }
+
+        fn max_body_bytes(&self) -> usize {
+            16
+        }
+    }
+
+    /// Sends raw bytes, returns the whole answer.
+    async fn call(addr: SocketAddr, raw: String) -> String {
+        tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(raw.as_bytes()).unwrap();
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            out
+        })
+        .await
+        .unwrap()
+    }
+
+    fn post(path: &str, body: &str) -> String {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    #[tokio::test]
+    async fn api_paths_reach_the_view_within_the_body_limit() {
+        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(Echo))
+            .await
+            .unwrap();
+        let ok = call(addr, post("/v1/echo?a=1", "{\"x\":1}")).await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(ok.contains("content-type: application/json"), "{ok}");
+        assert!(ok.contains(r#""body":"{\"x\":1}""#) && ok.contains(r#""query":"a=1""#));
+        assert!(ok.contains(r#""method":"POST""#), "{ok}");
+
+        // Over the limit by its Content-Length: refused unread.
+        let big = call(addr, post("/v1/echo", &"x".repeat(17))).await;
+        assert!(big.starts_with("HTTP/1.1 413"), "{big}");
+        assert!(
+            big.contains(
+                r#"{"error":{"kind":"invalid_request","message":"request body over 16 bytes"}}"#
+            ),
+            "{big}"
+        );
+        // Over the limit without a length (chunked): refused once the limit is passed.
+        let chunked = format!(
+            "POST /v1/echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n11\r\n{}\r\n0\r\n\r\n",
+            "y".repeat(17)
+        );
+        let big = call(addr, chunked).await;
+        assert!(big.starts_with("HTTP/1.1 413"), "{big}");
+        // Exactly at the limit is fine.
+        let at = call(addr, post("/v1/echo", &"z".repeat(16))).await;
+        assert!(at.starts_with("HTTP/1.1 200"), "{at}");
+
+        let none = call(addr, post("/v1/nope", "")).await;
+        assert!(none.starts_with("HTTP/1.1 404"), "{none}");
+        assert!(none.contains("no such endpoint: POST /v1/nope"), "{none}");
+        let busy = call(addr, post("/v1/busy", "")).await;
+        assert!(busy.starts_with("HTTP/1.1 503") && busy.contains("retry-after: 1"));
+
+        // The rest is as before.
+        let get = |p: &str| format!("GET {p} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        assert!(call(addr, get("/healthz"))
+            .await
+            .starts_with("HTTP/1.1 200"));
+        assert!(call(addr, post("/healthz", ""))
+            .await
+            .starts_with("HTTP/1.1 405"));
+        assert!(call(addr, get("/debug/x"))
+            .await
+            .starts_with("HTTP/1.1 404"));
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn aborting_the_listener_ends_open_connections() {
+        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(Echo))
+            .await
+            .unwrap();
+        // A keep-alive connection, idle after one answer.
+        let reader = tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            let mut out = Vec::new();
+            let _ = s.read_to_end(&mut out); // returns once the server closes it
+            String::from_utf8_lossy(&out).to_string()
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        task.abort();
+        let out = tokio::time::timeout(std::time::Duration::from_secs(5), reader)
+            .await
+            .expect("the connection is closed with the listener")
+            .unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    }
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(
+            percent_decode("Qwen%2FQwen3-0.6B").unwrap(),
+            "Qwen/Qwen3-0.6B"
+        );
+        assert_eq!(percent_decode("a%2fb%20c").unwrap(), "a/b c");
+        assert_eq!(percent_decode("100%").unwrap(), "100%");
+        assert_eq!(percent_decode("%zz%4").unwrap(), "%zz%4");
+        assert_eq!(percent_decode("%e2%9c%93").unwrap(), "✓");
+        assert!(percent_decode("%ff").is_none(), "not UTF-8");
+    }
 }

@@ -224,7 +224,7 @@ pub(crate) fn json_to_value(json: &serde_json::Value) -> Value {
 /// Writes values as Python's `str()` does where minijinja's spelling differs.
 fn python_formatter(out: &mut Output, state: &mut State, value: &Value) -> Result<(), Error> {
     let text = match value.kind() {
-        ValueKind::None => "none".to_string(),
+        ValueKind::None => "None".to_string(),
         ValueKind::Bool => if value.is_true() { "True" } else { "False" }.to_string(),
         ValueKind::Number if !value.is_integer() => match f64::try_from(value.clone()) {
             Ok(f) => python_float(f),

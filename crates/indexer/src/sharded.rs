@@ -287,6 +287,14 @@ impl IndexReader {
         out
     }
 
+    /// Blocks one worker rank holds (0 when the index does not know it).
+    pub fn held_blocks(&self, key: WorkerKey) -> usize {
+        self.cores
+            .iter()
+            .map(|core| core.read().index.held_blocks(key))
+            .sum()
+    }
+
     /// Sizes and counters summed over shards.
     pub fn stats(&self) -> IndexStats {
         let mut total = IndexStats::default();

@@ -57,6 +57,8 @@ async fn a_lookup_after_the_acknowledgement_sees_the_event() {
         index.apply_and_wait(vec![ev]).await.unwrap();
         assert_eq!(reader.find_matches(&q(&chain)).get(key), chain.len() as u32);
     }
+    assert_eq!(reader.held_blocks(key), 200);
+    assert_eq!(reader.held_blocks(WorkerKey::new(9, 3)), 0);
     index.stop().await;
 }
 

@@ -1,8 +1,9 @@
-//! Admin HTTP (`/healthz`, `/readyz`, `/metrics`, `/debug/rank`): what a replica shows on
-//! the shared admin endpoint.
+//! Admin HTTP (`/healthz`, `/readyz`, `/metrics`, `/debug/rank`, and the JSON API under
+//! `/v1/`): what a replica shows on the shared admin endpoint.
 
+use crate::http_api;
 use crate::state::ReplicaShared;
-use kvrouter_admin::{query_param, AdminView, DebugPage};
+use kvrouter_admin::{query_param, AdminView, ApiPage, ApiRequest, DebugPage};
 use kvrouter_protocol::{KvEventData, WorkerKey};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +17,16 @@ impl AdminView for ReplicaShared {
     fn metrics(&self) -> String {
         self.refresh_gauges();
         self.metrics.render()
+    }
+
+    /// The JSON API for peer routers (see [`http_api`]).
+    fn api(self: Arc<Self>, req: ApiRequest) -> Option<ApiPage> {
+        http_api::handle(self, req)
+    }
+
+    /// A route body with the longest prompt accepted fits.
+    fn max_body_bytes(&self) -> usize {
+        http_api::max_body_bytes(self.max_prompt_tokens)
     }
 
     /// `/debug/rank?model=M&worker=W&dp_rank=R`: what this replica's index holds for one

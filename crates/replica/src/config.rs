@@ -223,6 +223,9 @@ pub struct ReplicaConfig {
     /// How long shutdown may take in all: draining in-flight requests, then stopping.
     pub drain_timeout: Duration,
     pub admin_addr: Option<SocketAddr>,
+    /// Where the JSON API for peer routers listens (`--http-addr`), when not on the admin
+    /// address (which always serves it too).
+    pub http_addr: Option<SocketAddr>,
     /// Where overlaps come from (every model alike).
     pub index: IndexSource,
     /// `Some` with `--replica-sync`.
@@ -247,6 +250,7 @@ impl Default for ReplicaConfig {
             discovery_window: Duration::from_millis(500),
             drain_timeout: Duration::from_secs(10),
             admin_addr: None,
+            http_addr: None,
             index: IndexSource::Events { serve: false },
             sync: None,
             transfer_timeout: DEFAULT_TRANSFER_TIMEOUT,
@@ -304,9 +308,16 @@ pub enum ReplicaError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot bind the HTTP API address {addr} (--http-addr)")]
+    Http {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-fn valid_replica_id(id: &str) -> bool {
+/// Letters, digits, `-` and `_` (one subject token).
+pub(crate) fn valid_replica_id(id: &str) -> bool {
     !id.is_empty()
         && id
             .bytes()

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 /// Which endpoint a subscription serves.
-#[derive(Copy, Clone, Debug)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
     Route,
     OverlapScores,
@@ -114,7 +114,8 @@ pub fn serve(
     }
 }
 
-fn observe_route(
+/// Counts a route decision (the bus and HTTP endpoints alike).
+pub(crate) fn observe_route(
     shared: &ReplicaShared,
     result: &Result<(String, RouteDecision), ErrorReply>,
     started: Instant,
@@ -191,7 +192,9 @@ pub(crate) fn hash_prompt(
     Ok((local, seq))
 }
 
-async fn route(
+/// Routes one request: the one route path of the bus and HTTP endpoints. Answers the
+/// model's name with the decision (for [`observe_route`]).
+pub(crate) async fn route(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
     req: RouteRequest,
@@ -348,7 +351,8 @@ async fn potential_loads(
         .collect())
 }
 
-async fn update(
+/// `mark_prefill` or `free` of a request this replica routed.
+pub(crate) async fn update(
     shared: &ReplicaShared,
     endpoint: Endpoint,
     req: RequestUpdate,

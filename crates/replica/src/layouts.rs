@@ -2,7 +2,7 @@
 //! candidates from them: which workers an aggregated route may use, and which decode rank a
 //! prefill rank hands over to. Written by the worker tracker, read by the endpoints.
 
-use kvrouter_protocol::{DpRank, Registration, WorkerId, WorkerKey, WorkerRole};
+use kvrouter_protocol::{DpRank, EngineKind, Registration, WorkerId, WorkerKey, WorkerRole};
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -14,6 +14,7 @@ pub struct WorkerLayout {
     pub dp_start_rank: DpRank,
     pub dp_size: u32,
     pub tp_size: u32,
+    pub engine: EngineKind,
 }
 
 impl WorkerLayout {
@@ -23,6 +24,7 @@ impl WorkerLayout {
             dp_start_rank: reg.dp_start_rank,
             dp_size: reg.dp_size,
             tp_size: reg.tp_size,
+            engine: reg.engine,
         }
     }
 }
@@ -49,6 +51,15 @@ impl Layouts {
 
     pub fn get(&self, worker_id: WorkerId) -> Option<WorkerLayout> {
         self.0.read().get(&worker_id).map(|e| e.0)
+    }
+
+    /// Every registered worker with its layout and HTTP address, by worker id.
+    pub fn all(&self) -> Vec<(WorkerId, WorkerLayout, String)> {
+        let mut out: Vec<_> = (self.0.read().iter())
+            .map(|(&w, (l, url))| (w, *l, url.to_string()))
+            .collect();
+        out.sort_unstable_by_key(|e| e.0);
+        out
     }
 
     /// Where a worker takes HTTP requests (empty when unknown or it has no address).
@@ -156,6 +167,7 @@ mod tests {
             dp_start_rank: start,
             dp_size: size,
             tp_size: 1,
+            engine: EngineKind::Mocker,
         }
     }
 
@@ -194,5 +206,7 @@ mod tests {
         assert_eq!(l.workers_with(WorkerRole::Decode, Some(&[2, 4])), vec![2]);
         l.remove(2);
         assert_eq!(l.workers_with(WorkerRole::Decode, None), vec![3]);
+        let all: Vec<WorkerId> = l.all().iter().map(|e| e.0).collect();
+        assert_eq!(all, vec![1, 3, 4]);
     }
 }

@@ -11,7 +11,8 @@
 //!   event ingest and state fetches of one model), `remote_indexer`, `approx`;
 //! - the shared read view the handlers use: `state`;
 //! - bus and HTTP handlers: `serve` (the one way a subject is served), `endpoints`,
-//!   `disagg`, `served_indexer`, `replica_sync_bus`, `route_gate`, `admin`;
+//!   `disagg`, `served_indexer`, `replica_sync_bus`, `route_gate`, `http_api` (the JSON API
+//!   for peer routers), `admin`;
 //! - `replica`: starting, wiring and stopping it all.
 //!
 //! Only the cores other crates test or read are public (`worker_state`, `replica_sync`,
@@ -25,6 +26,7 @@ mod config;
 mod disagg;
 mod discovery;
 mod endpoints;
+mod http_api;
 mod layouts;
 pub mod metrics;
 mod remote_indexer;

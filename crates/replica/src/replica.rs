@@ -45,6 +45,7 @@ pub struct Replica {
     back: Vec<JoinHandle<()>>,
     models: Vec<ModelRuntime>,
     admin_addr: Option<SocketAddr>,
+    http_addr: Option<SocketAddr>,
     drain_timeout: Duration,
 }
 
@@ -411,9 +412,13 @@ impl Replica {
             shared_models.insert(name.clone(), m);
             models.push(rt);
         }
+        let inflight = Arc::new(InFlight::default());
         let shared = Arc::new(ReplicaShared {
             replica_id: replica_id.clone(),
             bus: bus.clone(),
+            subjects: subjects.clone(),
+            max_prompt_tokens: config.max_prompt_tokens,
+            inflight: inflight.clone(),
             metrics: metrics.clone(),
             models: shared_models,
             draining: Default::default(),
@@ -421,7 +426,6 @@ impl Replica {
             sync_caught_up: Default::default(),
             routes_open: Default::default(),
         });
-        let inflight = Arc::new(InFlight::default());
         let server = Server {
             bus: bus.clone(),
             inflight: inflight.clone(),
@@ -467,11 +471,23 @@ impl Replica {
             }
             None => None,
         };
+        // The admin listener serves the JSON API too; --http-addr adds a listener of its own.
+        let http_addr = match config.http_addr {
+            Some(addr) if config.admin_addr != Some(addr) => {
+                let (local, task) = admin::serve(addr, shared.clone())
+                    .await
+                    .map_err(|source| ReplicaError::Http { addr, source })?;
+                back.push(task);
+                Some(local)
+            }
+            _ => admin_addr,
+        };
         tracing::info!(
             replica_id = %replica_id,
             namespace = %config.namespace,
             models = ?config.models,
             admin = ?admin_addr,
+            http_api = ?http_addr,
             index = config.index.describe(),
             replica_sync = config.sync.is_some(),
             "replica started"
@@ -483,6 +499,7 @@ impl Replica {
             back,
             models,
             admin_addr,
+            http_addr,
             drain_timeout: config.drain_timeout,
         })
     }
@@ -497,6 +514,11 @@ impl Replica {
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin_addr
+    }
+
+    /// Where the JSON API for peer routers listens (`--http-addr`, else the admin address).
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
     }
 
     pub fn is_ready(&self) -> bool {

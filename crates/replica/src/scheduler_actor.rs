@@ -10,8 +10,8 @@ use kvrouter_protocol::{
     ErrorKind, ErrorReply, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId, WorkerKey,
 };
 use kvrouter_scheduler::{
-    PotentialLoad, Queued, ReportedLoad, RouteQuery, ScheduleError, Scheduler, SchedulerConfig,
-    Selection,
+    KeyLoad, PotentialLoad, Queued, ReportedLoad, RouteQuery, ScheduleError, Scheduler,
+    SchedulerConfig, Selection,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rustc_hash::FxHashSet;
@@ -130,6 +130,8 @@ pub enum SchedulerMsg {
     PeerBatches,
     PeerSnapshot(Vec<SeqChange>),
     ExportActive(oneshot::Sender<Vec<SeqChange>>),
+    /// Every live worker key's load as the scheduler counts it (the JSON API's workers).
+    Loads(oneshot::Sender<Vec<(WorkerKey, KeyLoad)>>),
     Tick,
 }
 
@@ -464,6 +466,9 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::ExportActive(reply) => {
                 let _ = reply.send(replica_sync::export_active(&state.core));
+            }
+            SchedulerMsg::Loads(reply) => {
+                let _ = reply.send(state.core.loads().collect());
             }
             SchedulerMsg::RejectQueued => {
                 for q in state.core.take_queued() {

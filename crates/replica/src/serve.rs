@@ -29,9 +29,14 @@ impl InFlight {
     pub fn count(&self) -> usize {
         self.0.load(Ordering::Acquire)
     }
+
+    /// Counts one request until the guard is dropped (the drain waits for it).
+    pub fn enter(self: &Arc<Self>) -> InFlightGuard {
+        InFlightGuard::new(self)
+    }
 }
 
-struct InFlightGuard(Arc<InFlight>);
+pub struct InFlightGuard(Arc<InFlight>);
 
 impl InFlightGuard {
     fn new(f: &Arc<InFlight>) -> Self {

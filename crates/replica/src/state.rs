@@ -4,11 +4,12 @@ use crate::approx::DecisionRecorder;
 use crate::metrics::Metrics;
 use crate::remote_indexer::RemoteIndexer;
 use crate::scheduler_actor::{PeerInbox, SchedulerMsg};
+use crate::serve::InFlight;
 use crate::status::ModelStatus;
 use crate::worker_tracker::TrackerMsg;
 use kvrouter_bus::Bus;
 use kvrouter_indexer::{IndexReader, ShardedIndex};
-use kvrouter_protocol::{LocalBlockHash, ModelSubjects, WorkerKey};
+use kvrouter_protocol::{LocalBlockHash, ModelSubjects, Subjects, WorkerKey};
 use prometheus_client::metrics::gauge::Gauge;
 use ractor::ActorRef;
 use std::collections::HashMap;
@@ -50,6 +51,12 @@ impl ModelShared {
 pub struct ReplicaShared {
     pub replica_id: String,
     pub bus: Bus,
+    /// The namespace's subjects (the JSON API forwards updates to other replicas).
+    pub subjects: Subjects,
+    /// `--max-prompt-tokens`: the longest prompt any endpoint accepts.
+    pub max_prompt_tokens: usize,
+    /// Requests being answered, bus and HTTP alike: the shutdown drains them.
+    pub(crate) inflight: Arc<InFlight>,
     pub metrics: Arc<Metrics>,
     pub models: HashMap<String, Arc<ModelShared>>,
     pub draining: AtomicBool,

@@ -1,0 +1,297 @@
+//! The JSON API for peer routers, on the admin listener (or `--http-addr`): `POST
+//! /v1/route`, `POST /v1/requests/{id}/prefill_done` and `.../free` (forwarded over the
+//! bus to the replica that routed the request), `GET /v1/workers`. Routes take the same
+//! path as the bus endpoint ([`endpoints::route`]), with no bus hop. See docs/protocol.md,
+//! "JSON API for peer routers".
+
+mod errors;
+mod json;
+
+use crate::endpoints::{self, Endpoint};
+use crate::scheduler_actor::SchedulerMsg;
+use crate::state::{ModelShared, ReplicaShared};
+use bytes::Bytes;
+use errors::ApiError;
+use json::{RouteAnswer, RouteBody, UpdateBody, WorkersAnswer};
+use kvrouter_admin::{percent_decode, query_param, ApiPage, ApiRequest, ApiResponse, Method};
+use kvrouter_bus::BusError;
+use kvrouter_protocol::{decode, encode, ErrorKind, Reply, RequestUpdate};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// How long a forwarded `prefill_done` or `free` waits for the replica that routed it.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The largest request body: a route body with the longest prompt accepted (a token is at
+/// most 11 bytes of JSON, `4294967295,`) and 64 KiB for the rest.
+pub fn max_body_bytes(max_prompt_tokens: usize) -> usize {
+    max_prompt_tokens
+        .saturating_mul(11)
+        .saturating_add(64 * 1024)
+}
+
+/// What a path under `/v1/` asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Call {
+    Route,
+    /// `mark_prefill` or `free`, with the request id as it appears in the path.
+    Update(Endpoint, String),
+    Workers,
+}
+
+impl Call {
+    /// `None` for a path that is no endpoint (404).
+    fn of(path: &str) -> Option<Self> {
+        match path {
+            "/v1/route" => Some(Self::Route),
+            "/v1/workers" => Some(Self::Workers),
+            _ => {
+                let rest = path.strip_prefix("/v1/requests/")?;
+                let (id, action) = rest.rsplit_once('/')?;
+                let endpoint = match action {
+                    "prefill_done" => Endpoint::MarkPrefill,
+                    "free" => Endpoint::Free,
+                    _ => return None,
+                };
+                Some(Self::Update(endpoint, id.to_string()))
+            }
+        }
+    }
+
+    fn method(&self) -> Method {
+        match self {
+            Self::Workers => Method::GET,
+            _ => Method::POST,
+        }
+    }
+}
+
+/// The answer to one API request; `None` for a path that is no endpoint.
+pub fn handle(shared: Arc<ReplicaShared>, req: ApiRequest) -> Option<ApiPage> {
+    let call = Call::of(&req.path)?;
+    Some(Box::pin(async move {
+        let method = call.method();
+        if req.method != method && !(method == Method::GET && req.method == Method::HEAD) {
+            return ApiError::invalid(format!("{} takes {method} only", req.path))
+                .with_status(405)
+                .response()
+                .with_header("allow", method.as_str());
+        }
+        let result = match call {
+            Call::Route => route(&shared, &req.body).await,
+            Call::Update(endpoint, id) => update(&shared, endpoint, &id, &req.body).await,
+            Call::Workers => workers(&shared, &req.query).await,
+        };
+        match result {
+            Ok(body) => ApiResponse::json(200, body),
+            Err(e) => e.response(),
+        }
+    }))
+}
+
+/// Counts a refusal found here (the route path counts its own) and passes it on.
+fn refused(shared: &ReplicaShared, model: &str, e: ApiError) -> ApiError {
+    shared.metrics.error(model, e.kind);
+    tracing::debug!(model, kind = %e.kind, message = %e.message, "HTTP API request refused");
+    e
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, ApiError> {
+    serde_json::to_string(v).map_err(|e| ApiError::new(ErrorKind::Internal, e.to_string()))
+}
+
+async fn route(shared: &ReplicaShared, body: &[u8]) -> Result<String, ApiError> {
+    // Counted from here, so a shutdown waits for this answer.
+    let _inflight = shared.inflight.enter();
+    let body: RouteBody = json::parse(body).map_err(|e| refused(shared, "", e))?;
+    let model = body.model.clone();
+    if shared.draining.load(Ordering::Relaxed) {
+        return Err(refused(
+            shared,
+            &model,
+            ApiError::new(
+                ErrorKind::Unavailable,
+                "the replica is shutting down; retry on another replica",
+            ),
+        ));
+    }
+    let req = body
+        .into_request(|| uuid::Uuid::new_v4().simple().to_string())
+        .map_err(|e| refused(shared, &model, e))?;
+    let request_id = req.request_id.clone();
+    let started = Instant::now();
+    let result = endpoints::route(shared, shared.max_prompt_tokens, req).await;
+    endpoints::observe_route(shared, &result, started);
+    let (_, decision) = result?;
+    to_json(&RouteAnswer::new(decision, &request_id))
+}
+
+async fn update(
+    shared: &ReplicaShared,
+    endpoint: Endpoint,
+    raw_id: &str,
+    body: &[u8],
+) -> Result<String, ApiError> {
+    let request_id = percent_decode(raw_id)
+        .filter(|id| !id.is_empty())
+        .ok_or_else(|| {
+            refused(
+                shared,
+                "",
+                ApiError::invalid(format!(
+                    "request id {raw_id:?} in the path is empty or not UTF-8 once percent-decoded"
+                )),
+            )
+        })?;
+    let body: UpdateBody = json::parse(body).map_err(|e| refused(shared, "", e))?;
+    let update = RequestUpdate {
+        model: body.model,
+        request_id,
+    };
+    match body.replica_id {
+        Some(other) if other != shared.replica_id => {
+            forward(shared, endpoint, &other, &update)
+                .await
+                .map_err(|e| refused(shared, &update.model, e))?;
+        }
+        _ => endpoints::update(shared, endpoint, update).await?,
+    }
+    Ok(r#"{"ok":true}"#.into())
+}
+
+/// Sends an update to the replica that routed the request, over the bus.
+async fn forward(
+    shared: &ReplicaShared,
+    endpoint: Endpoint,
+    replica_id: &str,
+    update: &RequestUpdate,
+) -> Result<(), ApiError> {
+    if !crate::config::valid_replica_id(replica_id) {
+        return Err(ApiError::invalid(format!(
+            "invalid replica_id {replica_id:?}: a replica id is letters, digits, '-' and '_'"
+        )));
+    }
+    let subject = match endpoint {
+        Endpoint::MarkPrefill => shared.subjects.mark_prefill(replica_id),
+        _ => shared.subjects.free(replica_id),
+    };
+    let internal = |e: String| ApiError::new(ErrorKind::Internal, e);
+    let payload = encode(update).map_err(|e| internal(e.to_string()))?;
+    let answer = shared
+        .bus
+        .request(&subject, Bytes::from(payload), FORWARD_TIMEOUT)
+        .await;
+    let msg = match answer {
+        Ok(msg) => msg,
+        Err(BusError::NoResponders { .. }) => {
+            return Err(ApiError::new(
+                ErrorKind::UnknownRequest,
+                format!(
+                    "replica {replica_id:?} is not on the bus (stopped, or never was): the requests it routed went with it"
+                ),
+            ))
+        }
+        Err(BusError::Timeout { after, .. }) => {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                format!("replica {replica_id:?} did not answer within {after:?}"),
+            )
+            .with_status(504))
+        }
+        Err(e) => {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                format!("cannot reach replica {replica_id:?}: {e}"),
+            ))
+        }
+    };
+    match decode::<Reply<()>>(&msg.payload) {
+        Ok(reply) => reply.into_result().map_err(ApiError::from),
+        Err(e) => Err(internal(format!(
+            "replica {replica_id:?} answered something undecodable: {e}"
+        ))),
+    }
+}
+
+async fn workers(shared: &ReplicaShared, query: &str) -> Result<String, ApiError> {
+    let mut models: Vec<&Arc<ModelShared>> = match query_param(query, "model") {
+        Some(raw) => {
+            let name = percent_decode(raw).unwrap_or_default();
+            vec![endpoints::model(shared, &name).map_err(|e| refused(shared, "", e.into()))?]
+        }
+        None => shared.models.values().collect(),
+    };
+    models.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    let mut answer = WorkersAnswer { models: Vec::new() };
+    for m in models {
+        let (tx, rx) = oneshot::channel();
+        let stopped = || ApiError::from(endpoints::unavailable(shared, &m.name));
+        m.scheduler
+            .send_message(SchedulerMsg::Loads(tx))
+            .map_err(|_| stopped())?;
+        let loads = rx.await.map_err(|_| stopped())?;
+        let keeps_index = m.remote_index.is_none();
+        let workers = json::worker_ranks(&m.status.layouts.all(), &loads, |key| {
+            keeps_index.then(|| m.index.held_blocks(key))
+        });
+        answer.models.push(json::ModelWorkers {
+            model: m.name.clone(),
+            block_size: m.status.block_size(),
+            workers,
+        });
+    }
+    to_json(&answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_name_their_endpoint() {
+        assert_eq!(Call::of("/v1/route"), Some(Call::Route));
+        assert_eq!(Call::of("/v1/workers"), Some(Call::Workers));
+        assert_eq!(
+            Call::of("/v1/requests/abc/free"),
+            Some(Call::Update(Endpoint::Free, "abc".into()))
+        );
+        assert_eq!(
+            Call::of("/v1/requests/a%2Fb/prefill_done"),
+            Some(Call::Update(Endpoint::MarkPrefill, "a%2Fb".into()))
+        );
+        // An id with a slash in it: the action is the last segment.
+        assert_eq!(
+            Call::of("/v1/requests/a/b/free"),
+            Some(Call::Update(Endpoint::Free, "a/b".into()))
+        );
+        assert_eq!(
+            Call::of("/v1/requests//free"),
+            Some(Call::Update(Endpoint::Free, String::new()))
+        );
+        for none in [
+            "/v1/",
+            "/v1/routes",
+            "/v1/requests/x",
+            "/v1/requests/x/done",
+            "/v1/route/",
+        ] {
+            assert_eq!(Call::of(none), None, "{none}");
+        }
+        assert_eq!(Call::Workers.method(), Method::GET);
+        assert_eq!(Call::Route.method(), Method::POST);
+    }
+
+    #[test]
+    fn the_body_limit_fits_the_longest_prompt() {
+        assert_eq!(max_body_bytes(0), 65_536);
+        assert_eq!(max_body_bytes(131_072), 131_072 * 11 + 65_536);
+        assert_eq!(max_body_bytes(usize::MAX), usize::MAX);
+        let longest = format!(
+            r#"{{"model":"m","tokens":[{}]}}"#,
+            vec![u32::MAX.to_string(); 1000].join(",")
+        );
+        assert!(longest.len() <= max_body_bytes(1000));
+    }
+}

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""The official `openai` SDK against `kvrouter frontend`, for the end-to-end tests.
+
+  openai_client.py SCENARIO BASE_URL MODEL [ARGS...]
+
+Each scenario prints one JSON object on stdout; the Rust test asserts on it. Token-id prompts
+make the cached blocks predictable (the emulated engine has no vocabulary).
+"""
+import json
+import sys
+import threading
+import time
+
+import openai
+
+
+def client(base_url, retries=0):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=retries, timeout=30)
+
+
+def routed(headers):
+    return {
+        "worker": headers.get("x-kvrouter-worker"),
+        "overlap": int(headers.get("x-kvrouter-overlap-blocks", "-1")),
+        "replica": headers.get("x-kvrouter-replica"),
+        "request_id": headers.get("x-request-id"),
+    }
+
+
+def tokens(seed, n):
+    return [seed * 100000 + i for i in range(n)]
+
+
+def basic(c, model):
+    out = {}
+    raw = c.completions.with_raw_response.create(model=model, prompt=tokens(1, 64), max_tokens=4)
+    r = raw.parse()
+    out["completion"] = {"text": r.choices[0].text, "finish": r.choices[0].finish_reason,
+                         "usage": r.usage.total_tokens if r.usage else None, **routed(raw.headers)}
+    raw = c.completions.with_raw_response.create(model=model, prompt=tokens(2, 64), max_tokens=4,
+                                                 stream=True)
+    text, chunks = "", 0
+    for ch in raw.parse():
+        chunks += 1
+        if ch.choices:
+            text += ch.choices[0].text
+    out["completion_stream"] = {"text": text, "chunks": chunks, **routed(raw.headers)}
+    raw = c.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Say hello to the router."}],
+        max_tokens=3)
+    r = raw.parse()
+    out["chat"] = {"role": r.choices[0].message.role, "content": r.choices[0].message.content,
+                   "object": r.object, **routed(raw.headers)}
+    raw = c.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "Stream a greeting."}], max_tokens=3,
+        stream=True, stream_options={"include_usage": True})
+    content, roles, usage = "", [], None
+    for ch in raw.parse():
+        if ch.usage:
+            usage = ch.usage.total_tokens
+        for choice in ch.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            content += choice.delta.content or ""
+    out["chat_stream"] = {"content": content, "roles": roles, "usage": usage, **routed(raw.headers)}
+    try:
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+        out["unknown_model"] = None
+    except openai.NotFoundError as e:
+        out["unknown_model"] = e.status_code
+    try:
+        c.completions.create(model=model, prompt=tokens(3, 100000), max_tokens=1)
+        out["too_long"] = None
+    except openai.BadRequestError as e:
+        out["too_long"] = {"status": e.status_code, "code": e.code, "param": e.param}
+    return out
+
+
+def prefix(c, model, rounds):
+    """The same conversation growing: each prompt extends the previous one by 4 blocks."""
+    base = tokens(7, 16 * 4 * (rounds + 1))
+    out = []
+    for i in range(rounds):
+        raw = c.completions.with_raw_response.create(model=model, prompt=base[: 16 * 4 * (i + 1)],
+                                                     max_tokens=2)
+        raw.parse()
+        out.append(routed(raw.headers))
+        time.sleep(0.2)  # the engine's KV events reach the replicas
+    return {"rounds": out}
+
+
+def disconnect(c, model):
+    """Reads a few chunks of a long answer, then hangs up."""
+    raw = c.completions.with_raw_response.create(model=model, prompt=tokens(9, 64),
+                                                 max_tokens=7000, stream=True)
+    stream = raw.parse()
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    return {"chunks": got, **routed(raw.headers)}
+
+
+def many(c, model, n, seed):
+    """n requests sharing a cached prefix (seed), one after another; failures are counted."""
+    out = {"ok": 0, "failed": [], "workers": []}
+    for i in range(n):
+        try:
+            raw = c.completions.with_raw_response.create(
+                model=model, prompt=tokens(seed, 64) + [i], max_tokens=2)
+            raw.parse()
+            out["ok"] += 1
+            out["workers"].append(raw.headers.get("x-kvrouter-worker"))
+        except openai.APIError as e:
+            out["failed"].append(str(e))
+    return out
+
+
+def overload(c, model, held):
+    """Holds `held` long streams open, then asks once more."""
+    ready = threading.Barrier(held + 1)
+    stop = threading.Event()
+    streams = []
+
+    def hold(i):
+        s = c.completions.create(model=model, prompt=tokens(20 + i, 32), max_tokens=7000,
+                                 stream=True)
+        streams.append(s)
+        it = iter(s)
+        next(it)
+        ready.wait()
+        stop.wait(30)
+        s.close()
+
+    threads = [threading.Thread(target=hold, args=(i,)) for i in range(held)]
+    for t in threads:
+        t.start()
+    ready.wait(30)
+    out = {}
+    try:
+        c.completions.create(model=model, prompt=tokens(40, 32), max_tokens=1)
+        out["status"] = 200
+    except openai.APIStatusError as e:
+        out["status"] = e.status_code
+        out["retry_after"] = e.response.headers.get("retry-after")
+        out["type"] = e.body.get("type") if isinstance(e.body, dict) else None
+    stop.set()
+    for t in threads:
+        t.join()
+    return out
+
+
+def main(argv):
+    scenario, base_url, model = argv[1], argv[2], argv[3]
+    c = client(base_url)
+    if scenario == "basic":
+        out = basic(c, model)
+    elif scenario == "prefix":
+        out = prefix(c, model, int(argv[4]))
+    elif scenario == "disconnect":
+        out = disconnect(c, model)
+    elif scenario == "many":
+        out = many(c, model, int(argv[4]), int(argv[5]))
+    elif scenario == "overload":
+        out = overload(c, model, int(argv[4]))
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

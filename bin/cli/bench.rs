@@ -23,6 +23,9 @@ pub enum BenchCommand {
     /// The bridge: engine KV event payloads decoded and forwarded per second on one core,
     /// and the delay from an engine's ZMQ publish to index visibility at a fixed rate.
     Bridge(super::bench_bridge::BridgeBenchArgs),
+    /// The frontend's added latency over calling the engine directly (open-loop streaming
+    /// requests with token-id prompts, p50/p99 per rate) and the tokenizer's time per 1k tokens.
+    Frontend(super::bench_frontend::FrontendBenchArgs),
 }
 
 #[derive(Args)]
@@ -79,6 +82,9 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             super::runtime()?.block_on(super::bench_route::run(args))
         }
         BenchCommand::Bridge(args) => super::runtime()?.block_on(super::bench_bridge::run(args)),
+        BenchCommand::Frontend(args) => {
+            super::runtime()?.block_on(super::bench_frontend::run(args))
+        }
         BenchCommand::IndexerRss(args) => {
             let figures =
                 super::runtime()?.block_on(measure_rss(&args.stream, args.mode, args.shards))?;

@@ -1,8 +1,9 @@
 //! Benchmarks: Mooncake traces, the indexer event stream and its measurement, the trace
-//! replay through router replicas and a mocker fleet, and open-loop route latency against
-//! running replicas.
+//! replay through router replicas and a mocker fleet, open-loop route latency against
+//! running replicas, the bridge, and what the frontend adds over calling an engine directly.
 
 pub mod bridge_bench;
+pub mod frontend_bench;
 pub mod indexer_bench;
 pub mod indexer_stream;
 mod percentile;

@@ -5,6 +5,7 @@ use crate::chat_template::ChatInput;
 use crate::config::{FrontendConfig, RankConvention};
 use crate::metrics::FrontendMetrics;
 use crate::model_dir::ModelFiles;
+use crate::openai::body::with_token_prompt;
 use crate::openai::{ApiError, ClientRequest, Endpoint, Input, Prompt};
 use crate::route_lease::{LeaseCounts, RouteLease};
 use crate::upstream::{Upstream, UpstreamError};
@@ -228,7 +229,6 @@ impl Frontend {
         };
         let mut body = req.rest.clone();
         body.insert("model".into(), req.model.clone().into());
-        body.insert("prompt".into(), Value::from(route.tokens.clone()));
         body.insert("stream".into(), true.into());
         body.insert(
             "stream_options".into(),
@@ -270,7 +270,7 @@ impl Frontend {
                 body.insert("data_parallel_rank".into(), d.dp_rank.into());
             }
             let headers = self.upstream_headers(request_id, d.dp_rank);
-            let payload = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+            let payload = Bytes::from(with_token_prompt(&body, &route.tokens));
             let timeout = deadline.saturating_duration_since(Instant::now());
             match self
                 .upstream

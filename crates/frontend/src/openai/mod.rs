@@ -1,5 +1,6 @@
 //! The OpenAI API surface: requests in, errors and answers out. Plain data, no I/O.
 
+pub mod body;
 pub mod error;
 pub mod request;
 pub mod response;

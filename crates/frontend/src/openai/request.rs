@@ -1,6 +1,7 @@
 //! What a client asked for: an OpenAI completions or chat request, checked field by field,
 //! with the fields the frontend does not interpret kept for the engine.
 
+use super::body::{Body, RawPrompt};
 use super::error::ApiError;
 use kvrouter_protocol::{Pin, RouteOverrides, WorkerId};
 use serde_json::{Map, Value};
@@ -90,11 +91,11 @@ fn bad(param: &str, message: impl Into<String>) -> ApiError {
 
 /// Parses a request body for `endpoint`.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(mut rest) = value else {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid(None, "the body must be a JSON object"));
-    };
+    }
+    let Body { prompt, mut rest } = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
     let model = match rest.remove("model") {
         Some(Value::String(m)) if !m.is_empty() => m,
         Some(_) => return Err(bad("model", "model must be a non-empty string")),
@@ -129,7 +130,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError>
         Some(v) => parse_router_ext(v)?,
     };
     let input = match endpoint {
-        Endpoint::Completions => Input::Prompt(parse_prompt(rest.remove("prompt"))?),
+        Endpoint::Completions => Input::Prompt(parse_prompt(prompt)?),
         Endpoint::Chat => Input::Chat(parse_chat(&mut rest)?),
     };
     Ok(ClientRequest {
@@ -144,18 +145,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError>
     })
 }
 
-fn parse_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
-    let one = "prompt must be a string or a list of token ids (one prompt per request)";
+fn parse_prompt(v: Option<RawPrompt>) -> Result<Prompt, ApiError> {
     let prompt = match v {
-        None | Some(Value::Null) => return Err(bad("prompt", "prompt is required")),
-        Some(Value::String(s)) => Prompt::Text(s),
-        Some(Value::Array(items)) => match items.as_slice() {
-            [Value::String(s)] => Prompt::Text(s.clone()),
-            [Value::Array(ids)] => Prompt::Tokens(token_ids(ids)?),
-            ids if ids.iter().all(Value::is_number) => Prompt::Tokens(token_ids(ids)?),
-            _ => return Err(bad("prompt", one)),
-        },
-        Some(_) => return Err(bad("prompt", one)),
+        None | Some(RawPrompt::Null) => return Err(bad("prompt", "prompt is required")),
+        Some(RawPrompt::Text(s)) => Prompt::Text(s),
+        Some(RawPrompt::Tokens(t)) => Prompt::Tokens(t),
+        Some(RawPrompt::Bad(m)) => return Err(bad("prompt", m)),
     };
     let empty = match &prompt {
         Prompt::Text(s) => s.is_empty(),
@@ -165,16 +160,6 @@ fn parse_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
         return Err(bad("prompt", "prompt is empty"));
     }
     Ok(prompt)
-}
-
-fn token_ids(ids: &[Value]) -> Result<Vec<u32>, ApiError> {
-    ids.iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| bad("prompt", format!("{v} is not a token id (0..2^32)")))
-        })
-        .collect()
 }
 
 fn parse_chat(rest: &mut Map<String, Value>) -> Result<Conversation, ApiError> {

@@ -175,6 +175,7 @@ CORPUS = [
 
 
 def build(out_dir):
+    os.makedirs(out_dir, exist_ok=True)
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))

@@ -2,8 +2,8 @@
 //! `free` exactly once, whether the answer ends, fails, times out or the client leaves
 //! (dropping the lease frees it).
 
-use kvrouter_client::KvRouterClient;
-use kvrouter_protocol::RouteDecision;
+use kvrouter_client::{ClientError, KvRouterClient};
+use kvrouter_protocol::{ErrorKind, RouteDecision};
 use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
 
@@ -74,9 +74,16 @@ impl RouteLease {
         self.counts.freed.inc();
         let (client, replica, model, id) = self.parts();
         spawn(async move {
-            if let Err(e) = client.free(&replica, &model, &id).await {
+            match client.free(&replica, &model, &id).await {
+                Ok(()) => {}
+                // Already gone there (its worker left, or the sweep took it): nothing held.
+                Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest => {
+                    tracing::debug!(request_id = %id, replica = %replica, "free: the replica no longer tracks it");
+                }
                 // The replica's request-timeout sweep frees it eventually.
-                tracing::warn!(request_id = %id, replica = %replica, error = %e, "free failed");
+                Err(e) => {
+                    tracing::warn!(request_id = %id, replica = %replica, error = %e, "free failed")
+                }
             }
         });
     }

@@ -101,19 +101,7 @@ fn engine(nats: &NatsServer, dp: u32) -> Engine {
 
 /// Active requests a replica tracks, summed over ranks.
 fn active_requests(admin: u16) -> u64 {
-    metrics(admin)
-        .lines()
-        .filter(|l| l.starts_with("kvrouter_worker_active_requests{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
-fn metric(port: u16, name: &str) -> f64 {
-    metrics(port)
-        .lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    metric_sum(admin, "kvrouter_worker_active_requests") as u64
 }
 
 #[test]
@@ -151,7 +139,7 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
     assert!(wait_until(Duration::from_secs(10), || {
         [a1, a2]
             .iter()
-            .all(|&a| metric(a, "kvrouter_worker_ranks{") >= 3.0)
+            .all(|&a| metric_sum(a, "kvrouter_worker_ranks") >= 3.0)
     }));
 
     // Completions and chat, streaming and not.
@@ -204,8 +192,8 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
     );
     eprintln!("freed {:?} after the disconnect", t.elapsed());
     assert!(wait_until(Duration::from_secs(1), || {
-        metric(port, "kvrouter_frontend_routes_taken_total")
-            == metric(port, "kvrouter_frontend_routes_freed_total")
+        metric_sum(port, "kvrouter_frontend_routes_taken_total")
+            == metric_sum(port, "kvrouter_frontend_routes_freed_total")
     }));
 
     // Four answers in flight fill the frontend (--max-inflight 4): the fifth gets a 503.
@@ -236,7 +224,7 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
             .all(|w| *w != cached_on),
         "{v}"
     );
-    assert!(metric(port, "kvrouter_frontend_route_retries_total") >= 1.0);
+    assert!(metric_sum(port, "kvrouter_frontend_route_retries_total") >= 1.0);
     assert!(wait_until(Duration::from_secs(2), || active_requests(a1)
         + active_requests(a2)
         == 0));

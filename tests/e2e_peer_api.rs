@@ -5,7 +5,7 @@
 mod common;
 
 use common::{
-    e2e_tokens as tokens, free_port, metrics, ready, serve, wait_until, NatsServer, Proc,
+    e2e_tokens as tokens, free_port, metric_sum as sum, ready, serve, wait_until, NatsServer, Proc,
     E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use serde_json::{json, Value};
@@ -112,18 +112,6 @@ fn route_body(tokens: &[u32], extra: Value) -> Value {
         b.extend(extra.clone());
     }
     b
-}
-
-/// The sum of a metric's samples on the admin port.
-fn sum(port: u16, name: &str) -> f64 {
-    metrics(port)
-        .lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 const ACTIVE: &str = "kvrouter_worker_active_requests";

@@ -5,23 +5,11 @@
 mod common;
 
 use common::{
-    e2e_tokens as tokens, free_port, metrics, ready, serve, wait_until, E2eClient as Client,
-    NatsServer, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
+    e2e_tokens as tokens, free_port, metric_sum as sum, ready, serve, wait_until,
+    E2eClient as Client, NatsServer, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use kvrouter_protocol::RouteRequest;
 use std::time::Duration;
-
-/// Sum of a metric's series on a replica's admin port (0 when absent).
-fn sum(port: u16, name: &str) -> f64 {
-    metrics(port)
-        .lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 const ACTIVE: &str = "kvrouter_worker_active_requests";
 const PEERS: &str = "kvrouter_replica_sync_peers";

@@ -68,21 +68,8 @@ pub fn parse_tokens(s: &str) -> Result<TokenList, String> {
 
 /// Parses `WORKER` or `WORKER:RANK`.
 pub fn parse_pin(s: &str) -> Result<Pin, String> {
-    let s = s.trim();
-    let (worker, rank) = match s.split_once(':') {
-        Some((w, r)) => (w, Some(r)),
-        None => (s, None),
-    };
-    let worker_id = super::parse_u64(worker)
-        .map_err(|e| format!("bad --pin {s:?}: expected WORKER or WORKER:RANK; worker {e}"))?;
-    let dp_rank = rank
-        .map(|r| {
-            r.trim().parse::<u32>().map_err(|_| {
-                format!("bad --pin {s:?}: expected WORKER or WORKER:RANK; rank {r:?} is not a u32")
-            })
-        })
-        .transpose()?;
-    Ok(Pin { worker_id, dp_rank })
+    s.parse()
+        .map_err(|e| format!("bad --pin {s:?}: expected WORKER or WORKER:RANK; {e}"))
 }
 
 /// One JSON object with its keys in the given order.

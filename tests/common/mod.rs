@@ -371,6 +371,18 @@ pub fn metrics(port: u16) -> String {
     http_get(port, "/metrics").1
 }
 
+/// The sum of a metric's series on a `/metrics` port (0 when absent).
+pub fn metric_sum(port: u16, name: &str) -> f64 {
+    metrics(port)
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// `blocks` full blocks of [`E2E_BLOCK`] tokens, distinct per `seed`.
 pub fn e2e_tokens(seed: u32, blocks: usize) -> Vec<u32> {
     (0..(blocks * E2E_BLOCK) as u32)

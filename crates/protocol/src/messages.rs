@@ -203,6 +203,29 @@ pub struct Pin {
     pub dp_rank: Option<DpRank>,
 }
 
+impl std::str::FromStr for Pin {
+    type Err = String;
+
+    /// `WORKER` (any of its ranks) or `WORKER:RANK`, as the CLI, the JSON API and the
+    /// frontend's `kvrouter.pin` take it; the error says which part is wrong.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (worker, rank) = match s.split_once(':') {
+            Some((w, r)) => (w.trim(), Some(r.trim())),
+            None => (s.trim(), None),
+        };
+        let worker_id = worker
+            .parse::<WorkerId>()
+            .map_err(|_| format!("worker {worker:?} is not a worker id (a u64)"))?;
+        let dp_rank = rank
+            .map(|r| {
+                r.parse::<DpRank>()
+                    .map_err(|_| format!("rank {r:?} is not a rank (a u32)"))
+            })
+            .transpose()?;
+        Ok(Self { worker_id, dp_rank })
+    }
+}
+
 /// Which worker rank should serve these tokens?
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
@@ -613,6 +636,30 @@ mod tests {
     use super::*;
     use crate::types::{EngineBlockHash, KvEventData, LocalBlockHash, StoredBlock};
     use crate::{decode, encode};
+
+    #[test]
+    fn pins_parse_from_text() {
+        let pin = |w, r| Pin {
+            worker_id: w,
+            dp_rank: r,
+        };
+        assert_eq!("7".parse(), Ok(pin(7, None)));
+        assert_eq!(" 7 : 2 ".parse(), Ok(pin(7, Some(2))));
+        assert_eq!(
+            "18446744073709551615:4294967295".parse(),
+            Ok(pin(u64::MAX, Some(u32::MAX)))
+        );
+        let err = |s: &str| s.parse::<Pin>().unwrap_err();
+        assert_eq!(err("x:1"), "worker \"x\" is not a worker id (a u64)");
+        assert_eq!(err("7:"), "rank \"\" is not a rank (a u32)");
+        assert_eq!(err("1:2:3"), "rank \"2:3\" is not a rank (a u32)");
+        assert_eq!(
+            err("7:4294967296"),
+            "rank \"4294967296\" is not a rank (a u32)"
+        );
+        assert_eq!(err(""), "worker \"\" is not a worker id (a u64)");
+        assert_eq!(err("-1"), "worker \"-1\" is not a worker id (a u64)");
+    }
 
     #[test]
     fn replies_round_trip() {

@@ -269,8 +269,11 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
                 let s = v
                     .as_str()
                     .ok_or_else(|| bad(&param, "pin must be a string WORKER:RANK or WORKER"))?;
-                ext.pin = Some(parse_pin(s).ok_or_else(|| {
-                    bad(&param, format!("pin {s:?} is not WORKER:RANK or WORKER"))
+                ext.pin = Some(s.parse().map_err(|e| {
+                    bad(
+                        &param,
+                        format!("pin {s:?} is not WORKER:RANK or WORKER: {e}"),
+                    )
                 })?);
             }
             _ => {
@@ -288,20 +291,6 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
         ext.overrides = Some(overrides);
     }
     Ok(ext)
-}
-
-/// `WORKER:RANK` pins a rank, `WORKER` any rank of the worker.
-pub fn parse_pin(s: &str) -> Option<Pin> {
-    match s.split_once(':') {
-        Some((w, r)) => Some(Pin {
-            worker_id: w.trim().parse().ok()?,
-            dp_rank: Some(r.trim().parse().ok()?),
-        }),
-        None => Some(Pin {
-            worker_id: s.trim().parse().ok()?,
-            dp_rank: None,
-        }),
-    }
 }
 
 #[cfg(test)]
@@ -413,7 +402,7 @@ mod tests {
             json!({"max_tokens": 7, "temperature": 0.5, "seed": 3})
         );
         assert_eq!(
-            parse_pin("9"),
+            "9".parse::<Pin>().ok(),
             Some(Pin {
                 worker_id: 9,
                 dp_rank: None

@@ -13,8 +13,7 @@
 //! [`crate::route_latency`]) and each latency runs from that time: a stalled frontend shows
 //! in the tail, not as a slower sender.
 
-use crate::percentile::percentile;
-use crate::route_latency::{intended_send_time, scheduled_count, PromptSource};
+use crate::route_latency::{intended_send_time, scheduled_count, us, LatencySummary, PromptSource};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -96,25 +95,6 @@ impl FrontendBenchConfig {
     }
 }
 
-/// Percentiles in µs of one run's samples.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Percentiles {
-    pub p50_us: u64,
-    pub p99_us: u64,
-    pub max_us: u64,
-}
-
-impl Percentiles {
-    fn of(samples: &mut [u64]) -> Self {
-        samples.sort_unstable();
-        Self {
-            p50_us: percentile(samples, 0.50).unwrap_or(0),
-            p99_us: percentile(samples, 0.99).unwrap_or(0),
-            max_us: samples.last().copied().unwrap_or(0),
-        }
-    }
-}
-
 /// One open-loop run on one path.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PathRun {
@@ -122,9 +102,9 @@ pub struct PathRun {
     pub ok: u64,
     pub failed: u64,
     /// Intended send time to the answer's first body bytes.
-    pub ttft: Percentiles,
+    pub ttft: LatencySummary,
     /// Intended send time to the answer's end.
-    pub end: Percentiles,
+    pub end: LatencySummary,
     /// Answers ended per second over the run.
     pub achieved_rate: f64,
     /// This process's CPU time over the run's wall time, in cores (2.0 = both of a 2-core
@@ -287,10 +267,6 @@ struct Sample {
     done: Instant,
 }
 
-fn us(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
 /// Sends one request and reads its answer to the end; `(first bytes, end)` instants, or
@@ -399,8 +375,8 @@ async fn open_loop(
         sent: total,
         ok: ttft.len() as u64,
         failed,
-        ttft: Percentiles::of(&mut ttft),
-        end: Percentiles::of(&mut end),
+        ttft: LatencySummary::from_samples(&mut ttft),
+        end: LatencySummary::from_samples(&mut end),
         achieved_rate: (total as f64) / wall.as_secs_f64().max(1e-9),
         cpu_cores,
     }

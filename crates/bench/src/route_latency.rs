@@ -237,7 +237,8 @@ struct Sample {
     done: Instant,
 }
 
-fn us(d: Duration) -> u64 {
+/// A duration in whole µs (saturating).
+pub(crate) fn us(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 

@@ -6,6 +6,9 @@ use kvrouter_bench::indexer_bench::{
     build_stream, measure_rss, median_figures, timed_run, IndexMode, RssFigures,
 };
 use kvrouter_bench::indexer_stream::StreamConfig;
+use kvrouter_bench::trace::load_trace;
+use kvrouter_bench::trace_gen::{generate, write_trace, ChatModel, TraceKind};
+use kvrouter_bench::trace_stats::TraceStats;
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
@@ -15,6 +18,11 @@ pub enum BenchCommand {
     /// (internal) Populate an index from an exported stream in a fresh process; print RSS.
     #[command(hide = true)]
     IndexerRss(IndexerRssArgs),
+    /// Write a Mooncake-format trace from a model of a multi-turn chat service.
+    GenTrace(GenTraceArgs),
+    /// Print a Mooncake trace's shape: requests, duration, prompt blocks, distinct blocks,
+    /// an unlimited cache's hit rate, output lengths.
+    TraceStats(TraceStatsArgs),
     /// Open-loop route latency against running replicas (p50/p99/p99.9/max).
     RouteLatency(super::bench_route::RouteLatencyArgs),
     /// Replay a Mooncake trace through router replicas and a mocker fleet, per routing
@@ -64,6 +72,40 @@ pub struct IndexerArgs {
 }
 
 #[derive(Args)]
+pub struct GenTraceArgs {
+    /// conversation (a chat service shaped like the public Mooncake conversation trace) or
+    /// synthetic (long documents and follow-ups, like data/synthetic_trace.jsonl).
+    #[arg(long, env = "KVROUTER_TRACE_KIND", default_value = "conversation")]
+    kind: TraceKind,
+    /// Requests to write (default: as many as the kind's public trace); the duration scales
+    /// with it at the same request rate.
+    #[arg(long, env = "KVROUTER_REQUESTS")]
+    requests: Option<usize>,
+    /// Random seed: the same seed writes the same trace.
+    #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
+    seed: u64,
+    /// Requests per second (default: the kind's public trace's).
+    #[arg(long, env = "KVROUTER_RATE")]
+    rate: Option<f64>,
+    /// Write here instead of stdout.
+    #[arg(long, env = "KVROUTER_OUT")]
+    out: Option<PathBuf>,
+    /// Do not print the trace's statistics to stderr.
+    #[arg(long, short, env = "KVROUTER_QUIET")]
+    quiet: bool,
+}
+
+#[derive(Args)]
+pub struct TraceStatsArgs {
+    /// Mooncake-format traces (JSONL); each is described on its own.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Print one JSON object per trace.
+    #[arg(long, env = "KVROUTER_JSON")]
+    json: bool,
+}
+
+#[derive(Args)]
 pub struct IndexerRssArgs {
     #[arg(long)]
     stream: PathBuf,
@@ -85,6 +127,8 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Frontend(args) => {
             super::runtime()?.block_on(super::bench_frontend::run(args))
         }
+        BenchCommand::GenTrace(args) => gen_trace(args),
+        BenchCommand::TraceStats(args) => trace_stats(args),
         BenchCommand::IndexerRss(args) => {
             let figures =
                 super::runtime()?.block_on(measure_rss(&args.stream, args.mode, args.shards))?;
@@ -92,6 +136,64 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+fn gen_trace(args: GenTraceArgs) -> anyhow::Result<()> {
+    let mut model = ChatModel::for_kind(args.kind);
+    if let Some(rate) = args.rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            bail!("--rate must be a positive number of requests per second, not {rate}");
+        }
+        model.rate = rate;
+    }
+    let n = args
+        .requests
+        .unwrap_or_else(|| ChatModel::default_requests(args.kind));
+    if n == 0 {
+        bail!("--requests must be at least 1");
+    }
+    let trace = generate(&model, n, args.seed);
+    match &args.out {
+        Some(path) => {
+            let file = std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?;
+            write_trace(&mut std::io::BufWriter::new(file), &trace)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        None => write_trace(
+            &mut std::io::BufWriter::new(std::io::stdout().lock()),
+            &trace,
+        )
+        .context("cannot write the trace to stdout")?,
+    }
+    if !args.quiet {
+        eprintln!(
+            "{:?} trace, seed {}{}:\n{}",
+            args.kind,
+            args.seed,
+            args.out
+                .as_ref()
+                .map(|p| format!(", written to {}", p.display()))
+                .unwrap_or_default(),
+            TraceStats::of(&trace).render()
+        );
+    }
+    Ok(())
+}
+
+fn trace_stats(args: TraceStatsArgs) -> anyhow::Result<()> {
+    for path in &args.traces {
+        let trace = load_trace(path)?;
+        let stats = TraceStats::of(&trace);
+        if args.json {
+            let mut v = serde_json::to_value(&stats)?;
+            v["trace"] = serde_json::json!(path);
+            println!("{v}");
+        } else {
+            println!("{}:\n{}", path.display(), stats.render());
+        }
+    }
+    Ok(())
 }
 
 async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {

@@ -1,4 +1,4 @@
-//! Benchmarks: Mooncake traces, the indexer event stream and its measurement, the trace
+//! Benchmarks: Mooncake traces (read, generated, described), the indexer event stream and its measurement, the trace
 //! replay through router replicas and a mocker fleet, open-loop route latency against
 //! running replicas, the bridge, and what the frontend adds over calling an engine directly.
 
@@ -11,3 +11,5 @@ pub mod replay;
 pub mod route_latency;
 pub mod stream_file;
 pub mod trace;
+pub mod trace_gen;
+pub mod trace_stats;

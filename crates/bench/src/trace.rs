@@ -1,13 +1,13 @@
 //! Mooncake-format traces: JSONL, one request a line
 //! (`timestamp` in ms, `input_length`, `output_length`, `hash_ids`: one id per 512-token block).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 pub struct TraceRequest {
     #[serde(default)]
     pub timestamp: u64,

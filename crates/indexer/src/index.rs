@@ -15,23 +15,39 @@
 //! of a prefix drops the prefix.
 
 use crate::error::IndexError;
+use crate::flat_table::{FlatTable, Slot};
 use crate::holders::{HolderArena, Holders};
 use crate::overlap::OverlapScores;
 use crate::prefix::{self, PrefixChain, ROOT};
-use hashbrown::HashTable;
 use kvrouter_protocol::{
     EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerKey,
 };
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
-use std::alloc::System;
+
+/// How many blocks ahead an event or a lookup prefetches table slots: enough misses in
+/// flight to hide memory latency, few enough to stay in L1.
+const PREFETCH_AHEAD: usize = 8;
 
 #[derive(Clone, Copy)]
 struct Block {
     prefix: u64,
     parent: u64,
     holders: Holders,
+}
+
+impl Slot for Block {
+    // Prefix ids are never ROOT (0), so a zero id marks an empty slot.
+    const EMPTY: Block = Block {
+        prefix: ROOT,
+        parent: ROOT,
+        holders: Holders::EMPTY,
+    };
+    #[inline(always)]
+    fn is_empty(&self) -> bool {
+        self.prefix == ROOT
+    }
 }
 
 /// An engine hash of one rank and the prefix it names.
@@ -41,22 +57,33 @@ struct Alias {
     prefix: u64,
 }
 
-/// Tables allocate from the system allocator: big ones are their own mappings, returned to
-/// the OS the moment a resize frees them rather than lingering in the global allocator's
-/// caches (a resize frees as much as it allocated before).
-type Table<T> = HashTable<T, System>;
-
-fn new_table<T>() -> Table<T> {
-    HashTable::new_in(System)
+impl Slot for Alias {
+    // Engine hashes may be anything, 0 included; the prefix id never is ROOT.
+    const EMPTY: Alias = Alias {
+        engine: 0,
+        prefix: ROOT,
+    };
+    #[inline(always)]
+    fn is_empty(&self) -> bool {
+        self.prefix == ROOT
+    }
 }
 
-/// Under churn hashbrown tables keep their peak size (and grow further on tombstones): shrink
-/// one that has fallen below a third full.
-fn maybe_shrink<T>(t: &mut Table<T>, hasher: impl Fn(&T) -> u64) {
-    let cap = t.capacity();
-    if cap > 64 && t.len() * 3 < cap {
-        t.shrink_to(t.len() * 3 / 2, hasher);
-    }
+type Table<T> = FlatTable<T>;
+
+fn new_table<T: Slot>() -> Table<T> {
+    FlatTable::default()
+}
+
+/// A block's slot hash: prefix ids are already mixed in every bit.
+#[inline(always)]
+fn block_hash(b: &Block) -> u64 {
+    b.prefix
+}
+
+#[inline(always)]
+fn alias_hash(a: &Alias) -> u64 {
+    engine_hash_of(a.engine)
 }
 
 struct Rank {
@@ -281,6 +308,10 @@ impl Index {
             .collect();
         let mut stored = 0;
         for (i, b) in blocks.iter().enumerate() {
+            if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                table.prefetch(ids[i + PREFETCH_AHEAD]);
+                rank.aliases.prefetch(engine_hash_of(ahead.engine_hash.0));
+            }
             let p = ids[i];
             let e = b.engine_hash.0;
             let h = engine_hash_of(e);
@@ -298,19 +329,22 @@ impl Index {
                             engine: e,
                             prefix: p,
                         },
-                        |a| engine_hash_of(a.engine),
+                        alias_hash,
                     );
                 }
             }
-            let entry = table
-                .entry(p, |b| b.prefix == p, |b| b.prefix)
-                .or_insert(Block {
+            let parent = prefix;
+            let entry = table.find_or_insert(
+                p,
+                |b| b.prefix == p,
+                || Block {
                     prefix: p,
-                    parent: prefix,
+                    parent,
                     holders: Holders::EMPTY,
-                });
-            let added = arena.insert(&mut entry.into_mut().holders, slot);
-            if added {
+                },
+                block_hash,
+            );
+            if arena.insert(&mut entry.holders, slot) {
                 rank.held += 1;
                 *live_pairs += 1;
                 stored += 1;
@@ -333,24 +367,32 @@ impl Index {
         } = self;
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut out = Applied::default();
-        for e in engine_hashes {
-            let found = rank
+        // Two passes, each prefetching ahead: the rank's names first, then the blocks.
+        let mut named: SmallVec<[u64; 64]> = SmallVec::with_capacity(engine_hashes.len());
+        for (i, e) in engine_hashes.iter().enumerate() {
+            if let Some(ahead) = engine_hashes.get(i + PREFETCH_AHEAD) {
+                rank.aliases.prefetch(engine_hash_of(ahead.0));
+            }
+            match rank
                 .aliases
-                .find_entry(engine_hash_of(e.0), |a| a.engine == e.0)
-                .ok()
-                .map(|entry| entry.remove().0.prefix);
-            let Some(p) = found else {
-                out.skipped += 1;
-                continue;
-            };
+                .remove(engine_hash_of(e.0), |a| a.engine == e.0, alias_hash)
+            {
+                Some(a) => named.push(a.prefix),
+                None => out.skipped += 1,
+            }
+        }
+        for (i, &p) in named.iter().enumerate() {
+            if let Some(&ahead) = named.get(i + PREFETCH_AHEAD) {
+                table.prefetch(ahead);
+            }
             if release(table, arena, &mut rank.held, live_pairs, p, slot) {
                 out.removed += 1;
             } else {
                 out.skipped += 1;
             }
         }
-        maybe_shrink(&mut rank.aliases, |a| engine_hash_of(a.engine));
-        maybe_shrink(table, |b| b.prefix);
+        rank.aliases.shrink_if_sparse(alias_hash);
+        table.shrink_if_sparse(block_hash);
         out
     }
 
@@ -365,13 +407,13 @@ impl Index {
         } = self;
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut removed = 0;
-        for a in std::mem::replace(&mut rank.aliases, new_table()).iter() {
+        for a in rank.aliases.take_all() {
             if release(table, arena, &mut rank.held, live_pairs, a.prefix, slot) {
                 removed += 1;
             }
         }
         debug_assert_eq!(rank.held, 0);
-        maybe_shrink(table, |b| b.prefix);
+        table.shrink_if_sparse(block_hash);
         removed
     }
 
@@ -414,6 +456,9 @@ impl Index {
         if n == 0 || self.blocks.is_empty() {
             return;
         }
+        for i in 1..n.min(PREFETCH_AHEAD) {
+            self.blocks.prefetch(chain.get(i));
+        }
         let Some(first) = self.holders_at(chain.get(0)) else {
             return;
         };
@@ -427,6 +472,9 @@ impl Index {
             if i == n {
                 self.emit(mask, &high, n, out);
                 return;
+            }
+            if i + PREFETCH_AHEAD < n {
+                self.blocks.prefetch(chain.get(i + PREFETCH_AHEAD));
             }
             let h = self.holders_at(chain.get(i)).unwrap_or(Holders::EMPTY);
             let (hmask, hhigh) = self.arena.view(h);
@@ -584,7 +632,7 @@ impl Index {
     /// Bytes the index's tables have allocated (entries and control bytes), excluding
     /// spilled holder sets.
     pub fn table_bytes(&self) -> usize {
-        fn bytes<T>(t: &Table<T>) -> usize {
+        fn bytes<T: Slot>(t: &Table<T>) -> usize {
             t.allocation_size()
         }
         bytes(&self.blocks)
@@ -673,14 +721,14 @@ fn release(
 /// Removes `slot` from prefix `p`'s holders, dropping the block when nobody holds it.
 /// Returns whether the slot held it.
 fn unhold(table: &mut Table<Block>, arena: &mut HolderArena, p: u64, slot: u32) -> bool {
-    let Ok(mut entry) = table.find_entry(p, |b| b.prefix == p) else {
+    let Some(block) = table.find_mut(p, |b| b.prefix == p) else {
         return false;
     };
-    if !arena.remove(&mut entry.get_mut().holders, slot) {
+    if !arena.remove(&mut block.holders, slot) {
         return false;
     }
-    if entry.get().holders.is_empty() {
-        entry.remove();
+    if block.holders.is_empty() {
+        table.remove(p, |b| b.prefix == p, block_hash);
     }
     true
 }

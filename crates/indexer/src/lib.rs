@@ -6,6 +6,7 @@
 
 pub mod approx;
 pub mod error;
+mod flat_table;
 pub mod holders;
 pub mod index;
 pub mod overlap;

@@ -3,7 +3,8 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use kvrouter_bench::indexer_bench::{
-    build_stream, measure_rss, median_figures, timed_run, IndexMode, RssFigures,
+    build_stream, measure_rss, median_figures, timed_run, transparent_huge_pages, IndexMode,
+    RssFigures, RunFigures, Spread,
 };
 use kvrouter_bench::indexer_stream::StreamConfig;
 use kvrouter_bench::trace::load_trace;
@@ -247,6 +248,13 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
         runs.push(r);
     }
     let m = median_figures(&runs).context("no runs")?;
+    let spread = |f: fn(&RunFigures) -> f64| Spread::of(&runs, f);
+    let spreads = serde_json::json!({
+        "block_ops_per_s": spread(|r| r.block_ops_per_s),
+        "lookup_p50_us": spread(|r| r.lookup_p50_us),
+        "lookup_p99_us": spread(|r| r.lookup_p99_us),
+        "lookups_per_s": spread(|r| r.lookups_per_s),
+    });
     let bytes_per_pair = rss.bytes_per_pair();
     let report = serde_json::json!({
         "trace": args.trace,
@@ -276,6 +284,11 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
         "rss_after_bytes": rss.rss_after_bytes,
         "bytes_per_pair": bytes_per_pair,
         "table_bytes_per_pair": rss.table_bytes as f64 / rss.live_pairs.max(1) as f64,
+        "spread": spreads,
+        "apply_minor_page_faults": m.apply_page_faults.0,
+        "apply_major_page_faults": m.apply_page_faults.1,
+        "git_revision": env!("KVROUTER_GIT_REV"),
+        "transparent_huge_pages": transparent_huge_pages(),
     });
     if args.json {
         println!("{report}");
@@ -305,12 +318,25 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
             m.live_pairs,
             m.live_blocks
         );
-        println!("  apply    {:.2} M block ops/s", m.block_ops_per_s / 1e6);
+        let range = |f: fn(&RunFigures) -> f64, scale: f64| {
+            spread(f).map_or(String::new(), |s| {
+                format!("{:.2}..{:.2}", s.min / scale, s.max / scale)
+            })
+        };
         println!(
-            "  lookup   p50 {:.2} µs, p99 {:.2} µs, {:.0} k lookups/s, mean best overlap {:.1}",
+            "  apply    {:.2} M block ops/s ({}), {} minor page faults",
+            m.block_ops_per_s / 1e6,
+            range(|r| r.block_ops_per_s, 1e6),
+            m.apply_page_faults.0
+        );
+        println!(
+            "  lookup   p50 {:.2} µs ({}), p99 {:.2} µs ({}), {:.0} k lookups/s ({}), mean best overlap {:.1}",
             m.lookup_p50_us,
+            range(|r| r.lookup_p50_us, 1.0),
             m.lookup_p99_us,
+            range(|r| r.lookup_p99_us, 1.0),
             m.lookups_per_s / 1e3,
+            range(|r| r.lookups_per_s, 1e3),
             m.mean_best_overlap
         );
         println!(
@@ -319,7 +345,12 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
             rss.rss_after_bytes.saturating_sub(rss.rss_before_bytes) as f64 / (1 << 20) as f64,
             rss.table_bytes as f64 / rss.live_pairs.max(1) as f64
         );
-        println!("  (median of {} runs)", args.runs);
+        println!(
+            "  (median of {} runs, min..max in brackets; build {}, transparent huge pages {})",
+            args.runs,
+            env!("KVROUTER_GIT_REV"),
+            transparent_huge_pages().as_deref().unwrap_or("unknown")
+        );
     }
     Ok(())
 }

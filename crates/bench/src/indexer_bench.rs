@@ -132,6 +132,23 @@ pub struct RunFigures {
     pub live_pairs: usize,
     pub live_blocks: usize,
     pub refused_events: u64,
+    /// Page faults the process took while applying the stream (minor, major).
+    pub apply_page_faults: (u64, u64),
+}
+
+/// Page faults of this process so far (minor, major).
+pub fn page_faults() -> (u64, u64) {
+    // SAFETY: getrusage writes into the struct we pass.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return (0, 0);
+    }
+    (u.ru_minflt as u64, u.ru_majflt as u64)
+}
+
+fn faults_since(before: (u64, u64)) -> (u64, u64) {
+    let now = page_faults();
+    (now.0 - before.0, now.1 - before.1)
 }
 
 /// One timed run: apply every event (until visible to readers), then look up every request.
@@ -144,18 +161,18 @@ pub async fn timed_run(
     match mode {
         IndexMode::Core => {
             let mut index = Index::new();
+            let faults = page_faults();
             let t0 = Instant::now();
             for ev in &stream.events {
                 let _ = index.apply(ev);
             }
             let apply = t0.elapsed().as_secs_f64();
-            Ok(measure_lookups(
-                apply,
-                ops,
-                &stream.queries,
-                index.stats(),
-                |q| index.find_matches(q).best(),
-            ))
+            let faults = faults_since(faults);
+            let mut figures = measure_lookups(apply, ops, &stream.queries, index.stats(), |q| {
+                index.find_matches(q).best()
+            });
+            figures.apply_page_faults = faults;
+            Ok(figures)
         }
         IndexMode::Sharded => {
             let index = ShardedIndex::start(ShardedIndexConfig {
@@ -168,16 +185,19 @@ pub async fn timed_run(
                 .chunks(BATCH_EVENTS)
                 .map(<[KvEvent]>::to_vec)
                 .collect();
+            let faults = page_faults();
             let t0 = Instant::now();
             for batch in batches {
                 index.apply_batch(batch)?;
             }
             index.flush().await?;
             let apply = t0.elapsed().as_secs_f64();
+            let faults = faults_since(faults);
             let reader = index.reader();
-            let figures = measure_lookups(apply, ops, &stream.queries, reader.stats(), |q| {
+            let mut figures = measure_lookups(apply, ops, &stream.queries, reader.stats(), |q| {
                 reader.find_matches(q).best()
             });
+            figures.apply_page_faults = faults;
             index.stop().await;
             Ok(figures)
         }
@@ -227,6 +247,7 @@ fn measure_lookups(
         live_pairs: stats.live_pairs,
         live_blocks: stats.live_blocks,
         refused_events: c.stale_events + c.rejected_missing_parent + c.rejected_block_limit,
+        apply_page_faults: (0, 0),
     }
 }
 
@@ -316,14 +337,30 @@ pub async fn measure_rss(
     }
 }
 
+/// Min, median and max of one figure over runs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Spread {
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(runs: &[RunFigures], f: impl Fn(&RunFigures) -> f64) -> Option<Self> {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        Some(Self {
+            min: *v.first()?,
+            median: v[v.len() / 2],
+            max: *v.last()?,
+        })
+    }
+}
+
 /// Median of each figure over runs.
 pub fn median_figures(runs: &[RunFigures]) -> Option<RunFigures> {
     let first = runs.first()?.clone();
-    let med = |f: fn(&RunFigures) -> f64| {
-        let mut v: Vec<f64> = runs.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let med = |f: fn(&RunFigures) -> f64| Spread::of(runs, f).map_or(0.0, |s| s.median);
     Some(RunFigures {
         apply_secs: med(|r| r.apply_secs),
         block_ops_per_s: med(|r| r.block_ops_per_s),
@@ -331,6 +368,18 @@ pub fn median_figures(runs: &[RunFigures]) -> Option<RunFigures> {
         lookup_p99_us: med(|r| r.lookup_p99_us),
         lookups_per_s: med(|r| r.lookups_per_s),
         mean_best_overlap: med(|r| r.mean_best_overlap),
+        apply_page_faults: (
+            med(|r| r.apply_page_faults.0 as f64) as u64,
+            med(|r| r.apply_page_faults.1 as f64) as u64,
+        ),
         ..first
     })
+}
+
+/// The kernel's transparent-huge-page mode (`always`, `madvise` or `never`), when known.
+pub fn transparent_huge_pages() -> Option<String> {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    let start = s.find('[')? + 1;
+    let end = s[start..].find(']')? + start;
+    Some(s[start..end].to_owned())
 }

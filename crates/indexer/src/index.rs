@@ -462,8 +462,9 @@ impl Index {
         let Some(first) = self.holders_at(chain.get(0)) else {
             return;
         };
-        let (mut mask, high) = self.arena.view(first);
-        let mut high: SmallVec<[u32; 8]> = SmallVec::from_slice(high);
+        let first = self.arena.view(first);
+        let mut mask = first.mask;
+        let mut high: SmallVec<[u32; 8]> = SmallVec::from_slice(first.high());
         let mut i = 1;
         loop {
             if mask == 0 && high.is_empty() {
@@ -477,7 +478,8 @@ impl Index {
                 self.blocks.prefetch(chain.get(i + PREFETCH_AHEAD));
             }
             let h = self.holders_at(chain.get(i)).unwrap_or(Holders::EMPTY);
-            let (hmask, hhigh) = self.arena.view(h);
+            let view = self.arena.view(h);
+            let (hmask, hhigh) = (view.mask, view.high());
             let next = mask & hmask;
             if next != mask {
                 self.emit(mask & !next, &[], i, out);

@@ -176,58 +176,109 @@ fn rebuild(index: &Index) -> Index {
     fresh
 }
 
+/// Ranks that hold one block no query matches: with 61 of them, the ranks under test take
+/// slots 61 and up, past the inline holder mask (single-slot and spilled holder sets).
+fn with_fillers(fillers: u64) -> Index {
+    let mut index = Index::new();
+    for f in 0..fillers {
+        index
+            .apply(&KvEvent {
+                key: WorkerKey::new(1000 + f, 0),
+                event_id: 0,
+                data: KvEventData::Stored {
+                    parent: None,
+                    blocks: vec![StoredBlock {
+                        engine_hash: EngineBlockHash(f),
+                        local_hash: LocalBlockHash(1000 + f),
+                    }],
+                },
+            })
+            .unwrap();
+    }
+    index
+}
+
+fn check_against_model(
+    ops: &[Op],
+    queries: &[Vec<u64>],
+    fillers: u64,
+) -> Result<(), TestCaseError> {
+    let mut index = with_fillers(fillers);
+    let mut remapped = with_fillers(fillers);
+    let mut model = Model::default();
+    for op in ops {
+        match op {
+            Op::Event(key, mode, data) => {
+                let last = model.ranks.get(key).and_then(|r| r.last);
+                let event_id = match (mode, last) {
+                    (_, None) => 0,
+                    (IdMode::Next, Some(l)) => l + 1,
+                    (IdMode::Duplicate, Some(l)) => l,
+                    (IdMode::Gap, Some(l)) => l + 2,
+                };
+                let ev = KvEvent {
+                    key: *key,
+                    event_id,
+                    data: data.clone(),
+                };
+                let accepted = model.apply(&ev);
+                let result = index.apply(&ev);
+                prop_assert_eq!(accepted, result.is_ok(), "event {:?}: {:?}", ev, result);
+                if let (IdMode::Gap, Some(_), Ok(applied)) = (mode, last, &result) {
+                    prop_assert_eq!(applied.gap, 1);
+                }
+                if let Err(IndexError::StaleEvent { .. }) = result {
+                    prop_assert!(matches!(mode, IdMode::Duplicate));
+                }
+                let ev2 = KvEvent {
+                    data: remap_data(data),
+                    ..ev
+                };
+                prop_assert_eq!(remapped.apply(&ev2).is_ok(), accepted);
+            }
+            Op::RemoveWorker(id) => {
+                model.ranks.retain(|k, _| k.worker_id != *id);
+                index.remove_worker(*id);
+                remapped.remove_worker(*id);
+            }
+            Op::RemoveRank(key) => {
+                model.ranks.remove(key);
+                index.remove_worker_rank(*key);
+                remapped.remove_worker_rank(*key);
+            }
+        }
+        prop_assert_eq!(
+            index.stats().live_pairs,
+            model.live_pairs() + fillers as usize
+        );
+        let rebuilt = rebuild(&index);
+        for q in queries {
+            let want = model.overlaps(q);
+            let got = index.find_matches(&locals(q)).sorted().scores;
+            prop_assert_eq!(&got, &want, "query {:?}", q);
+            prop_assert_eq!(&remapped.find_matches(&locals(q)).sorted().scores, &want);
+            prop_assert_eq!(&rebuilt.find_matches(&locals(q)).sorted().scores, &want);
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
     fn index_matches_reference_model(ops in prop::collection::vec(arb_op(), 1..80), queries in arb_queries()) {
-        let mut index = Index::new();
-        let mut remapped = Index::new();
-        let mut model = Model::default();
-        for op in &ops {
-            match op {
-                Op::Event(key, mode, data) => {
-                    let last = model.ranks.get(key).and_then(|r| r.last);
-                    let event_id = match (mode, last) {
-                        (_, None) => 0,
-                        (IdMode::Next, Some(l)) => l + 1,
-                        (IdMode::Duplicate, Some(l)) => l,
-                        (IdMode::Gap, Some(l)) => l + 2,
-                    };
-                    let ev = KvEvent { key: *key, event_id, data: data.clone() };
-                    let accepted = model.apply(&ev);
-                    let result = index.apply(&ev);
-                    prop_assert_eq!(accepted, result.is_ok(), "event {:?}: {:?}", ev, result);
-                    if let (IdMode::Gap, Some(_), Ok(applied)) = (mode, last, &result) {
-                        prop_assert_eq!(applied.gap, 1);
-                    }
-                    if let Err(IndexError::StaleEvent { .. }) = result {
-                        prop_assert!(matches!(mode, IdMode::Duplicate));
-                    }
-                    let ev2 = KvEvent { data: remap_data(data), ..ev };
-                    prop_assert_eq!(remapped.apply(&ev2).is_ok(), accepted);
-                }
-                Op::RemoveWorker(id) => {
-                    model.ranks.retain(|k, _| k.worker_id != *id);
-                    index.remove_worker(*id);
-                    remapped.remove_worker(*id);
-                }
-                Op::RemoveRank(key) => {
-                    model.ranks.remove(key);
-                    index.remove_worker_rank(*key);
-                    remapped.remove_worker_rank(*key);
-                }
-            }
-            prop_assert_eq!(index.stats().live_pairs, model.live_pairs());
-            let rebuilt = rebuild(&index);
-            for q in &queries {
-                let want = model.overlaps(q);
-                let got = index.find_matches(&locals(q)).sorted().scores;
-                prop_assert_eq!(&got, &want, "query {:?}", q);
-                prop_assert_eq!(&remapped.find_matches(&locals(q)).sorted().scores, &want);
-                prop_assert_eq!(&rebuilt.find_matches(&locals(q)).sorted().scores, &want);
-            }
-        }
+        check_against_model(&ops, &queries, 0)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The same with the ranks under test in high slots (a fleet of more than 62 ranks).
+    #[test]
+    fn index_matches_reference_model_in_high_slots(ops in prop::collection::vec(arb_op(), 1..80), queries in arb_queries()) {
+        check_against_model(&ops, &queries, 61)?;
     }
 }
 

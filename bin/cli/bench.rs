@@ -6,6 +6,7 @@ use kvrouter_bench::indexer_bench::{
     build_stream, measure_rss, median_figures, timed_run, transparent_huge_pages, IndexMode,
     RssFigures, RunFigures, Spread,
 };
+use kvrouter_bench::indexer_scale::{run_scale, ScaleConfig, ScaleFigures};
 use kvrouter_bench::indexer_stream::StreamConfig;
 use kvrouter_bench::trace::load_trace;
 use kvrouter_bench::trace_gen::{generate, write_trace, ChatModel, TraceKind};
@@ -40,17 +41,37 @@ pub enum BenchCommand {
 #[derive(Args)]
 pub struct IndexerArgs {
     /// Mooncake-format trace (JSONL).
-    #[arg(long, env = "KVROUTER_TRACE")]
-    trace: PathBuf,
-    /// W: request r goes to worker r mod W.
-    #[arg(long, env = "KVROUTER_WORKERS")]
-    workers: u64,
+    #[arg(long, env = "KVROUTER_TRACE", required_unless_present = "scale")]
+    trace: Option<PathBuf>,
+    /// W: request r goes to worker r mod W (--scale: workers in the fleet, default 1000).
+    #[arg(long, env = "KVROUTER_WORKERS", required_unless_present = "scale")]
+    workers: Option<u64>,
     /// C: per-worker LRU capacity in sub-blocks.
-    #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS")]
-    capacity_blocks: usize,
+    #[arg(
+        long,
+        env = "KVROUTER_CAPACITY_BLOCKS",
+        required_unless_present = "scale"
+    )]
+    capacity_blocks: Option<usize>,
     /// K: sub-blocks per trace block.
-    #[arg(long, env = "KVROUTER_SUB_BLOCKS")]
-    sub_blocks: u64,
+    #[arg(long, env = "KVROUTER_SUB_BLOCKS", required_unless_present = "scale")]
+    sub_blocks: Option<u64>,
+    /// A fleet generated without a trace: --workers x --ranks worker keys holding --pairs
+    /// live (block, rank) pairs; apply rate, lookups, bytes per pair, dump and rebuild of a
+    /// 64k-block rank.
+    #[arg(long, env = "KVROUTER_SCALE", conflicts_with_all = ["trace", "capacity_blocks", "sub_blocks", "export_stream"])]
+    scale: bool,
+    /// --scale: data-parallel ranks per worker.
+    #[arg(long, env = "KVROUTER_RANKS", default_value_t = 8, requires = "scale")]
+    ranks: u32,
+    /// --scale: live (block, rank) pairs to build.
+    #[arg(
+        long,
+        env = "KVROUTER_PAIRS",
+        default_value_t = 100_000_000,
+        requires = "scale"
+    )]
+    pairs: u64,
     /// Index shard actors (sharded mode). More shards apply events in parallel, but a lookup
     /// walks every shard whose workers hold the prefix.
     #[arg(long, env = "KVROUTER_SHARDS", default_value_t = 1)]
@@ -204,10 +225,23 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
     if args.shards == 0 {
         bail!("--shards must be at least 1");
     }
+    if args.scale {
+        return indexer_scale(args).await;
+    }
+    let (Some(trace), Some(workers), Some(capacity_blocks), Some(sub_blocks)) = (
+        args.trace.clone(),
+        args.workers,
+        args.capacity_blocks,
+        args.sub_blocks,
+    ) else {
+        bail!(
+            "--trace, --workers, --capacity-blocks and --sub-blocks are required without --scale"
+        );
+    };
     let config = StreamConfig {
-        workers: args.workers,
-        capacity_blocks: args.capacity_blocks,
-        sub_blocks: args.sub_blocks,
+        workers,
+        capacity_blocks,
+        sub_blocks,
         engine_hash_salt: args.engine_hash_salt,
     };
     // The memory run reads the stream from a file in a fresh process, so the stream is
@@ -225,7 +259,7 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
         }
     };
     let t0 = std::time::Instant::now();
-    let stream = build_stream(&args.trace, config, Some(&stream_path))?;
+    let stream = build_stream(&trace, config, Some(&stream_path))?;
     tracing::info!(
         requests = stream.requests,
         events = stream.events.len(),
@@ -257,11 +291,11 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
     });
     let bytes_per_pair = rss.bytes_per_pair();
     let report = serde_json::json!({
-        "trace": args.trace,
+        "trace": trace,
         "mode": args.mode,
-        "workers": args.workers,
-        "capacity_blocks": args.capacity_blocks,
-        "sub_blocks": args.sub_blocks,
+        "workers": workers,
+        "capacity_blocks": capacity_blocks,
+        "sub_blocks": sub_blocks,
         "shards": if args.mode == IndexMode::Sharded { args.shards } else { 1 },
         "runs": args.runs,
         "engine_hash_salt": args.engine_hash_salt,
@@ -293,15 +327,15 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{report}");
     } else {
-        println!("kvrouter bench indexer: {}", args.trace.display());
+        println!("kvrouter bench indexer: {}", trace.display());
         println!(
             "  stream   {} requests, {} events, {} block ops (W={}, C={}, K={})",
             stream.requests,
             stream.events.len(),
             stream.stored_blocks + stream.removed_blocks,
-            args.workers,
-            args.capacity_blocks,
-            args.sub_blocks
+            workers,
+            capacity_blocks,
+            sub_blocks
         );
         println!(
             "  index    {} mode{}, live pairs {}, live blocks {}",
@@ -352,6 +386,81 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
             transparent_huge_pages().as_deref().unwrap_or("unknown")
         );
     }
+    Ok(())
+}
+
+async fn indexer_scale(args: IndexerArgs) -> anyhow::Result<()> {
+    let cfg = ScaleConfig {
+        workers: args.workers.unwrap_or(1000),
+        ranks: args.ranks,
+        pairs: args.pairs,
+        ..ScaleConfig::default()
+    };
+    let mut runs = Vec::with_capacity(args.runs);
+    for i in 0..args.runs {
+        let f = run_scale(&cfg, args.mode, args.shards).await?;
+        tracing::info!(
+            run = i + 1,
+            block_ops_per_s = f.block_ops_per_s,
+            lookup_p99_us = f.lookup_p99_us,
+            "scale run done"
+        );
+        runs.push(f);
+    }
+    let spread = |f: fn(&ScaleFigures) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        serde_json::json!({"min": v[0], "median": v[v.len() / 2], "max": v[v.len() - 1]})
+    };
+    let report = serde_json::json!({
+        "scale": cfg,
+        "mode": args.mode,
+        "shards": if args.mode == IndexMode::Sharded { args.shards } else { 1 },
+        "runs": runs,
+        "block_ops_per_s": spread(|f| f.block_ops_per_s),
+        "lookup_p50_us": spread(|f| f.lookup_p50_us),
+        "lookup_p99_us": spread(|f| f.lookup_p99_us),
+        "lookups_per_s": spread(|f| f.lookups_per_s),
+        "bytes_per_pair": spread(|f| f.bytes_per_pair),
+        "dump_ms": spread(|f| f.dump_ms),
+        "rebuild_ms": spread(|f| f.rebuild_ms),
+        "git_revision": env!("KVROUTER_GIT_REV"),
+        "transparent_huge_pages": transparent_huge_pages(),
+    });
+    if args.json {
+        println!("{report}");
+        return Ok(());
+    }
+    let f = &runs[runs.len() / 2];
+    let m = |k: &str| report[k]["median"].as_f64().unwrap_or(0.0);
+    println!(
+        "kvrouter bench indexer --scale: {} workers x {} ranks, {} live pairs, {} live blocks",
+        cfg.workers, cfg.ranks, f.live_pairs, f.live_blocks
+    );
+    println!("  apply    {:.2} M block ops/s", m("block_ops_per_s") / 1e6);
+    println!(
+        "  lookup   p50 {:.2} µs, p99 {:.2} µs, {:.0} k lookups/s",
+        m("lookup_p50_us"),
+        m("lookup_p99_us"),
+        m("lookups_per_s") / 1e3
+    );
+    println!(
+        "  memory   {:.1} bytes per live pair (RSS +{:.2} GiB)",
+        m("bytes_per_pair"),
+        m("bytes_per_pair") * f.live_pairs as f64 / (1u64 << 30) as f64
+    );
+    println!(
+        "  one rank of {} blocks: dump {:.1} ms, rebuild {:.1} ms",
+        f.dump_blocks,
+        m("dump_ms"),
+        m("rebuild_ms")
+    );
+    println!(
+        "  (median of {} runs; build {}, transparent huge pages {})",
+        args.runs,
+        env!("KVROUTER_GIT_REV"),
+        transparent_huge_pages().as_deref().unwrap_or("unknown")
+    );
     Ok(())
 }
 

@@ -2,6 +2,7 @@
 //! request, and measure block ops/s, lookup latency and bytes per live (block, rank) pair.
 
 use crate::indexer_stream::{request_hashes, StreamBuilder, StreamConfig, StreamError};
+use crate::percentile::percentile;
 use crate::stream_file::{write_event, StreamFileError, StreamFileReader};
 use crate::trace::TraceReader;
 use kvrouter_indexer::{Index, IndexStats, ShardError, ShardedIndex, ShardedIndexConfig};
@@ -49,6 +50,8 @@ pub enum BenchError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("invalid settings: {0}")]
+    Config(String),
     #[error("cannot read RSS from /proc/self/status: {0}")]
     Rss(String),
 }
@@ -227,14 +230,7 @@ fn measure_lookups(
         })
         .collect();
     lat_ns.sort_unstable();
-    let pct = |p: f64| {
-        if lat_ns.is_empty() {
-            0.0
-        } else {
-            let i = ((lat_ns.len() as f64 * p).ceil() as usize).clamp(1, lat_ns.len()) - 1;
-            lat_ns[i] as f64 / 1000.0
-        }
-    };
+    let pct = |q: f64| percentile(&lat_ns, q).unwrap_or(0) as f64 / 1000.0;
     let c = stats.counters;
     let n = queries.len().max(1) as f64;
     RunFigures {

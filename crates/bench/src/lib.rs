@@ -5,6 +5,7 @@
 pub mod bridge_bench;
 pub mod frontend_bench;
 pub mod indexer_bench;
+pub mod indexer_scale;
 pub mod indexer_stream;
 mod percentile;
 pub mod replay;

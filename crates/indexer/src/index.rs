@@ -485,17 +485,25 @@ impl Index {
                 self.emit(mask & !next, &[], i, out);
                 mask = next;
             }
-            if !high.is_empty() {
-                let before = high.len();
+            // Sorted lists: one merge pass (a shared system prompt may have thousands of
+            // holders), and none when the next block has the same holders.
+            if !high.is_empty() && high.as_slice() != hhigh {
                 let mut dropped: SmallVec<[u32; 8]> = SmallVec::new();
-                high.retain(|s| {
-                    let keep = hhigh.binary_search(s).is_ok();
-                    if !keep {
-                        dropped.push(*s);
+                let (mut j, mut kept) = (0, 0);
+                for k in 0..high.len() {
+                    let s = high[k];
+                    while j < hhigh.len() && hhigh[j] < s {
+                        j += 1;
                     }
-                    keep
-                });
-                if high.len() != before {
+                    if hhigh.get(j) == Some(&s) {
+                        high[kept] = s;
+                        kept += 1;
+                    } else {
+                        dropped.push(s);
+                    }
+                }
+                high.truncate(kept);
+                if !dropped.is_empty() {
                     self.emit(0, &dropped, i, out);
                 }
             }

@@ -16,9 +16,11 @@ pub trait Slot: Copy {
     fn is_empty(&self) -> bool;
 }
 
-/// Grow past 7/10 full; shrink below 1/5 (never below `MIN_SLOTS`).
-const GROW_NUM: usize = 7;
-const GROW_DEN: usize = 10;
+/// Grow past 4/5 full, by half; shrink below 1/4 full to 3/5 full. Sizes need not be
+/// powers of two (the slot is picked by a multiply, not a mask), so the load stays between
+/// about 0.53 and 0.8 instead of halving at every doubling.
+const GROW_NUM: usize = 4;
+const GROW_DEN: usize = 5;
 const MIN_SLOTS: usize = 16;
 
 /// A table of `T`, each placed by a 64-bit hash the caller computes (its high bits pick the
@@ -26,7 +28,6 @@ const MIN_SLOTS: usize = 16;
 /// allocator: a large table is its own mapping, returned to the OS when a resize frees it.
 pub struct FlatTable<T: Slot> {
     slots: AVec<T, System>,
-    shift: u32,
     len: usize,
 }
 
@@ -34,7 +35,6 @@ impl<T: Slot> Default for FlatTable<T> {
     fn default() -> Self {
         Self {
             slots: AVec::new_in(System),
-            shift: 64,
             len: 0,
         }
     }
@@ -54,15 +54,29 @@ impl<T: Slot> FlatTable<T> {
         self.slots.len() * std::mem::size_of::<T>()
     }
 
+    /// The first slot to probe: `hash` scaled onto `0..len` (multiply-shift, high bits).
     #[inline(always)]
     fn home(&self, hash: u64) -> usize {
-        // shift is 64 for an empty table: checked_shr keeps that defined.
-        hash.checked_shr(self.shift).unwrap_or(0) as usize
+        ((hash as u128 * self.slots.len() as u128) >> 64) as usize
     }
 
     #[inline(always)]
-    fn mask(&self) -> usize {
-        self.slots.len().wrapping_sub(1)
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// Probe steps from `from` forward to `to`.
+    #[inline(always)]
+    fn distance(&self, from: usize, to: usize) -> usize {
+        if to >= from {
+            to - from
+        } else {
+            to + self.slots.len() - from
+        }
     }
 
     /// Hints the CPU to fetch the slot where `hash` starts probing.
@@ -80,7 +94,6 @@ impl<T: Slot> FlatTable<T> {
         if self.len == 0 {
             return None;
         }
-        let mask = self.mask();
         let mut i = self.home(hash);
         loop {
             let s = &self.slots[i];
@@ -90,7 +103,7 @@ impl<T: Slot> FlatTable<T> {
             if eq(s) {
                 return Some(i);
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
     }
 
@@ -125,13 +138,12 @@ impl<T: Slot> FlatTable<T> {
     /// Inserts an entry the caller knows is absent; returns its slot.
     pub fn insert_unique(&mut self, hash: u64, value: T, hasher: impl Fn(&T) -> u64) -> usize {
         if (self.len + 1) * GROW_DEN > self.slots.len() * GROW_NUM {
-            let n = (self.slots.len() * 2).max(MIN_SLOTS);
+            let n = (self.slots.len() * 3 / 2).max(MIN_SLOTS);
             self.resize(n, &hasher);
         }
-        let mask = self.mask();
         let mut i = self.home(hash);
         while !self.slots[i].is_empty() {
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
         self.slots[i] = value;
         self.len += 1;
@@ -147,17 +159,16 @@ impl<T: Slot> FlatTable<T> {
     ) -> Option<T> {
         let mut hole = self.position(hash, eq)?;
         let out = self.slots[hole];
-        let mask = self.mask();
         let mut j = hole;
         loop {
-            j = (j + 1) & mask;
+            j = self.next(j);
             let s = self.slots[j];
             if s.is_empty() {
                 break;
             }
             let home = self.home(hasher(&s));
             // The entry at j may fill the hole if the hole lies on its probe path.
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+            if self.distance(home, j) >= self.distance(hole, j) {
                 self.slots[hole] = s;
                 hole = j;
             }
@@ -167,15 +178,16 @@ impl<T: Slot> FlatTable<T> {
         Some(out)
     }
 
-    /// Halves the table while it is under 1/5 full.
+    /// Shrinks the table to 3/5 full once it is under 1/4 full.
     pub fn shrink_if_sparse(&mut self, hasher: impl Fn(&T) -> u64) {
-        let mut n = self.slots.len();
-        while n > MIN_SLOTS && self.len * 5 < n {
-            n /= 2;
-        }
-        if n != self.slots.len() {
-            let n = if self.len == 0 { 0 } else { n };
-            self.resize(n, &hasher);
+        let n = self.slots.len();
+        if n > MIN_SLOTS && self.len * 4 < n {
+            let to = if self.len == 0 {
+                0
+            } else {
+                (self.len * 5 / 3).max(MIN_SLOTS)
+            };
+            self.resize(to, &hasher);
         }
     }
 
@@ -190,20 +202,14 @@ impl<T: Slot> FlatTable<T> {
     }
 
     fn resize(&mut self, n: usize, hasher: &impl Fn(&T) -> u64) {
-        debug_assert!(n == 0 || n.is_power_of_two());
         let mut slots = AVec::with_capacity_in(n, System);
         advise_huge_pages(slots.as_ptr(), n * std::mem::size_of::<T>());
         slots.resize(n, T::EMPTY);
         let old = std::mem::replace(&mut self.slots, slots);
-        self.shift = 64 - n.trailing_zeros().min(64);
-        if n == 0 {
-            self.shift = 64;
-        }
-        let mask = self.mask();
         for s in old.into_iter().filter(|s| !s.is_empty()) {
             let mut i = self.home(hasher(&s));
             while !self.slots[i].is_empty() {
-                i = (i + 1) & mask;
+                i = self.next(i);
             }
             self.slots[i] = s;
         }
@@ -308,7 +314,8 @@ mod tests {
         for k in 1..=10_000 {
             t.insert_unique(hh(k), E { k, v: k }, |e| hh(e.k));
         }
-        assert!(t.allocation_size() >= 10_000 * 16 * 10 / 7);
+        assert!(t.allocation_size() >= 10_000 * 16 * 5 / 4);
+        assert!(t.allocation_size() <= 10_000 * 16 * 2);
         let big = t.allocation_size();
         for k in 1..=9_900 {
             assert!(t.remove(hh(k), |e| e.k == k, |e| hh(e.k)).is_some());

@@ -214,36 +214,54 @@ fn measure_lookups(
     stats: IndexStats,
     lookup: impl Fn(&[LocalBlockHash]) -> u32,
 ) -> RunFigures {
-    // Throughput pass without per-lookup timers, then a latency pass.
-    let t0 = Instant::now();
-    let mut best_sum = 0u64;
-    for q in queries {
-        best_sum += lookup(q) as u64;
-    }
-    let total = t0.elapsed().as_secs_f64();
-    let mut lat_ns: Vec<u64> = queries
-        .iter()
-        .map(|q| {
-            let t = Instant::now();
-            std::hint::black_box(lookup(q));
-            t.elapsed().as_nanos() as u64
-        })
-        .collect();
-    lat_ns.sort_unstable();
-    let pct = |q: f64| percentile(&lat_ns, q).unwrap_or(0) as f64 / 1000.0;
+    let t = time_lookups(queries, lookup);
     let c = stats.counters;
     let n = queries.len().max(1) as f64;
     RunFigures {
         apply_secs,
         block_ops_per_s: ops / apply_secs.max(1e-12),
-        lookup_p50_us: pct(0.50),
-        lookup_p99_us: pct(0.99),
-        lookups_per_s: queries.len() as f64 / total.max(1e-12),
-        mean_best_overlap: best_sum as f64 / n,
+        lookup_p50_us: t.p50_us,
+        lookup_p99_us: t.p99_us,
+        lookups_per_s: t.per_s,
+        mean_best_overlap: t.best_sum as f64 / n,
         live_pairs: stats.live_pairs,
         live_blocks: stats.live_blocks,
         refused_events: c.stale_events + c.rejected_missing_parent + c.rejected_block_limit,
         apply_page_faults: (0, 0),
+    }
+}
+
+/// Lookup figures: a throughput pass without per-lookup timers, then a latency pass.
+pub struct LookupTimes {
+    pub per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// Sum of the best overlap of every query.
+    pub best_sum: u64,
+}
+
+pub fn time_lookups<Q: AsRef<[LocalBlockHash]>>(
+    queries: &[Q],
+    lookup: impl Fn(&[LocalBlockHash]) -> u32,
+) -> LookupTimes {
+    let t0 = Instant::now();
+    let best_sum = queries.iter().map(|q| lookup(q.as_ref()) as u64).sum();
+    let per_s = queries.len() as f64 / t0.elapsed().as_secs_f64().max(1e-12);
+    let mut lat_ns: Vec<u64> = queries
+        .iter()
+        .map(|q| {
+            let t = Instant::now();
+            std::hint::black_box(lookup(q.as_ref()));
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    lat_ns.sort_unstable();
+    let us = |q: f64| percentile(&lat_ns, q).unwrap_or(0) as f64 / 1000.0;
+    LookupTimes {
+        per_s,
+        p50_us: us(0.50),
+        p99_us: us(0.99),
+        best_sum,
     }
 }
 

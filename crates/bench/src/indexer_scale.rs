@@ -7,8 +7,7 @@
 //! Finally one extra rank of `dump_blocks` blocks is dumped and rebuilt from the dump, as a
 //! replica does when a peer recovers a rank.
 
-use crate::indexer_bench::{page_faults, rss_bytes, BenchError, IndexMode};
-use crate::percentile::percentile;
+use crate::indexer_bench::{page_faults, rss_bytes, time_lookups, BenchError, IndexMode};
 use kvrouter_indexer::{Index, RankDump, ShardedIndex, ShardedIndexConfig};
 use kvrouter_protocol::{
     EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerKey,
@@ -219,22 +218,7 @@ pub async fn run_scale(
         Target::Core(index) => index.find_matches(q).best(),
         Target::Sharded(index) => index.find_matches(q).best(),
     };
-    let t0 = Instant::now();
-    let mut best = 0u64;
-    for q in &queries {
-        best += lookup(q) as u64;
-    }
-    let lookups_per_s = queries.len() as f64 / t0.elapsed().as_secs_f64().max(1e-12);
-    let mut lat_ns: Vec<u64> = queries
-        .iter()
-        .map(|q| {
-            let t = Instant::now();
-            std::hint::black_box(lookup(q));
-            t.elapsed().as_nanos() as u64
-        })
-        .collect();
-    lat_ns.sort_unstable();
-    let us = |q: f64| percentile(&lat_ns, q).unwrap_or(0) as f64 / 1000.0;
+    let t = time_lookups(&queries, lookup);
 
     // One big rank, dumped and rebuilt.
     let big = WorkerKey::new(cfg.workers, 0);
@@ -276,10 +260,10 @@ pub async fn run_scale(
         apply_secs,
         block_ops_per_s: ops as f64 / apply_secs.max(1e-12),
         apply_minor_page_faults: apply_faults,
-        lookup_p50_us: us(0.50),
-        lookup_p99_us: us(0.99),
-        lookups_per_s,
-        mean_best_overlap: best as f64 / queries.len().max(1) as f64,
+        lookup_p50_us: t.p50_us,
+        lookup_p99_us: t.p99_us,
+        lookups_per_s: t.per_s,
+        mean_best_overlap: t.best_sum as f64 / queries.len().max(1) as f64,
         rss_bytes: rss_after.saturating_sub(rss_before),
         bytes_per_pair: rss_after.saturating_sub(rss_before) as f64 / pairs,
         table_bytes_per_pair: stats.table_bytes as f64 / pairs,

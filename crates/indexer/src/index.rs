@@ -15,10 +15,11 @@
 //! of a prefix drops the prefix.
 
 use crate::error::IndexError;
-use crate::flat_table::{FlatTable, Slot};
 use crate::holders::{HolderArena, Holders};
 use crate::overlap::OverlapScores;
 use crate::prefix::{self, PrefixChain, ROOT};
+use crate::table_alloc::TableAlloc;
+use hashbrown::HashTable;
 use kvrouter_protocol::{
     EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerId,
     WorkerKey,
@@ -26,28 +27,11 @@ use kvrouter_protocol::{
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
-/// How many blocks ahead an event or a lookup prefetches table slots: enough misses in
-/// flight to hide memory latency, few enough to stay in L1.
-const PREFETCH_AHEAD: usize = 8;
-
 #[derive(Clone, Copy)]
 struct Block {
     prefix: u64,
     parent: u64,
     holders: Holders,
-}
-
-impl Slot for Block {
-    // Prefix ids are never ROOT (0), so a zero id marks an empty slot.
-    const EMPTY: Block = Block {
-        prefix: ROOT,
-        parent: ROOT,
-        holders: Holders::EMPTY,
-    };
-    #[inline(always)]
-    fn is_empty(&self) -> bool {
-        self.prefix == ROOT
-    }
 }
 
 /// An engine hash of one rank and the prefix it names.
@@ -57,33 +41,20 @@ struct Alias {
     prefix: u64,
 }
 
-impl Slot for Alias {
-    // Engine hashes may be anything, 0 included; the prefix id never is ROOT.
-    const EMPTY: Alias = Alias {
-        engine: 0,
-        prefix: ROOT,
-    };
-    #[inline(always)]
-    fn is_empty(&self) -> bool {
-        self.prefix == ROOT
+/// See [`TableAlloc`]: the system allocator, with huge pages for big tables.
+type Table<T> = HashTable<T, TableAlloc>;
+
+fn new_table<T>() -> Table<T> {
+    HashTable::new_in(TableAlloc)
+}
+
+/// Under churn hashbrown tables keep their peak size (and grow further on tombstones): shrink
+/// one that has fallen below a third full.
+fn maybe_shrink<T>(t: &mut Table<T>, hasher: impl Fn(&T) -> u64) {
+    let cap = t.capacity();
+    if cap > 64 && t.len() * 3 < cap {
+        t.shrink_to(t.len() * 3 / 2, hasher);
     }
-}
-
-type Table<T> = FlatTable<T>;
-
-fn new_table<T: Slot>() -> Table<T> {
-    FlatTable::default()
-}
-
-/// A block's slot hash: prefix ids are already mixed in every bit.
-#[inline(always)]
-fn block_hash(b: &Block) -> u64 {
-    b.prefix
-}
-
-#[inline(always)]
-fn alias_hash(a: &Alias) -> u64 {
-    engine_hash_of(a.engine)
 }
 
 struct Rank {
@@ -308,10 +279,6 @@ impl Index {
             .collect();
         let mut stored = 0;
         for (i, b) in blocks.iter().enumerate() {
-            if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
-                table.prefetch(ids[i + PREFETCH_AHEAD]);
-                rank.aliases.prefetch(engine_hash_of(ahead.engine_hash.0));
-            }
             let p = ids[i];
             let e = b.engine_hash.0;
             let h = engine_hash_of(e);
@@ -329,22 +296,19 @@ impl Index {
                             engine: e,
                             prefix: p,
                         },
-                        alias_hash,
+                        |a| engine_hash_of(a.engine),
                     );
                 }
             }
-            let parent = prefix;
-            let entry = table.find_or_insert(
-                p,
-                |b| b.prefix == p,
-                || Block {
+            let entry = table
+                .entry(p, |b| b.prefix == p, |b| b.prefix)
+                .or_insert(Block {
                     prefix: p,
-                    parent,
+                    parent: prefix,
                     holders: Holders::EMPTY,
-                },
-                block_hash,
-            );
-            if arena.insert(&mut entry.holders, slot) {
+                });
+            let added = arena.insert(&mut entry.into_mut().holders, slot);
+            if added {
                 rank.held += 1;
                 *live_pairs += 1;
                 stored += 1;
@@ -367,32 +331,24 @@ impl Index {
         } = self;
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut out = Applied::default();
-        // Two passes, each prefetching ahead: the rank's names first, then the blocks.
-        let mut named: SmallVec<[u64; 64]> = SmallVec::with_capacity(engine_hashes.len());
-        for (i, e) in engine_hashes.iter().enumerate() {
-            if let Some(ahead) = engine_hashes.get(i + PREFETCH_AHEAD) {
-                rank.aliases.prefetch(engine_hash_of(ahead.0));
-            }
-            match rank
+        for e in engine_hashes {
+            let found = rank
                 .aliases
-                .remove(engine_hash_of(e.0), |a| a.engine == e.0, alias_hash)
-            {
-                Some(a) => named.push(a.prefix),
-                None => out.skipped += 1,
-            }
-        }
-        for (i, &p) in named.iter().enumerate() {
-            if let Some(&ahead) = named.get(i + PREFETCH_AHEAD) {
-                table.prefetch(ahead);
-            }
+                .find_entry(engine_hash_of(e.0), |a| a.engine == e.0)
+                .ok()
+                .map(|entry| entry.remove().0.prefix);
+            let Some(p) = found else {
+                out.skipped += 1;
+                continue;
+            };
             if release(table, arena, &mut rank.held, live_pairs, p, slot) {
                 out.removed += 1;
             } else {
                 out.skipped += 1;
             }
         }
-        rank.aliases.shrink_if_sparse(alias_hash);
-        table.shrink_if_sparse(block_hash);
+        maybe_shrink(&mut rank.aliases, |a| engine_hash_of(a.engine));
+        maybe_shrink(table, |b| b.prefix);
         out
     }
 
@@ -407,13 +363,13 @@ impl Index {
         } = self;
         let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut removed = 0;
-        for a in rank.aliases.take_all() {
+        for a in std::mem::replace(&mut rank.aliases, new_table()).iter() {
             if release(table, arena, &mut rank.held, live_pairs, a.prefix, slot) {
                 removed += 1;
             }
         }
         debug_assert_eq!(rank.held, 0);
-        table.shrink_if_sparse(block_hash);
+        maybe_shrink(table, |b| b.prefix);
         removed
     }
 
@@ -456,9 +412,6 @@ impl Index {
         if n == 0 || self.blocks.is_empty() {
             return;
         }
-        for i in 1..n.min(PREFETCH_AHEAD) {
-            self.blocks.prefetch(chain.get(i));
-        }
         let Some(first) = self.holders_at(chain.get(0)) else {
             return;
         };
@@ -473,9 +426,6 @@ impl Index {
             if i == n {
                 self.emit(mask, &high, n, out);
                 return;
-            }
-            if i + PREFETCH_AHEAD < n {
-                self.blocks.prefetch(chain.get(i + PREFETCH_AHEAD));
             }
             let h = self.holders_at(chain.get(i)).unwrap_or(Holders::EMPTY);
             let view = self.arena.view(h);
@@ -642,7 +592,7 @@ impl Index {
     /// Bytes the index's tables have allocated (entries and control bytes), excluding
     /// spilled holder sets.
     pub fn table_bytes(&self) -> usize {
-        fn bytes<T: Slot>(t: &Table<T>) -> usize {
+        fn bytes<T>(t: &Table<T>) -> usize {
             t.allocation_size()
         }
         bytes(&self.blocks)
@@ -731,14 +681,14 @@ fn release(
 /// Removes `slot` from prefix `p`'s holders, dropping the block when nobody holds it.
 /// Returns whether the slot held it.
 fn unhold(table: &mut Table<Block>, arena: &mut HolderArena, p: u64, slot: u32) -> bool {
-    let Some(block) = table.find_mut(p, |b| b.prefix == p) else {
+    let Ok(mut entry) = table.find_entry(p, |b| b.prefix == p) else {
         return false;
     };
-    if !arena.remove(&mut block.holders, slot) {
+    if !arena.remove(&mut entry.get_mut().holders, slot) {
         return false;
     }
-    if block.holders.is_empty() {
-        table.remove(p, |b| b.prefix == p, block_hash);
+    if entry.get().holders.is_empty() {
+        entry.remove();
     }
     true
 }

@@ -6,12 +6,12 @@
 
 pub mod approx;
 pub mod error;
-mod flat_table;
 pub mod holders;
 pub mod index;
 pub mod overlap;
 pub mod prefix;
 pub mod sharded;
+mod table_alloc;
 
 pub use approx::{ApproxConfig, ApproxTracker, Imported};
 pub use error::IndexError;

@@ -33,18 +33,11 @@ const fn mod_inverse(x: u64) -> u64 {
 /// as the hash-table hash.
 #[inline(always)]
 pub fn extend(parent: u64, local: u64) -> u64 {
-    let id = (parent ^ local)
+    (parent ^ local)
         .wrapping_mul(M1)
         .rotate_left(32)
         .wrapping_mul(M2)
-        ^ K;
-    // ROOT marks empty table slots: the one (parent, local) pair per parent that would
-    // chain to it gets another id (as likely to collide as any two prefixes).
-    if id == ROOT {
-        K
-    } else {
-        id
-    }
+        ^ K
 }
 
 /// The local hash of the block that extended `parent` into `prefix`.

@@ -3,8 +3,10 @@
 //! Layout, chosen for lookup speed and bytes per (block, rank) pair:
 //! - `blocks`: one 24-byte entry per distinct cached prefix, keyed by its
 //!   [`prefix`](crate::prefix) id: its parent's id (for dumps) and the set of worker slots
-//!   holding it. A lookup does one probe per query block; the probes are independent and
-//!   prefetched ahead, so their cache misses overlap.
+//!   holding it. A lookup does one probe per query block; the probes do not depend on each
+//!   other, so the CPU overlaps their cache misses. (Own open-addressing tables that
+//!   prefetch explicitly were measured: faster lookups, but slower deletes under churn and
+//!   more memory at scale; see docs/benchmarks.md.)
 //! - per rank, `aliases`: engine block hash → prefix id, 16 bytes per (block, rank) pair. A
 //!   rank's table is small enough to stay in cache while its events are applied. Engine
 //!   hashes stay opaque: they only resolve a `Stored` parent and the blocks of a `Removed`.

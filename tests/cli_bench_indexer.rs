@@ -155,3 +155,49 @@ fn bad_traces_and_settings_are_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("request 0 has 6 sub-blocks"), "{err}");
 }
+
+#[test]
+fn scale_mode_builds_the_fleet_it_is_asked_for() {
+    // 10 workers x 2 ranks, 20 x 400 pairs: 8 system blocks and two 192-block chains a rank.
+    let out = run(&[
+        "bench",
+        "indexer",
+        "--scale",
+        "--workers",
+        "10",
+        "--ranks",
+        "2",
+        "--pairs",
+        "8000",
+        "--runs",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let first = &v["runs"][0];
+    assert_eq!(first["worker_keys"], 20);
+    assert_eq!(first["live_pairs"], 20 * (8 + 2 * 192));
+    assert_eq!(first["mean_best_overlap"], 8.0 + 192.0);
+    assert_eq!(first["dump_blocks"], 8 + (65_536 - 8) / 192 * 192);
+    for field in [
+        "block_ops_per_s",
+        "lookup_p99_us",
+        "bytes_per_pair",
+        "rebuild_ms",
+    ] {
+        assert!(v[field]["median"].is_number(), "{field} missing in {v}");
+    }
+    assert!(v["git_revision"].is_string());
+
+    // --scale takes no trace; without it the trace flags are required
+    let out = run(&["bench", "indexer", "--scale", "--trace", "x.jsonl"]);
+    assert!(!out.status.success());
+    let out = run(&["bench", "indexer", "--workers", "2"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace"));
+}

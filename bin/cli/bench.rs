@@ -407,11 +407,7 @@ async fn indexer_scale(args: IndexerArgs) -> anyhow::Result<()> {
         );
         runs.push(f);
     }
-    let spread = |f: fn(&ScaleFigures) -> f64| {
-        let mut v: Vec<f64> = runs.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        serde_json::json!({"min": v[0], "median": v[v.len() / 2], "max": v[v.len() - 1]})
-    };
+    let spread = |f: fn(&ScaleFigures) -> f64| Spread::of(&runs, f);
     let report = serde_json::json!({
         "scale": cfg,
         "mode": args.mode,

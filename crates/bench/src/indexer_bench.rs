@@ -360,7 +360,7 @@ pub struct Spread {
 }
 
 impl Spread {
-    pub fn of(runs: &[RunFigures], f: impl Fn(&RunFigures) -> f64) -> Option<Self> {
+    pub fn of<R>(runs: &[R], f: impl Fn(&R) -> f64) -> Option<Self> {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
         Some(Self {

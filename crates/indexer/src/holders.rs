@@ -228,18 +228,6 @@ impl HolderArena {
         self.sets.len() - self.free.len()
     }
 
-    /// Heap bytes of the spilled sets.
-    pub fn bytes(&self) -> usize {
-        self.sets.capacity() * std::mem::size_of::<WideSet>()
-            + self.free.capacity() * std::mem::size_of::<usize>()
-            + self
-                .sets
-                .iter()
-                .filter(|s| s.high.spilled())
-                .map(|s| s.high.capacity() * 4)
-                .sum::<usize>()
-    }
-
     fn alloc(&mut self, set: WideSet) -> Holders {
         let idx = match self.free.pop() {
             Some(i) => {

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    e2e_tokens as tokens, free_port, metrics, ready, serve, wait_until, E2eClient as Client,
-    NatsServer, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
+    e2e_tokens as tokens, free_port, let_nats_notice, metrics, ready, serve, wait_until,
+    E2eClient as Client, NatsServer, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use kvrouter_client::GenerateParams;
 use kvrouter_protocol::{RouteDecision, RouteRequest, WorkerKey};
@@ -78,10 +78,6 @@ fn set(ids: &[&str]) -> HashSet<String> {
 
 /// The disconnect of a killed process reaches the NATS server a moment after the process is
 /// reaped; give it that moment before asserting that its queue-group share moved on.
-fn let_nats_notice() {
-    std::thread::sleep(Duration::from_millis(300));
-}
-
 const FALLBACKS: &str = r#"kvrouter_remote_indexer_fallbacks_total{model="Qwen/Qwen3-0.6B"}"#;
 const QUERIES: &str = r#"kvrouter_remote_indexer_queries_total{model="Qwen/Qwen3-0.6B"}"#;
 

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{
-    e2e_tokens as tokens, free_port, http_get, metrics, ready, serve, wait_until,
+    e2e_tokens as tokens, free_port, http_get, let_nats_notice, metrics, ready, serve, wait_until,
     E2eClient as Client, NatsServer, E2E_MODEL as MODEL,
 };
 use kvrouter_client::GenerateParams;
@@ -110,7 +110,7 @@ fn a_new_serving_indexer_is_used_as_soon_as_it_announces_itself() {
         "r1's breaker never opened"
     );
     s1.kill();
-    std::thread::sleep(Duration::from_millis(300)); // NATS notices the disconnect
+    let_nats_notice();
 
     // A new serving indexer syncs and announces itself; from then on no route is blind.
     let announced = r#"kvrouter_remote_indexer_announcements_total{model="Qwen/Qwen3-0.6B"}"#;

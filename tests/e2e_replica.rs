@@ -5,8 +5,8 @@ mod common;
 
 use bytes::Bytes;
 use common::{
-    e2e_tokens as tokens, free_port, http_get, kvrouter, metrics, ready, serve, wait_until,
-    E2eClient as Client, NatsServer, Proc, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
+    e2e_tokens as tokens, free_port, http_get, kvrouter, let_nats_notice, metrics, ready, serve,
+    wait_until, E2eClient as Client, NatsServer, Proc, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use kvrouter_client::{ClientError, GenerateParams};
 use kvrouter_protocol::{
@@ -163,12 +163,14 @@ fn replicas_route_repeated_prefixes_to_the_holder_and_survive_each_other() {
         "{m3}"
     );
     r1.kill();
+    let_nats_notice();
     for _ in 0..10 {
         let d = c.route(&prompt);
         assert_eq!((d.key(), d.overlap_blocks), (holder, 8));
         assert_ne!(d.replica_id, "r1");
     }
     r2.kill();
+    let_nats_notice();
     for _ in 0..5 {
         let d = c.route(&prompt);
         assert_eq!(

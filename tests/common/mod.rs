@@ -280,6 +280,13 @@ pub fn free_ports(n: u16) -> u16 {
     }
 }
 
+/// Gives nats-server time to read the EOF of a process just killed and drop its
+/// subscriptions: core request-reply has no redelivery, so a request handed to a dead queue
+/// member in that window is lost and its caller times out.
+pub fn let_nats_notice() {
+    std::thread::sleep(Duration::from_millis(300));
+}
+
 /// Polls `f` every 50 ms until it returns true or `timeout` passes; returns the last answer.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;

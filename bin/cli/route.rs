@@ -182,6 +182,7 @@ mod tests {
     #[test]
     fn disagg_json_names_both_keys() {
         let d = |w, r| kvrouter_protocol::RouteDecision {
+            tier_overlap_blocks: kvrouter_protocol::TierBlocks::on_device(2),
             worker_id: w,
             dp_rank: r,
             overlap_blocks: 2,

@@ -18,7 +18,7 @@ use kvrouter_mocker::emulate::wire::{encode_batch, BlockTokens};
 use kvrouter_mocker::emulate::{Emulated, ZmqWire};
 use kvrouter_protocol::{
     decode, EngineBlockHash, EngineKind, KvEvent, KvEventBatch, KvEventData, LocalBlockHash,
-    StoredBlock, Subjects, WorkerKey,
+    StoredBlock, Subjects, Tier, WorkerKey,
 };
 use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
@@ -85,6 +85,7 @@ pub fn record_stream(shape: &StreamShape, batches: usize) -> (Vec<Vec<u8>>, u64)
     let mut out = Vec::with_capacity(batches);
     let mut block = vec![0u32; bs];
     let event = |data| KvEvent {
+        tier: Tier::Device,
         key,
         event_id: 0,
         data,

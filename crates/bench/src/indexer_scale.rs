@@ -10,7 +10,7 @@
 use crate::indexer_bench::{page_faults, rss_bytes, time_lookups, BenchError, IndexMode};
 use kvrouter_indexer::{Index, RankDump, ShardedIndex, ShardedIndexConfig};
 use kvrouter_protocol::{
-    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerKey,
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerKey,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -99,6 +99,7 @@ impl Plan<'_> {
         locals: &[u64],
     ) -> KvEvent {
         KvEvent {
+            tier: Tier::Device,
             key,
             event_id,
             data: KvEventData::Stored {

@@ -10,8 +10,8 @@
 use crate::trace::TraceError;
 use kvrouter_protocol::hashing::chain_sequence_hash;
 use kvrouter_protocol::{
-    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, SequenceHash, StoredBlock, WorkerKey,
-    BASE_SEED,
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, SequenceHash, StoredBlock, Tier,
+    WorkerKey, BASE_SEED,
 };
 use lru::LruCache;
 use rustc_hash::FxBuildHasher;
@@ -157,6 +157,7 @@ impl StreamBuilder {
         }
         if !evicted.is_empty() {
             out.push(KvEvent {
+                tier: Tier::Device,
                 key,
                 event_id: self.next_event_id[w],
                 data: KvEventData::Removed {
@@ -173,6 +174,7 @@ impl StreamBuilder {
                 })
                 .collect();
             out.push(KvEvent {
+                tier: Tier::Device,
                 key,
                 event_id: self.next_event_id[w],
                 data: KvEventData::Stored {

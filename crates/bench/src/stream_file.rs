@@ -6,7 +6,7 @@
 //! Every event is for dp_rank 0; `Cleared` never appears in this stream.
 
 use kvrouter_protocol::{
-    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerKey,
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerKey,
 };
 use std::io::{self, Read, Write};
 use thiserror::Error;
@@ -148,6 +148,7 @@ impl<R: Read> StreamFileReader<R> {
             KvEventData::Stored { parent, blocks }
         };
         Ok(Some(KvEvent {
+            tier: Tier::Device,
             key: WorkerKey::new(w, 0),
             event_id,
             data,
@@ -163,6 +164,7 @@ mod tests {
     fn round_trip_and_layout() {
         let events = vec![
             KvEvent {
+                tier: Tier::Device,
                 key: WorkerKey::new(3, 0),
                 event_id: 0,
                 data: KvEventData::Stored {
@@ -174,6 +176,7 @@ mod tests {
                 },
             },
             KvEvent {
+                tier: Tier::Device,
                 key: WorkerKey::new(3, 0),
                 event_id: 1,
                 data: KvEventData::Stored {
@@ -182,6 +185,7 @@ mod tests {
                 },
             },
             KvEvent {
+                tier: Tier::Device,
                 key: WorkerKey::new(4, 0),
                 event_id: 0,
                 data: KvEventData::Removed {

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use kvrouter_bench::route_latency::{run_route_latency, RouteLatencyConfig};
 use kvrouter_bus::Bus;
 use kvrouter_client::KvRouterClient;
-use kvrouter_protocol::{decode, encode, Reply, RouteDecision, RouteRequest, Subjects};
+use kvrouter_protocol::{decode, encode, Reply, RouteDecision, RouteRequest, Subjects, TierBlocks};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ fn enc<T: kvrouter_protocol::Wire>(v: &T) -> Bytes {
 
 fn decision(replica: &str) -> RouteDecision {
     RouteDecision {
+        tier_overlap_blocks: TierBlocks::default(),
         worker_id: 7,
         dp_rank: 1,
         overlap_blocks: 3,

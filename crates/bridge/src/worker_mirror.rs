@@ -10,7 +10,7 @@ use crate::engine_event::{EngineEvent, EventError, Extras, Stored};
 use kvrouter_indexer::{block_limit_for_capacity, Index, IndexError};
 use kvrouter_protocol::{
     prompt_local_hashes, DpRank, EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash,
-    PromptExtras, StoredBlock, WorkerId, WorkerKey,
+    PromptExtras, StoredBlock, Tier, WorkerId, WorkerKey,
 };
 use rustc_hash::FxHashMap;
 
@@ -202,6 +202,7 @@ impl WorkerMirror {
         let id = self.last_ids[slot].map_or(0, |l| l + 1);
         self.last_ids[slot] = Some(id);
         KvEvent {
+            tier: Tier::Device,
             key,
             event_id: id,
             data,

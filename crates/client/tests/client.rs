@@ -5,7 +5,8 @@ use kvrouter_bus::{Bus, LocalBus};
 use kvrouter_client::{route_request, ClientError, GenerateParams, KvRouterClient, WorkerFailure};
 use kvrouter_protocol::{
     decode, encode, ErrorKind, ErrorReply, GenerateEvent, GenerateRequest, OverlapRequest,
-    OverlapScoresReply, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects, WorkerKey,
+    OverlapScoresReply, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects, TierBlocks,
+    WorkerKey,
 };
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,6 +20,7 @@ fn enc<T: kvrouter_protocol::Wire>(v: &T) -> Bytes {
 
 fn decision(replica: &str) -> RouteDecision {
     RouteDecision {
+        tier_overlap_blocks: TierBlocks::default(),
         worker_id: 7,
         dp_rank: 1,
         overlap_blocks: 3,
@@ -136,6 +138,8 @@ async fn overlap_endpoints_round_trip() {
     let bus = Bus::local();
     let subjects = Subjects::new(NS).unwrap();
     let scores = OverlapScoresReply {
+        shared_blocks: 0,
+        tier_overlap_blocks: Vec::new(),
         block_size: 16,
         scores: vec![(WorkerKey::new(1, 0), 4)],
     };

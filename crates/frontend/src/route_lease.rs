@@ -144,6 +144,7 @@ mod tests {
 
     fn decision() -> RouteDecision {
         RouteDecision {
+            tier_overlap_blocks: kvrouter_protocol::TierBlocks::default(),
             worker_id: 1,
             dp_rank: 0,
             overlap_blocks: 0,

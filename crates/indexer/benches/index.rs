@@ -4,7 +4,7 @@
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvrouter_indexer::Index;
 use kvrouter_protocol::{
-    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerKey,
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerKey,
 };
 
 /// `workers` ranks, each holding `prompts` chains of `depth` blocks; the first `shared`
@@ -38,6 +38,7 @@ fn populated(
                 .collect();
             index
                 .apply(&KvEvent {
+                    tier: Tier::Device,
                     key: WorkerKey::new(w, 0),
                     event_id: p,
                     data: KvEventData::Stored {
@@ -85,6 +86,7 @@ fn apply(c: &mut Criterion) {
                 let key = WorkerKey::new(3, 0);
                 index
                     .apply(&KvEvent {
+                        tier: Tier::Device,
                         key,
                         event_id: 100,
                         data: KvEventData::Stored {
@@ -95,6 +97,7 @@ fn apply(c: &mut Criterion) {
                     .unwrap();
                 index
                     .apply(&KvEvent {
+                        tier: Tier::Device,
                         key,
                         event_id: 101,
                         data: KvEventData::Removed {

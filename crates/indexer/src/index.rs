@@ -23,11 +23,14 @@ use crate::prefix::{self, PrefixChain, ROOT};
 use crate::table_alloc::TableAlloc;
 use hashbrown::HashTable;
 use kvrouter_protocol::{
-    EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerId,
+    EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerId,
     WorkerKey,
 };
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
+use tiers::LowerTiers;
+
+mod tiers;
 
 #[derive(Clone, Copy)]
 struct Block {
@@ -100,6 +103,8 @@ pub struct IndexStats {
     pub worker_keys: usize,
     /// Bytes allocated by the index's tables (allocator slack not included).
     pub table_bytes: usize,
+    /// (prefix, worker key) pairs in host and disk tiers, and shared blocks.
+    pub lower_tier_pairs: usize,
     pub counters: IndexCounters,
 }
 
@@ -138,6 +143,8 @@ pub struct Index {
     limits: FxHashMap<WorkerId, usize>,
     live_pairs: usize,
     counters: IndexCounters,
+    /// Host, disk and shared blocks; `None` until the first lower-tier event.
+    lower: Option<Box<LowerTiers>>,
 }
 
 impl Default for Index {
@@ -151,6 +158,7 @@ impl Default for Index {
             limits: FxHashMap::default(),
             live_pairs: 0,
             counters: IndexCounters::default(),
+            lower: None,
         }
     }
 }
@@ -192,16 +200,26 @@ impl Index {
         if gap > 0 {
             self.counters.gaps += 1;
         }
-        let mut applied = self.apply_data(slot, &event.data)?;
+        let mut applied = self.apply_in(slot, event.tier, &event.data)?;
         applied.gap = gap;
         Ok(applied)
     }
 
-    /// Applies an event's content without event-id checks (dumps, approximate mode).
+    /// Applies a device event's content without event-id checks (dumps, approximate mode).
     /// Removals for an unknown rank are ignored rather than creating it.
     pub fn apply_unsequenced(
         &mut self,
         key: WorkerKey,
+        data: &KvEventData,
+    ) -> Result<Applied, IndexError> {
+        self.apply_unsequenced_in(key, Tier::Device, data)
+    }
+
+    /// [`Index::apply_unsequenced`] for the blocks of any tier.
+    pub fn apply_unsequenced_in(
+        &mut self,
+        key: WorkerKey,
+        tier: Tier,
         data: &KvEventData,
     ) -> Result<Applied, IndexError> {
         let slot = match (self.slots.get(&key), data) {
@@ -209,7 +227,7 @@ impl Index {
             (None, KvEventData::Stored { .. }) => self.slot_for(key),
             (None, _) => return Ok(Applied::default()),
         };
-        self.apply_data(slot, data)
+        self.apply_in(slot, tier, data)
     }
 
     fn apply_data(&mut self, slot: u32, data: &KvEventData) -> Result<Applied, IndexError> {
@@ -237,33 +255,21 @@ impl Index {
         parent: Option<EngineBlockHash>,
         blocks: &[StoredBlock],
     ) -> Result<Applied, IndexError> {
-        let Self {
-            blocks: table,
-            arena,
-            ranks,
-            limits,
-            live_pairs,
-            counters,
-            ..
-        } = self;
-        let rank = ranks[slot as usize].as_mut().expect("slot in use");
+        let rank = self.ranks[slot as usize].as_ref().expect("slot in use");
         let key = rank.key;
-        let mut prefix = match parent {
+        let prefix = match parent {
             None => ROOT,
-            Some(pe) => {
-                let held = alias_of(&rank.aliases, pe.0).filter(|&p| holds(table, arena, p, slot));
-                match held {
-                    Some(p) => p,
-                    None => {
-                        counters.rejected_missing_parent += 1;
-                        return Err(IndexError::MissingParent { key, parent: pe });
-                    }
+            Some(pe) => match self.resolve_parent(key, Tier::Device, pe.0) {
+                Some(p) => p,
+                None => {
+                    self.counters.rejected_missing_parent += 1;
+                    return Err(IndexError::MissingParent { key, parent: pe });
                 }
-            }
+            },
         };
-        if let Some(&limit) = limits.get(&key.worker_id) {
+        if let Some(&limit) = self.limits.get(&key.worker_id) {
             if rank.held + blocks.len() > limit {
-                counters.rejected_block_limit += 1;
+                self.counters.rejected_block_limit += 1;
                 return Err(IndexError::BlockLimit {
                     key,
                     held: rank.held,
@@ -272,6 +278,24 @@ impl Index {
                 });
             }
         }
+        self.store_from(slot, prefix, blocks)
+    }
+
+    /// Stores a chain of blocks below the prefix `prefix` (resolved, held, or the root).
+    fn store_from(
+        &mut self,
+        slot: u32,
+        mut prefix: u64,
+        blocks: &[StoredBlock],
+    ) -> Result<Applied, IndexError> {
+        let Self {
+            blocks: table,
+            arena,
+            ranks,
+            live_pairs,
+            ..
+        } = self;
+        let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let ids: SmallVec<[u64; 64]> = blocks
             .iter()
             .scan(prefix, |p, b| {
@@ -383,6 +407,7 @@ impl Index {
         self.clear_slot(slot);
         self.ranks[slot as usize] = None;
         self.slots.remove(&key);
+        self.forget_lower(key);
         true
     }
 
@@ -400,16 +425,23 @@ impl Index {
             .count()
     }
 
-    /// Overlap of every worker key with the query's leading blocks.
+    /// Overlap of every worker key with the query's leading blocks, by tier.
     pub fn find_matches(&self, local: &[LocalBlockHash]) -> OverlapScores {
         let mut chain = PrefixChain::new(local);
         let mut out = OverlapScores::default();
-        self.find_matches_in(&mut chain, &mut out.scores);
+        self.find_matches_in(&mut chain, &mut out);
         out
     }
 
-    /// Appends this index's overlaps for `chain` to `out` (keys with overlap 0 omitted).
-    pub fn find_matches_in(&self, chain: &mut PrefixChain<'_>, out: &mut Vec<(WorkerKey, u32)>) {
+    /// Adds this index's overlaps for `chain` to `out` (keys with overlap 0 omitted).
+    pub fn find_matches_in(&self, chain: &mut PrefixChain<'_>, out: &mut OverlapScores) {
+        let first = out.scores.len();
+        self.device_matches(chain, &mut out.scores);
+        self.lower_matches(chain, first, out);
+    }
+
+    /// The device overlaps, appended to `out`.
+    fn device_matches(&self, chain: &mut PrefixChain<'_>, out: &mut Vec<(WorkerKey, u32)>) {
         let n = chain.len();
         if n == 0 || self.blocks.is_empty() {
             return;
@@ -491,11 +523,42 @@ impl Index {
             .then(|| LocalBlockHash(prefix::local_of(p, b.parent)))
     }
 
-    /// Events that rebuild `key` exactly, parents before children. Blocks cut off from the
-    /// root (a removed ancestor) match nothing and are left out.
+    /// Events that rebuild `key` exactly: device blocks, then host, then disk, parents
+    /// before children within a tier. Blocks cut off from the root (a removed ancestor, in
+    /// no tier) match nothing and are left out.
     pub fn dump(&self, key: WorkerKey) -> Option<RankDump> {
         let &slot = self.slots.get(&key)?;
         let rank = self.ranks[slot as usize].as_ref()?;
+        let engine_of = self.engine_hashes_of(key);
+        let event_id = rank.last_event_id.unwrap_or(0);
+        let mut events: Vec<KvEvent> = self
+            .chains(slot, &engine_of)
+            .into_iter()
+            .map(|(parent, blocks)| KvEvent {
+                key,
+                event_id,
+                tier: Tier::Device,
+                data: KvEventData::Stored { parent, blocks },
+            })
+            .collect();
+        self.dump_lower(key, &engine_of, &mut events);
+        Some(RankDump {
+            key,
+            last_event_id: rank.last_event_id,
+            events,
+        })
+    }
+
+    /// The blocks `slot` holds as `Stored` chains, parents first. A chain starts at the root
+    /// or below a prefix the rank holds elsewhere (`engine_of`, another tier).
+    fn chains(
+        &self,
+        slot: u32,
+        engine_of: &FxHashMap<u64, u64>,
+    ) -> Vec<(Option<EngineBlockHash>, Vec<StoredBlock>)> {
+        let Some(rank) = self.ranks[slot as usize].as_ref() else {
+            return Vec::new();
+        };
         // prefix -> (engine hash, parent), for the blocks this rank holds
         let mut held: FxHashMap<u64, (u64, u64)> = FxHashMap::default();
         for a in rank.aliases.iter() {
@@ -512,42 +575,45 @@ impl Index {
         for c in children.values_mut() {
             c.sort_unstable(); // deterministic output
         }
-        let event_id = rank.last_event_id.unwrap_or(0);
-        let mut events = Vec::new();
-        // Depth-first from the root; each event follows one chain as far as it goes.
-        let mut stack: Vec<u64> = children.get(&ROOT).cloned().unwrap_or_default();
-        while let Some(start) = stack.pop() {
-            let parent = held[&start].1;
-            let mut blocks = Vec::new();
-            let mut p = start;
-            loop {
-                let (engine, parent) = held[&p];
-                blocks.push(StoredBlock {
-                    engine_hash: EngineBlockHash(engine),
-                    local_hash: LocalBlockHash(prefix::local_of(p, parent)),
-                });
-                match children.get(&p).map(Vec::as_slice) {
-                    Some([first, rest @ ..]) => {
-                        stack.extend_from_slice(rest);
-                        p = *first;
+        // Depth-first from each root; each event follows one chain as far as it goes.
+        let mut roots: Vec<u64> = children
+            .keys()
+            .copied()
+            .filter(|&p| p == ROOT || (!held.contains_key(&p) && engine_of.contains_key(&p)))
+            .collect();
+        roots.sort_unstable();
+        let mut out = Vec::new();
+        for root in roots {
+            let mut stack: Vec<u64> = children[&root].clone();
+            while let Some(start) = stack.pop() {
+                let parent = held[&start].1;
+                let mut blocks = Vec::new();
+                let mut p = start;
+                loop {
+                    let (engine, parent) = held[&p];
+                    blocks.push(StoredBlock {
+                        engine_hash: EngineBlockHash(engine),
+                        local_hash: LocalBlockHash(prefix::local_of(p, parent)),
+                    });
+                    match children.get(&p).map(Vec::as_slice) {
+                        Some([first, rest @ ..]) => {
+                            stack.extend_from_slice(rest);
+                            p = *first;
+                        }
+                        _ => break,
                     }
-                    _ => break,
                 }
-            }
-            events.push(KvEvent {
-                key,
-                event_id,
-                data: KvEventData::Stored {
-                    parent: (parent != ROOT).then(|| EngineBlockHash(held[&parent].0)),
+                let parent_engine = match held.get(&parent) {
+                    Some(&(e, _)) => Some(e),
+                    None => engine_of.get(&parent).copied(),
+                };
+                out.push((
+                    (parent != ROOT).then(|| EngineBlockHash(parent_engine.expect("a root"))),
                     blocks,
-                },
-            });
+                ));
+            }
         }
-        Some(RankDump {
-            key,
-            last_event_id: rank.last_event_id,
-            events,
-        })
+        out
     }
 
     /// Replaces a rank's state with a dump (recovery). Every event is tried; the first
@@ -556,13 +622,25 @@ impl Index {
         self.remove_worker_rank(dump.key);
         let slot = self.slot_for(dump.key);
         self.rank_mut(slot).last_event_id = dump.last_event_id;
-        let mut first_err = None;
-        for ev in &dump.events {
-            if let Err(e) = self.apply_data(slot, &ev.data) {
-                first_err.get_or_insert(e);
+        // A chain whose parent sits in a tier dumped later is retried once that one loaded.
+        let mut pending: Vec<&KvEvent> = dump.events.iter().collect();
+        loop {
+            let mut failed = Vec::new();
+            let mut first_err = None;
+            for &ev in &pending {
+                if let Err(e) = self.apply_in(slot, ev.tier, &ev.data) {
+                    failed.push(ev);
+                    first_err.get_or_insert(e);
+                }
             }
+            if failed.is_empty() {
+                return Ok(());
+            }
+            if failed.len() == pending.len() {
+                return Err(first_err.expect("an error"));
+            }
+            pending = failed;
         }
-        first_err.map_or(Ok(()), Err)
     }
 
     /// Ranks that saw an event-id gap since the last call; their flags are reset.
@@ -604,6 +682,7 @@ impl Index {
                 .flatten()
                 .map(|r| bytes(&r.aliases))
                 .sum::<usize>()
+            + self.lower.as_deref().map_or(0, |l| l.table_bytes())
     }
 
     pub fn live_blocks(&self) -> usize {
@@ -616,6 +695,7 @@ impl Index {
             live_pairs: self.live_pairs,
             worker_keys: self.slots.len(),
             table_bytes: self.table_bytes(),
+            lower_tier_pairs: self.lower.as_deref().map_or(0, |l| l.pairs()),
             counters: self.counters,
         }
     }

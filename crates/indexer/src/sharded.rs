@@ -280,9 +280,7 @@ impl IndexReader {
         let mut chain = PrefixChain::new(local);
         let mut out = OverlapScores::default();
         for core in self.cores.iter() {
-            core.read()
-                .index
-                .find_matches_in(&mut chain, &mut out.scores);
+            core.read().index.find_matches_in(&mut chain, &mut out);
         }
         out
     }

@@ -1,26 +1,50 @@
 //! The index against a brute-force reference model on random event streams.
 //!
-//! The model keeps, per worker key, the set of held block prefixes (as vectors of local
-//! hashes) and what each engine hash names; overlap is the longest run of leading query
-//! prefixes all held.
+//! The model keeps, per worker key and tier, the set of held block prefixes (as vectors of
+//! local hashes) and what each engine hash names, and one shared-storage pool; the device
+//! overlap is the longest run of leading query prefixes all held on the device, and each
+//! lower tier extends it to the longest run held in that tier or above.
 
 use kvrouter_indexer::{Index, IndexError};
 use kvrouter_protocol::{
-    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, WorkerKey,
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, TierBlocks, WorkerKey,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+/// What one tier of one rank (or the shared pool) holds.
 #[derive(Default, Clone)]
-struct ModelRank {
+struct ModelTier {
     aliases: HashMap<u64, Vec<u64>>,
     held: HashSet<Vec<u64>>,
+}
+
+impl ModelTier {
+    fn prefix_of(&self, engine: u64) -> Option<&Vec<u64>> {
+        self.aliases.get(&engine).filter(|p| self.held.contains(*p))
+    }
+}
+
+#[derive(Default, Clone)]
+struct ModelRank {
+    /// Device, host, disk.
+    tiers: [ModelTier; 3],
     last: Option<u64>,
 }
 
 #[derive(Default, Clone)]
 struct Model {
     ranks: BTreeMap<WorkerKey, ModelRank>,
+    shared: ModelTier,
+}
+
+fn tier_no(t: Tier) -> usize {
+    match t {
+        Tier::Device => 0,
+        Tier::Host => 1,
+        Tier::Disk => 2,
+        Tier::Shared => 3,
+    }
 }
 
 impl Model {
@@ -33,35 +57,53 @@ impl Model {
             }
         }
         rank.last = Some(ev.event_id);
+        let t = tier_no(ev.tier);
         match &ev.data {
             KvEventData::Stored { parent, blocks } => {
                 let mut prefix = match parent {
                     None => vec![],
-                    Some(pe) => match rank.aliases.get(&pe.0) {
-                        Some(p) if rank.held.contains(p) => p.clone(),
-                        _ => return false,
-                    },
+                    // The parent: in the event's tier, else any tier of the rank, else shared.
+                    Some(pe) => {
+                        let found = [t, 0, 1, 2, 3].into_iter().find_map(|i| match i {
+                            3 => self.shared.prefix_of(pe.0),
+                            i => rank.tiers[i].prefix_of(pe.0),
+                        });
+                        match found {
+                            Some(p) => p.clone(),
+                            None => return false,
+                        }
+                    }
+                };
+                let tier = if t == 3 {
+                    &mut self.shared
+                } else {
+                    &mut rank.tiers[t]
                 };
                 for b in blocks {
                     prefix.push(b.local_hash.0);
-                    if let Some(old) = rank.aliases.insert(b.engine_hash.0, prefix.clone()) {
+                    if let Some(old) = tier.aliases.insert(b.engine_hash.0, prefix.clone()) {
                         if old != prefix {
-                            rank.held.remove(&old);
+                            tier.held.remove(&old);
                         }
                     }
-                    rank.held.insert(prefix.clone());
+                    tier.held.insert(prefix.clone());
                 }
             }
             KvEventData::Removed { engine_hashes } => {
+                let tier = if t == 3 {
+                    &mut self.shared
+                } else {
+                    &mut rank.tiers[t]
+                };
                 for e in engine_hashes {
-                    if let Some(p) = rank.aliases.remove(&e.0) {
-                        rank.held.remove(&p);
+                    if let Some(p) = tier.aliases.remove(&e.0) {
+                        tier.held.remove(&p);
                     }
                 }
             }
             KvEventData::Cleared => {
-                rank.aliases.clear();
-                rank.held.clear();
+                // Every tier of the rank; the shared pool is no rank's.
+                rank.tiers = Default::default();
             }
         }
         true
@@ -69,19 +111,40 @@ impl Model {
 
     fn overlaps(&self, q: &[u64]) -> Vec<(WorkerKey, u32)> {
         let mut out = vec![];
-        for (k, r) in &self.ranks {
-            let n = (1..=q.len())
-                .take_while(|&j| r.held.contains(&q[..j]))
-                .count();
+        for k in self.ranks.keys() {
+            let n = self.tier_blocks(*k, q, true).device;
             if n > 0 {
-                out.push((*k, n as u32));
+                out.push((*k, n));
             }
         }
         out
     }
 
+    /// The spec: device prefix, then per lower tier the longest prefix held in it or above,
+    /// minus what was counted. An unknown key holds nothing but shared storage.
+    fn tier_blocks(&self, key: WorkerKey, q: &[u64], with_shared: bool) -> TierBlocks {
+        let none = ModelRank::default();
+        let rank = self.ranks.get(&key).unwrap_or(&none);
+        let held_at_or_above = |j: usize, t: usize| {
+            (0..=t.min(2)).any(|i| rank.tiers[i].held.contains(&q[..j]))
+                || (t == 3 && with_shared && self.shared.held.contains(&q[..j]))
+        };
+        let prefix = |t: usize| {
+            (1..=q.len())
+                .take_while(|&j| held_at_or_above(j, t))
+                .count()
+        };
+        let p: Vec<u32> = (0..4).map(|t| prefix(t) as u32).collect();
+        TierBlocks {
+            device: p[0],
+            host: p[1] - p[0],
+            disk: p[2] - p[1],
+            shared: p[3] - p[2],
+        }
+    }
+
     fn live_pairs(&self) -> usize {
-        self.ranks.values().map(|r| r.held.len()).sum()
+        self.ranks.values().map(|r| r.tiers[0].held.len()).sum()
     }
 }
 
@@ -94,7 +157,7 @@ enum IdMode {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Event(WorkerKey, IdMode, KvEventData),
+    Event(WorkerKey, IdMode, Tier, KvEventData),
     RemoveWorker(u64),
     RemoveRank(WorkerKey),
 }
@@ -119,11 +182,45 @@ fn arb_data() -> impl Strategy<Value = KvEventData> {
     ]
 }
 
-fn arb_op() -> impl Strategy<Value = Op> {
+fn arb_op(tiers: bool) -> impl Strategy<Value = Op> {
     let mode =
         prop_oneof![12 => Just(IdMode::Next), 1 => Just(IdMode::Duplicate), 1 => Just(IdMode::Gap)];
+    let tier = if tiers {
+        prop_oneof![6 => Just(Tier::Device), 3 => Just(Tier::Host), 2 => Just(Tier::Disk), 1 => Just(Tier::Shared)].boxed()
+    } else {
+        Just(Tier::Device).boxed()
+    };
+    // Engines name a block by its content, so one engine hash names one block in whichever
+    // tier of a rank it is: each tier's hashes get their own range, and a parent may be in
+    // any tier (`parent_tier`).
+    let parent_tier = if tiers {
+        (0u64..4).boxed()
+    } else {
+        Just(0u64).boxed()
+    };
+    let event = (arb_key(), mode, tier, arb_data(), parent_tier).prop_map(|(k, m, t, d, pt)| {
+        let off = |e: EngineBlockHash, tier: u64| EngineBlockHash(e.0 + 100 * tier);
+        let own = tier_no(t) as u64;
+        let d = match d {
+            KvEventData::Stored { parent, blocks } => KvEventData::Stored {
+                parent: parent.map(|p| off(p, pt)),
+                blocks: blocks
+                    .into_iter()
+                    .map(|b| StoredBlock {
+                        engine_hash: off(b.engine_hash, own),
+                        ..b
+                    })
+                    .collect(),
+            },
+            KvEventData::Removed { engine_hashes } => KvEventData::Removed {
+                engine_hashes: engine_hashes.into_iter().map(|e| off(e, own)).collect(),
+            },
+            KvEventData::Cleared => KvEventData::Cleared,
+        };
+        Op::Event(k, m, t, d)
+    });
     prop_oneof![
-        20 => (arb_key(), mode, arb_data()).prop_map(|(k, m, d)| Op::Event(k, m, d)),
+        20 => event,
         1 => (0u64..3).prop_map(Op::RemoveWorker),
         1 => arb_key().prop_map(Op::RemoveRank),
     ]
@@ -183,6 +280,7 @@ fn with_fillers(fillers: u64) -> Index {
     for f in 0..fillers {
         index
             .apply(&KvEvent {
+                tier: Tier::Device,
                 key: WorkerKey::new(1000 + f, 0),
                 event_id: 0,
                 data: KvEventData::Stored {
@@ -208,7 +306,7 @@ fn check_against_model(
     let mut model = Model::default();
     for op in ops {
         match op {
-            Op::Event(key, mode, data) => {
+            Op::Event(key, mode, tier, data) => {
                 let last = model.ranks.get(key).and_then(|r| r.last);
                 let event_id = match (mode, last) {
                     (_, None) => 0,
@@ -217,6 +315,7 @@ fn check_against_model(
                     (IdMode::Gap, Some(l)) => l + 2,
                 };
                 let ev = KvEvent {
+                    tier: *tier,
                     key: *key,
                     event_id,
                     data: data.clone(),
@@ -254,10 +353,46 @@ fn check_against_model(
         let rebuilt = rebuild(&index);
         for q in queries {
             let want = model.overlaps(q);
-            let got = index.find_matches(&locals(q)).sorted().scores;
-            prop_assert_eq!(&got, &want, "query {:?}", q);
-            prop_assert_eq!(&remapped.find_matches(&locals(q)).sorted().scores, &want);
-            prop_assert_eq!(&rebuilt.find_matches(&locals(q)).sorted().scores, &want);
+            let got = index.find_matches(&locals(q)).sorted();
+            prop_assert_eq!(&got.scores, &want, "query {:?}", q);
+            let remapped_got = remapped.find_matches(&locals(q)).sorted();
+            prop_assert_eq!(&remapped_got, &got);
+            let rebuilt_got = rebuilt.find_matches(&locals(q)).sorted();
+            prop_assert_eq!(&rebuilt_got.scores, &want);
+            let shared_alone = model.tier_blocks(WorkerKey::new(999, 0), q, true).shared;
+            prop_assert_eq!(got.shared_blocks, shared_alone, "query {:?}", q);
+            for k in model.ranks.keys().copied().chain([WorkerKey::new(999, 0)]) {
+                prop_assert_eq!(
+                    got.tier_blocks(k),
+                    model.tier_blocks(k, q, true),
+                    "{} query {:?}",
+                    k,
+                    q
+                );
+                // Dumps carry a rank's tiers, not shared storage (no rank's).
+                prop_assert_eq!(
+                    rebuilt_got.tier_blocks(k),
+                    model.tier_blocks(k, q, false),
+                    "rebuilt {} query {:?}",
+                    k,
+                    q
+                );
+            }
+            // Listed keys are known ones, or fillers that only shared storage reaches.
+            for (k, t) in &got.tiers {
+                prop_assert!(
+                    model.ranks.contains_key(k)
+                        || (k.worker_id >= 1000
+                            && *t
+                                == TierBlocks {
+                                    shared: shared_alone,
+                                    ..TierBlocks::default()
+                                }),
+                    "{} {:?}",
+                    k,
+                    t
+                );
+            }
         }
     }
     Ok(())
@@ -267,7 +402,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
-    fn index_matches_reference_model(ops in prop::collection::vec(arb_op(), 1..80), queries in arb_queries()) {
+    fn index_matches_reference_model(ops in prop::collection::vec(arb_op(false), 1..80), queries in arb_queries()) {
+        check_against_model(&ops, &queries, 0)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// Events for host, disk and shared storage too.
+    #[test]
+    fn tiered_index_matches_reference_model(ops in prop::collection::vec(arb_op(true), 1..80), queries in arb_queries()) {
         check_against_model(&ops, &queries, 0)?;
     }
 }
@@ -277,7 +422,7 @@ proptest! {
 
     /// The same with the ranks under test in high slots (a fleet of more than 62 ranks).
     #[test]
-    fn index_matches_reference_model_in_high_slots(ops in prop::collection::vec(arb_op(), 1..80), queries in arb_queries()) {
+    fn index_matches_reference_model_in_high_slots(ops in prop::collection::vec(arb_op(true), 1..80), queries in arb_queries()) {
         check_against_model(&ops, &queries, 61)?;
     }
 }
@@ -287,6 +432,7 @@ fn gaps_raise_recovery_and_stale_events_are_counted() {
     let mut index = Index::new();
     let k = WorkerKey::new(5, 0);
     let stored = |id, parent: Option<u64>, e, l| KvEvent {
+        tier: Tier::Device,
         key: k,
         event_id: id,
         data: KvEventData::Stored {
@@ -318,6 +464,7 @@ fn refused_events_leave_the_index_unchanged() {
     let mut index = Index::new();
     let k = WorkerKey::new(1, 0);
     let ev = |id, parent: Option<u64>, blocks: &[(u64, u64)]| KvEvent {
+        tier: Tier::Device,
         key: k,
         event_id: id,
         data: KvEventData::Stored {
@@ -357,6 +504,7 @@ fn refused_events_leave_the_index_unchanged() {
     // Removed: held blocks go, unknown ones are skipped and counted
     let applied = index
         .apply(&KvEvent {
+            tier: Tier::Device,
             key: k,
             event_id: 4,
             data: KvEventData::Removed {
@@ -377,6 +525,7 @@ fn cleared_drops_only_that_rank_and_many_ranks_spill_correctly() {
         let depth = 1 + (w % 4) as usize;
         index
             .apply(&KvEvent {
+                tier: Tier::Device,
                 key: WorkerKey::new(w, 0),
                 event_id: 0,
                 data: KvEventData::Stored {
@@ -399,6 +548,7 @@ fn cleared_drops_only_that_rank_and_many_ranks_spill_correctly() {
     }
     index
         .apply(&KvEvent {
+            tier: Tier::Device,
             key: WorkerKey::new(70, 0),
             event_id: 1,
             data: KvEventData::Cleared,

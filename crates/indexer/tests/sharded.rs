@@ -3,12 +3,13 @@
 use kvrouter_indexer::{ApproxConfig, Index, ShardedIndex, ShardedIndexConfig};
 use kvrouter_protocol::{
     local_block_hashes, sequence_hashes, EngineBlockHash, KvEvent, KvEventData, LocalBlockHash,
-    StoredBlock, WorkerKey,
+    StoredBlock, Tier, WorkerKey,
 };
 use std::time::Duration;
 
 fn chain_event(key: WorkerKey, event_id: u64, locals: &[u64], salt: u64) -> KvEvent {
     KvEvent {
+        tier: Tier::Device,
         key,
         event_id,
         data: KvEventData::Stored {
@@ -44,6 +45,7 @@ async fn a_lookup_after_the_acknowledgement_sees_the_event() {
     for i in 0..200u64 {
         chain.push(i * 7 + 1);
         let ev = KvEvent {
+            tier: Tier::Device,
             key,
             event_id: i,
             data: KvEventData::Stored {
@@ -170,6 +172,7 @@ async fn gaps_are_reported_for_recovery() {
         .apply_and_wait(vec![
             chain_event(key, 0, &[1], 0),
             KvEvent {
+                tier: Tier::Device,
                 key,
                 event_id: 5,
                 data: KvEventData::Cleared,

@@ -36,7 +36,7 @@
 
 use crate::config::{BatchShape, ConfigError, EngineConfig};
 use crate::kv_cache::{BlockTable, KvCache, PromptBlocks};
-use kvrouter_protocol::{EventId, KvEvent, WorkerKey};
+use kvrouter_protocol::{EventId, KvEvent, Tier, WorkerKey};
 use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -506,6 +506,7 @@ impl RankEngine {
         let mut events = self.cache.take_events();
         debug_assert_eq!(events.len(), 1);
         events.pop().unwrap_or_else(|| KvEvent {
+            tier: Tier::Device,
             key: self.key,
             event_id: self.cache.last_event_id().unwrap_or(0),
             data: kvrouter_protocol::KvEventData::Cleared,

@@ -26,7 +26,7 @@
 use crate::engine_hash::engine_block_hashes;
 use kvrouter_protocol::{
     local_block_hashes, sequence_hashes, EngineBlockHash, EventId, KvEvent, KvEventData,
-    LocalBlockHash, SequenceHash, StoredBlock, WorkerKey,
+    LocalBlockHash, SequenceHash, StoredBlock, Tier, WorkerKey,
 };
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::fmt;
@@ -410,6 +410,7 @@ impl KvCache {
         let mut visited: FxHashSet<EngineBlockHash> = FxHashSet::default();
         let mut emit = |parent: Option<EngineBlockHash>, blocks: Vec<StoredBlock>| {
             events.push(KvEvent {
+                tier: Tier::Device,
                 key: self.key,
                 event_id,
                 data: KvEventData::Stored { parent, blocks },
@@ -650,6 +651,7 @@ impl KvCache {
             }
         }
         self.pending.push(KvEvent {
+            tier: Tier::Device,
             key: self.key,
             event_id: self.next_event_id,
             data,

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 
 /// The format version this build writes.
-pub const FORMAT_VERSION: u8 = 3;
+pub const FORMAT_VERSION: u8 = 4;
 /// The oldest version this build still reads: the previous one, read through [`Wire`].
 pub const MIN_READ_VERSION: u8 = FORMAT_VERSION - 1;
 /// Upper bound on an encoded message and on what decoding may allocate for it.
@@ -177,7 +177,8 @@ mod tests {
     use super::*;
     use crate::messages::*;
     use crate::types::*;
-    use crate::v2;
+    use crate::v3;
+    use crate::wire::Wire;
     use proptest::prelude::*;
     use uuid::Uuid;
 
@@ -204,7 +205,9 @@ mod tests {
             }),
             Just(KvEventData::Cleared),
         ];
-        (arb_key(), any::<u64>(), data).prop_map(|(key, event_id, data)| KvEvent {
+        let tier = prop::sample::select(Tier::ALL.to_vec());
+        (arb_key(), any::<u64>(), tier, data).prop_map(|(key, event_id, tier, data)| KvEvent {
+            tier,
             key,
             event_id,
             data,
@@ -260,14 +263,14 @@ mod tests {
     }
 
     proptest! {
-        /// A registration is unchanged since version 2: the same bytes behind either version
+        /// A registration is unchanged since version 3: the same bytes behind either version
         /// byte, read back whole from both.
         #[test]
         fn registrations_round_trip_in_both_versions(reg in arb_registration()) {
             let now = encode(&reg).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 3));
-            let old = encode_as(&reg, 2).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 2));
+            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 4));
+            let old = encode_as(&reg, 3).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 3));
             prop_assert_eq!(&old[1..], &now[1..]);
         }
 
@@ -279,7 +282,7 @@ mod tests {
         }
 
         #[test]
-        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..4) {
+        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..6) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             let _ = decode::<RouteRequest>(&bytes);
@@ -308,29 +311,25 @@ mod tests {
         }
     }
 
-    /// Routes cross versions: a version-2 request excludes nothing and overrides nothing,
-    /// and reads exactly what version 2 wrote; decisions are unchanged.
+    /// Routes cross versions: a version-3 request takes the replica's tier weights, a
+    /// version-3 decision's overlap is all on the device; each reads exactly what version 3
+    /// wrote.
     #[test]
     fn route_messages_in_both_versions() {
-        let req = v3_route_request();
+        let req = v4_route_request();
         assert_eq!(
             decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
-            (req.clone(), 3)
+            (req.clone(), 4)
         );
-        let old = v2_codec_read::<v2::RouteRequest>(&encode_as(&req, 2).unwrap());
+        let old = v3_codec_read::<v3::RouteRequest>(&encode_as(&req, 3).unwrap());
         assert_eq!(old, req.to_previous());
-        assert_eq!(old, v2_route_request());
-        let back = decode_versioned::<RouteRequest>(&encode_as(&req, 2).unwrap()).unwrap();
+        assert_eq!(old.overrides.unwrap().overlap_credit, Some(0.5));
+        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 3).unwrap()).unwrap();
+        let o = back.overrides.unwrap();
+        assert_eq!(v, 3);
         assert_eq!(
-            back,
-            (
-                RouteRequest {
-                    excluded_workers: vec![],
-                    overrides: None,
-                    ..req
-                },
-                2
-            )
+            (o.overlap_credit, o.host_cache_hit_weight),
+            (Some(0.5), None)
         );
 
         let d = RouteDecision {
@@ -339,34 +338,54 @@ mod tests {
             overlap_blocks: 3,
             replica_id: "r1".into(),
             base_url: "http://10.0.0.5:8000".into(),
+            tier_overlap_blocks: TierBlocks {
+                device: 3,
+                host: 2,
+                disk: 0,
+                shared: 1,
+            },
         };
         let both = DisaggDecision {
             prefill: d.clone(),
             decode: d.clone(),
             replica_id: "r1".into(),
         };
-        for v in [2, 3] {
-            assert_eq!(
-                decode_versioned::<DisaggDecision>(&encode_as(&both, v).unwrap()).unwrap(),
-                (both.clone(), v)
-            );
-        }
+        assert_eq!(
+            decode_versioned::<DisaggDecision>(&encode(&both).unwrap()).unwrap(),
+            (both.clone(), 4)
+        );
+        let (old, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 3).unwrap()).unwrap();
+        let device_only = TierBlocks {
+            device: 3,
+            ..TierBlocks::default()
+        };
+        assert_eq!(old.decode.tier_overlap_blocks, device_only);
+        assert_eq!(old.prefill.base_url, d.base_url);
     }
 
     #[test]
     fn overrides_name_the_bad_value() {
         let ok = RouteOverrides {
+            disk_cache_hit_weight: None,
+            host_cache_hit_weight: None,
+            shared_cache_hit_weight: None,
             overlap_credit: Some(0.0),
             temperature: Some(2.5),
         };
         assert_eq!(ok.invalid(), None);
         assert_eq!(RouteOverrides::default().invalid(), None);
         let bad = RouteOverrides {
+            disk_cache_hit_weight: None,
+            host_cache_hit_weight: None,
+            shared_cache_hit_weight: None,
             overlap_credit: Some(1.0),
             temperature: Some(-1.0),
         };
         assert_eq!(bad.invalid(), Some(("temperature", -1.0)));
         let nan = RouteOverrides {
+            disk_cache_hit_weight: None,
+            host_cache_hit_weight: None,
+            shared_cache_hit_weight: None,
             overlap_credit: Some(f64::NAN),
             temperature: None,
         };
@@ -376,6 +395,7 @@ mod tests {
     #[test]
     fn typed_errors() {
         let ev = KvEvent {
+            tier: Tier::Device,
             key: WorkerKey::new(1, 2),
             event_id: 3,
             data: KvEventData::Cleared,
@@ -402,25 +422,25 @@ mod tests {
         ));
     }
 
-    /// What the version-2 codec wrote: the version byte, then bincode of the v2 type.
-    fn v2_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
-        let mut out = vec![2u8];
+    /// What the version-3 codec wrote: the version byte, then bincode of the v3 type.
+    fn v3_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+        let mut out = vec![3u8];
         let config = config::standard().with_fixed_int_encoding();
         out.extend(bincode::serde::encode_to_vec(value, config).unwrap());
         out
     }
 
-    /// What a version-2 peer reads.
-    fn v2_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
-        assert_eq!(bytes[0], 2, "a version-2 peer reads only version 2");
+    /// What a version-3 peer reads.
+    fn v3_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
+        assert_eq!(bytes[0], 3, "a version-3 peer reads only version 3");
         let config = config::standard().with_fixed_int_encoding();
         let (v, n) = bincode::serde::decode_from_slice(&bytes[1..], config).unwrap();
         assert_eq!(n, bytes.len() - 1);
         v
     }
 
-    fn v2_route_request() -> v2::RouteRequest {
-        v2::RouteRequest {
+    fn v4_route_request() -> RouteRequest {
+        RouteRequest {
             model: "llama".into(),
             request_id: "req-1".into(),
             tokens: vec![1, 2, 0xdead_beef],
@@ -435,37 +455,62 @@ mod tests {
                 block_extras: vec![vec!["img".into(), "2".into()], vec![]],
                 cache_salt: Some("s".into()),
             }),
-        }
-    }
-
-    fn v3_route_request() -> RouteRequest {
-        let r = v2_route_request();
-        RouteRequest {
-            model: r.model,
-            request_id: r.request_id,
-            tokens: r.tokens,
-            lora: r.lora,
-            allowed_workers: r.allowed_workers,
-            pin: r.pin,
-            update_states: r.update_states,
-            extras: r.extras,
             excluded_workers: vec![5, 6],
             overrides: Some(RouteOverrides {
                 overlap_credit: Some(0.5),
                 temperature: None,
+                host_cache_hit_weight: Some(0.9),
+                disk_cache_hit_weight: None,
+                shared_cache_hit_weight: None,
             }),
         }
     }
 
-    /// `v2_route_request()` as the version-2 codec encoded it, captured by running the code
-    /// before version 3 existed. Never update this: a mismatch means v2 types changed.
-    const V2_ROUTE_REQUEST_HEX: &str = concat!(
-        "0205000000000000006c6c616d6105000000000000007265712d310300000000",
-        "0000000100000002000000efbeadde0101000000000000006101020000000000",
-        "0000040000000000000008070605040302010109000000000000000103000000",
-        "0101020000000000000002000000000000000300000000000000696d67010000",
-        "0000000000320000000000000000010100000000000000",
-        "73",
+    fn v3_batch() -> v3::KvEventBatch {
+        let ev = |event_id, data| v3::KvEvent {
+            key: WorkerKey::new(3, 1),
+            event_id,
+            data,
+        };
+        v3::KvEventBatch {
+            worker_id: 9,
+            instance_id: Uuid::from_u128(7),
+            events: vec![
+                ev(
+                    5,
+                    KvEventData::Stored {
+                        parent: Some(EngineBlockHash(11)),
+                        blocks: vec![StoredBlock {
+                            engine_hash: EngineBlockHash(12),
+                            local_hash: LocalBlockHash(0xabcdef),
+                        }],
+                    },
+                ),
+                ev(
+                    6,
+                    KvEventData::Removed {
+                        engine_hashes: vec![EngineBlockHash(12)],
+                    },
+                ),
+                ev(7, KvEventData::Cleared),
+            ],
+        }
+    }
+
+    /// `v3_batch()` and a decision as the version-3 codec encoded them, captured by running
+    /// the code before version 4 existed. Never update these: a mismatch means v3 types
+    /// changed.
+    const V3_BATCH_HEX: &str = concat!(
+        "0309000000000000001000000000000000000000000000000000000000000000",
+        "0703000000000000000300000000000000010000000500000000000000000000",
+        "00010b0000000000000001000000000000000c00000000000000efcdab000000",
+        "0000030000000000000001000000060000000000000001000000010000000000",
+        "00000c0000000000000003000000000000000100000007000000000000000200",
+        "0000",
+    );
+    const V3_DECISION_HEX: &str = concat!(
+        "0304000000000000000200000006000000020000000000000072310800000000",
+        "000000687474703a2f2f78",
     );
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -476,80 +521,110 @@ mod tests {
     }
 
     #[test]
-    fn version_2_route_request_bytes_are_frozen() {
-        let frozen = unhex(V2_ROUTE_REQUEST_HEX);
-        assert_eq!(v2_codec_bytes(&v2_route_request()), frozen);
-        // A version-3 request written for a version-2 peer is exactly those bytes...
-        assert_eq!(encode_as(&v3_route_request(), 2).unwrap(), frozen);
-        // ...and those bytes read with the new fields defaulted.
-        assert_eq!(
-            decode_versioned::<RouteRequest>(&frozen).unwrap(),
-            (
-                RouteRequest {
-                    excluded_workers: vec![],
-                    overrides: None,
-                    ..v3_route_request()
-                },
-                2
-            )
-        );
+    fn version_3_bytes_are_frozen() {
+        let frozen = unhex(V3_BATCH_HEX);
+        assert_eq!(v3_codec_bytes(&v3_batch()), frozen);
+        // Read as version 4: device events, the same content...
+        let (batch, v) = decode_versioned::<KvEventBatch>(&frozen).unwrap();
+        assert_eq!(v, 3);
+        assert!(batch.events.iter().all(|e| e.tier == Tier::Device));
+        assert_eq!(batch.to_previous(), v3_batch());
+        // ...and written back for a version-3 peer, the same bytes.
+        assert_eq!(encode_as(&batch, 3).unwrap(), frozen);
+
+        let decision = unhex(V3_DECISION_HEX);
+        let d = decode::<RouteDecision>(&decision).unwrap();
+        assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (4, 2, 6));
+        assert_eq!(d.tier_overlap_blocks.device, 6);
+        assert_eq!(d.tier_overlap_blocks.lower(), 0);
+        assert_eq!(encode_as(&d, 3).unwrap(), decision);
+    }
+
+    /// A lower-tier event reaches a version-3 peer as an empty removal with its id, so the
+    /// peer sees no gap and no change; `Cleared` clears there too.
+    #[test]
+    fn lower_tier_events_are_harmless_to_version_3_peers() {
+        let mut batch = KvEventBatch::from_previous(v3_batch());
+        for e in &mut batch.events {
+            e.tier = Tier::Host;
+        }
+        let seen: v3::KvEventBatch = v3_codec_read(&encode_as(&batch, 3).unwrap());
+        let ids: Vec<_> = seen.events.iter().map(|e| e.event_id).collect();
+        assert_eq!(ids, vec![5, 6, 7]);
+        let empty = KvEventData::Removed {
+            engine_hashes: vec![],
+        };
+        assert_eq!(seen.events[0].data, empty);
+        assert_eq!(seen.events[1].data, empty);
+        assert_eq!(seen.events[2].data, KvEventData::Cleared);
     }
 
     #[test]
     fn containers_convert_their_items() {
-        let old = vec![v2_route_request(), v2_route_request()];
-        let back: Vec<RouteRequest> = decode(&v2_codec_bytes(&old)).unwrap();
-        assert!(back
-            .iter()
-            .all(|r| r.excluded_workers.is_empty() && r.overrides.is_none()));
+        let overlaps = OverlapScoresReply {
+            block_size: 16,
+            scores: vec![(WorkerKey::new(1, 0), 3)],
+            tier_overlap_blocks: vec![(
+                WorkerKey::new(2, 0),
+                TierBlocks {
+                    host: 4,
+                    ..TierBlocks::default()
+                },
+            )],
+            shared_blocks: 2,
+        };
         let replies = vec![
-            Reply::Ok(v3_route_request()),
+            Reply::Ok(overlaps.clone()),
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x")),
         ];
-        let seen: Vec<Reply<v2::RouteRequest>> = v2_codec_read(&encode_as(&replies, 2).unwrap());
-        assert_eq!(seen[0], Reply::Ok(v2_route_request()));
+        let seen: Vec<Reply<v3::OverlapScoresReply>> =
+            v3_codec_read(&encode_as(&replies, 3).unwrap());
+        assert_eq!(seen[0], Reply::Ok(overlaps.to_previous()));
         assert_eq!(
             seen[1],
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x"))
         );
-        let some: Option<v2::RouteRequest> =
-            v2_codec_read(&encode_as(&Some(v3_route_request()), 2).unwrap());
-        assert_eq!(some, Some(v2_route_request()));
+        let back: Vec<Reply<OverlapScoresReply>> =
+            decode(&encode_as(&replies, 3).unwrap()).unwrap();
+        match &back[0] {
+            Reply::Ok(o) => assert_eq!(
+                (
+                    o.scores.clone(),
+                    o.tier_overlap_blocks.len(),
+                    o.shared_blocks
+                ),
+                (overlaps.scores.clone(), 0, 0)
+            ),
+            other => panic!("{other:?}"),
+        }
         // An unchanged message is the same bytes behind either version byte.
-        let batch = KvEventBatch {
-            worker_id: 9,
-            instance_id: Uuid::from_u128(7),
-            events: vec![],
-        };
-        assert_eq!(
-            encode_as(&batch, 2).unwrap()[1..],
-            encode(&batch).unwrap()[1..]
-        );
-        assert_eq!(encode(&batch).unwrap()[0], FORMAT_VERSION);
+        let q = StateQuery { dp_rank: 4 };
+        assert_eq!(encode_as(&q, 3).unwrap()[1..], encode(&q).unwrap()[1..]);
+        assert_eq!(encode(&q).unwrap()[0], FORMAT_VERSION);
     }
 
     #[test]
     fn only_the_current_and_previous_versions_are_read_and_written() {
-        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (2, 3));
-        let req = v3_route_request();
+        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (3, 4));
+        let req = v4_route_request();
         let bytes = encode(&req).unwrap();
-        for v in [0u8, 1, 4, 255] {
+        for v in [0u8, 1, 2, 5, 255] {
             let mut bad = bytes.clone();
             bad[0] = v;
             assert_eq!(
                 decode::<RouteRequest>(&bad),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 2,
-                    max: 3
+                    min: 3,
+                    max: 4
                 })
             );
             assert_eq!(
                 encode_as(&req, v),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 2,
-                    max: 3
+                    min: 3,
+                    max: 4
                 })
             );
         }
@@ -558,18 +633,18 @@ mod tests {
     #[test]
     fn replies_go_out_in_the_request_version() {
         let q = StateQuery { dp_rank: 1 };
-        assert_eq!(reply_version(&encode(&q).unwrap()), 3);
-        assert_eq!(reply_version(&encode_as(&q, 2).unwrap()), 2);
+        assert_eq!(reply_version(&encode(&q).unwrap()), 4);
+        assert_eq!(reply_version(&encode_as(&q, 3).unwrap()), 3);
         assert_eq!(reply_version(&[]), FORMAT_VERSION);
         assert_eq!(reply_version(&[0, 1, 2]), FORMAT_VERSION);
-        assert_eq!(reply_version(&[1]), FORMAT_VERSION);
-        // Even an undecodable request in version 2 is answered in version 2.
-        assert_eq!(reply_version(&[2, 0xff]), 2);
+        assert_eq!(reply_version(&[2]), FORMAT_VERSION);
+        // Even an undecodable request in version 3 is answered in version 3.
+        assert_eq!(reply_version(&[3, 0xff]), 3);
     }
 
     #[test]
     fn encoded_len_is_the_payload_size() {
-        let req = v3_route_request();
+        let req = v4_route_request();
         assert_eq!(encoded_len(&req).unwrap(), encode(&req).unwrap().len() - 1);
     }
 
@@ -577,6 +652,7 @@ mod tests {
     fn claimed_length_beyond_limit_is_refused_without_allocating() {
         // A Removed event claiming u64::MAX / 2 engine hashes in a tiny payload.
         let ev = KvEvent {
+            tier: Tier::Device,
             key: WorkerKey::new(1, 0),
             event_id: 0,
             data: KvEventData::Removed {

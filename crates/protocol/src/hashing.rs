@@ -199,6 +199,7 @@ pub fn stored_sequence_hashes(events: &[KvEvent]) -> HashSet<SequenceHash> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::types::Tier;
 
     #[test]
     fn extras_change_the_hash_and_none_keep_it() {
@@ -284,6 +285,7 @@ mod tests {
             local_hash: local[i],
         };
         let ev = |parent: Option<u64>, blocks: Vec<StoredBlock>| KvEvent {
+            tier: Tier::Device,
             key: WorkerKey::new(1, 0),
             event_id: 0,
             data: KvEventData::Stored {

@@ -5,7 +5,7 @@
 //! docs/protocol.md lists which subject carries which message.
 
 use crate::chunk::chunk_by_budget;
-use crate::types::{DpRank, EventId, KvEvent, PromptExtras, WorkerId, WorkerKey};
+use crate::types::{DpRank, EventId, KvEvent, PromptExtras, TierBlocks, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use uuid::Uuid;
@@ -257,6 +257,13 @@ pub struct RouteOverrides {
     pub overlap_credit: Option<f64>,
     /// Softmax sampling temperature over costs; 0 picks the cheapest (`--router-temperature`).
     pub temperature: Option<f64>,
+    /// Credit per block found in a worker's host memory (`--host-cache-hit-weight`). New in
+    /// format version 4, as are the two below.
+    pub host_cache_hit_weight: Option<f64>,
+    /// Credit per block found on a worker's disk (`--disk-cache-hit-weight`).
+    pub disk_cache_hit_weight: Option<f64>,
+    /// Credit per block found in shared storage (`--shared-cache-hit-weight`).
+    pub shared_cache_hit_weight: Option<f64>,
 }
 
 impl RouteOverrides {
@@ -265,6 +272,9 @@ impl RouteOverrides {
         [
             ("overlap_credit", self.overlap_credit),
             ("temperature", self.temperature),
+            ("host_cache_hit_weight", self.host_cache_hit_weight),
+            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
+            ("shared_cache_hit_weight", self.shared_cache_hit_weight),
         ]
         .into_iter()
         .find_map(|(name, v)| v.filter(|v| !v.is_finite() || *v < 0.0).map(|v| (name, v)))
@@ -281,6 +291,9 @@ pub struct RouteDecision {
     /// The chosen worker's HTTP address from its registration (empty for the mocker). New
     /// in format version 2.
     pub base_url: String,
+    /// The chosen rank's overlap by tier (`device` equals `overlap_blocks`). New in format
+    /// version 4.
+    pub tier_overlap_blocks: TierBlocks,
 }
 
 impl RouteDecision {
@@ -350,8 +363,13 @@ pub struct OverlapRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OverlapScoresReply {
     pub block_size: u32,
-    /// Worker ranks holding at least one leading block.
+    /// Worker ranks holding at least one leading block on the device, with that overlap.
     pub scores: Vec<(WorkerKey, u32)>,
+    /// Worker ranks whose overlap a lower tier extends, split by tier. New in format
+    /// version 4, as is `shared_blocks`.
+    pub tier_overlap_blocks: Vec<(WorkerKey, TierBlocks)>,
+    /// The shared-storage overlap of any rank not in `tier_overlap_blocks`.
+    pub shared_blocks: u32,
 }
 
 /// What each worker rank's load would be if these tokens went there.
@@ -634,7 +652,7 @@ pub fn max_blocks_per_batch(max_payload: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{EngineBlockHash, KvEventData, LocalBlockHash, StoredBlock};
+    use crate::types::{EngineBlockHash, KvEventData, LocalBlockHash, StoredBlock, Tier};
     use crate::{decode, encode};
 
     #[test]
@@ -669,6 +687,12 @@ mod tests {
             overlap_blocks: 3,
             replica_id: "r1".into(),
             base_url: String::new(),
+            tier_overlap_blocks: TierBlocks {
+                device: 3,
+                host: 1,
+                disk: 2,
+                shared: 4,
+            },
         });
         let back: Reply<RouteDecision> = decode(&encode(&ok).unwrap()).unwrap();
         assert_eq!(back, ok);
@@ -714,6 +738,7 @@ mod tests {
     #[test]
     fn chunks_respect_the_block_budget_and_keep_order() {
         let ev = |id: u64, n: usize| KvEvent {
+            tier: Tier::Device,
             key: WorkerKey::new(1, 0),
             event_id: id,
             data: KvEventData::Stored {
@@ -746,6 +771,7 @@ mod tests {
             worker_id: 1,
             instance_id: Uuid::nil(),
             events: vec![KvEvent {
+                tier: Tier::Device,
                 key: WorkerKey::new(1, 0),
                 event_id: 0,
                 data: KvEventData::Stored {
@@ -771,6 +797,7 @@ mod tests {
             overlap_blocks: 1,
             replica_id: "r".into(),
             base_url: String::new(),
+            tier_overlap_blocks: TierBlocks::default(),
         };
         let ok: Reply<DisaggDecision> = Reply::Ok(DisaggDecision {
             prefill: d(1, 2),

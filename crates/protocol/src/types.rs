@@ -89,11 +89,93 @@ pub enum KvEventData {
     Cleared,
 }
 
-/// A KV event from one worker rank.
+/// Where a worker keeps a cached block. A hit in a lower tier costs a transfer, not a
+/// prefill, and earns less credit (see docs/architecture.md, "Tiers").
+#[derive(
+    Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub enum Tier {
+    /// The engine's GPU memory.
+    #[default]
+    Device,
+    /// The worker's host (CPU) memory.
+    Host,
+    /// The worker's local disk.
+    Disk,
+    /// Storage outside the worker that every worker of the model can load from. Belongs to
+    /// no worker: the router keeps such a block once per model and credits every worker.
+    Shared,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 4] = [Tier::Device, Tier::Host, Tier::Disk, Tier::Shared];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+            Tier::Shared => "shared",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An overlap split by tier: the device prefix, then how far each lower tier extends it
+/// (blocks held at or above that tier, beyond what the tiers above already counted).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TierBlocks {
+    pub device: u32,
+    pub host: u32,
+    pub disk: u32,
+    pub shared: u32,
+}
+
+impl TierBlocks {
+    /// An overlap all on the device.
+    pub const fn on_device(blocks: u32) -> Self {
+        Self {
+            device: blocks,
+            host: 0,
+            disk: 0,
+            shared: 0,
+        }
+    }
+
+    /// Leading blocks held in any tier.
+    pub fn total(&self) -> u32 {
+        self.device + self.host + self.disk + self.shared
+    }
+
+    /// Blocks held below the device.
+    pub fn lower(&self) -> u32 {
+        self.host + self.disk + self.shared
+    }
+
+    pub fn get(&self, tier: Tier) -> u32 {
+        match tier {
+            Tier::Device => self.device,
+            Tier::Host => self.host,
+            Tier::Disk => self.disk,
+            Tier::Shared => self.shared,
+        }
+    }
+}
+
+/// A KV event from one worker rank. `tier` says where the blocks of a `Stored` or `Removed`
+/// are; a `Cleared` clears every tier of the rank (shared storage belongs to no rank and
+/// stays).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvEvent {
     pub key: WorkerKey,
     pub event_id: EventId,
+    /// New in format version 4.
+    pub tier: Tier,
     pub data: KvEventData,
 }
 

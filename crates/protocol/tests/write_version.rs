@@ -1,7 +1,7 @@
 //! The process-wide write version (its own test binary: it is global state).
 
 use kvrouter_protocol::{
-    decode, decode_versioned, encode, set_write_version, v2, write_version, RouteOverrides,
+    decode, decode_versioned, encode, set_write_version, v3, write_version, RouteOverrides,
     RouteRequest, FORMAT_VERSION,
 };
 
@@ -17,8 +17,9 @@ fn request() -> RouteRequest {
         extras: None,
         excluded_workers: vec![7],
         overrides: Some(RouteOverrides {
-            overlap_credit: None,
             temperature: Some(1.0),
+            host_cache_hit_weight: Some(0.5),
+            ..RouteOverrides::default()
         }),
     }
 }
@@ -33,7 +34,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     let old = encode(&request()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
-    let seen: v2::RouteRequest = bincode::serde::decode_from_slice(
+    let seen: v3::RouteRequest = bincode::serde::decode_from_slice(
         &old[1..],
         bincode::config::standard().with_fixed_int_encoding(),
     )
@@ -43,7 +44,8 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     // ...and this build reads it too, without the fields the previous version lacks.
     let (back, version): (RouteRequest, u8) = decode_versioned(&old).unwrap();
     assert_eq!(version, FORMAT_VERSION - 1);
-    assert_eq!((back.excluded_workers.len(), back.overrides), (0, None));
+    let o = back.overrides.expect("overrides");
+    assert_eq!((o.temperature, o.host_cache_hit_weight), (Some(1.0), None));
 
     assert!(set_write_version(FORMAT_VERSION + 1).is_err());
     assert!(set_write_version(0).is_err());

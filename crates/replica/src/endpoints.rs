@@ -11,7 +11,7 @@ use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
     prompt_local_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OverlapRequest,
     OverlapScoresReply, Pin, PotentialLoad, PromptExtras, RequestUpdate, RouteDecision,
-    RouteRequest, SequenceHash, WorkerKey,
+    RouteRequest, SequenceHash, TierBlocks, WorkerKey,
 };
 use kvrouter_scheduler::Selection;
 use std::sync::Arc;
@@ -268,6 +268,7 @@ pub(crate) async fn route(
     Ok((
         req.model,
         RouteDecision {
+            tier_overlap_blocks: TierBlocks::on_device(sel.overlap_blocks),
             worker_id: sel.key.worker_id,
             dp_rank: sel.key.dp_rank,
             overlap_blocks: sel.overlap_blocks,
@@ -312,6 +313,8 @@ async fn overlap_scores(
     let (local, _) = hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
     Ok(OverlapScoresReply {
+        shared_blocks: 0,
+        tier_overlap_blocks: Vec::new(),
         block_size: m.status.block_size().unwrap_or(0),
         scores: {
             let mut scores = m.find_overlaps(&local).await;

@@ -505,6 +505,8 @@ mod tests {
             while let Some(msg) = sub.next().await {
                 let q: IndexerQuery = decode(&msg.payload).unwrap();
                 let reply: Reply<OverlapScoresReply> = Reply::Ok(OverlapScoresReply {
+                    shared_blocks: 0,
+                    tier_overlap_blocks: Vec::new(),
                     block_size: q.block_size,
                     scores: vec![(WorkerKey::new(7, 0), q.local_hashes.len() as u32)],
                 });

@@ -72,6 +72,8 @@ pub fn answer(
         ));
     }
     Ok(OverlapScoresReply {
+        shared_blocks: 0,
+        tier_overlap_blocks: Vec::new(),
         block_size,
         scores: find(&query.local_hashes),
     })

@@ -419,12 +419,13 @@ impl WorkerStateSync {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrouter_protocol::KvEventData;
+    use kvrouter_protocol::{KvEventData, Tier};
 
     const K: WorkerKey = WorkerKey::new(1, 0);
 
     fn ev(id: u64) -> KvEvent {
         KvEvent {
+            tier: Tier::Device,
             key: K,
             event_id: id,
             data: KvEventData::Cleared,

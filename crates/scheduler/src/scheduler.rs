@@ -913,6 +913,9 @@ mod tests {
         // ...with no credit for cached blocks it does not.
         let no_credit = RouteQuery {
             overrides: RouteOverrides {
+                disk_cache_hit_weight: None,
+                host_cache_hit_weight: None,
+                shared_cache_hit_weight: None,
                 overlap_credit: Some(0.0),
                 temperature: None,
             },
@@ -923,6 +926,9 @@ mod tests {
         // A high temperature samples both keys where temperature 0 never would.
         let hot = RouteQuery {
             overrides: RouteOverrides {
+                disk_cache_hit_weight: None,
+                host_cache_hit_weight: None,
+                shared_cache_hit_weight: None,
                 overlap_credit: None,
                 temperature: Some(100.0),
             },

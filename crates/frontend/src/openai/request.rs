@@ -386,6 +386,9 @@ mod tests {
             r.router,
             RouterExt {
                 overrides: Some(RouteOverrides {
+                    disk_cache_hit_weight: None,
+                    host_cache_hit_weight: None,
+                    shared_cache_hit_weight: None,
                     overlap_credit: Some(0.5),
                     temperature: Some(1.0)
                 }),

@@ -92,6 +92,9 @@ impl RouteBody {
     pub fn into_request(self, new_id: impl FnOnce() -> String) -> Result<RouteRequest, ApiError> {
         let pin = self.pin.as_deref().map(parse_pin).transpose()?;
         let overrides = self.kvrouter.map(|o| RouteOverrides {
+            disk_cache_hit_weight: None,
+            host_cache_hit_weight: None,
+            shared_cache_hit_weight: None,
             overlap_credit: o.overlap_credit,
             temperature: o.temperature,
         });
@@ -245,7 +248,7 @@ pub fn worker_ranks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrouter_protocol::{EngineKind, WorkerRole};
+    use kvrouter_protocol::{EngineKind, TierBlocks, WorkerRole};
     use kvrouter_scheduler::ReportedLoad;
 
     fn body(json: &str) -> Result<RouteBody, ApiError> {
@@ -423,6 +426,7 @@ mod tests {
     #[test]
     fn the_route_answer_names_the_request_and_the_replica() {
         let d = RouteDecision {
+            tier_overlap_blocks: TierBlocks::default(),
             worker_id: 7,
             dp_rank: 1,
             overlap_blocks: 3,

@@ -529,7 +529,11 @@ impl Index {
     pub fn dump(&self, key: WorkerKey) -> Option<RankDump> {
         let &slot = self.slots.get(&key)?;
         let rank = self.ranks[slot as usize].as_ref()?;
-        let engine_of = self.engine_hashes_of(key);
+        // Only chains rooted in another tier need it: none without lower tiers.
+        let engine_of = match self.lower {
+            Some(_) => self.engine_hashes_of(key),
+            None => FxHashMap::default(),
+        };
         let event_id = rank.last_event_id.unwrap_or(0);
         let mut events: Vec<KvEvent> = self
             .chains(slot, &engine_of)

@@ -218,6 +218,14 @@ fn workers_leave_restart_and_lost_events_are_recovered() {
             .contains_key(&k2)),
         "the old instance's blocks are gone"
     );
+    // The new instance becomes routable once its (empty) state is synced, a moment after
+    // the takeover drops the old one.
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .route_req(route_request(&pb, on(2)))
+            .is_ok()),
+        "the new instance is routable"
+    );
     c.generate(&pb, on(2));
     assert!(wait_until(Duration::from_secs(10), || c
         .overlaps(&pb)

@@ -56,6 +56,12 @@ pub struct SchedulerConfig {
     pub block_size: u32,
     /// How many prefill blocks one overlapping (cached) block saves. ≥ 0.
     pub overlap_credit: f64,
+    /// Credit per cached block found only in a worker's host memory. ≥ 0.
+    pub host_cache_hit_weight: f64,
+    /// Credit per cached block found only on a worker's disk. ≥ 0.
+    pub disk_cache_hit_weight: f64,
+    /// Credit per cached block found only in shared storage. ≥ 0.
+    pub shared_cache_hit_weight: f64,
     /// Weight of prefill blocks against decode blocks in the cost. ≥ 0.
     pub prefill_load_scale: f64,
     /// 0: lowest cost wins (random tie-break). > 0: softmax sampling over normalised costs.
@@ -81,6 +87,14 @@ pub struct SchedulerConfig {
     pub policy: RoutingPolicy,
 }
 
+/// Default credit of a host-memory hit: a transfer over PCIe, far cheaper than a prefill
+/// (Dynamo's default; llm-d uses 0.8 for CPU).
+pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
+/// Default credit of a disk hit.
+pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
+/// Default credit of a shared-storage hit.
+pub const DEFAULT_SHARED_CACHE_HIT_WEIGHT: f64 = 0.25;
+
 /// Default of [`SchedulerConfig::queue_timeout`]: under the client library's 2 s route
 /// timeout, so callers get `QueueTimeout` rather than a timeout of their own.
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -90,6 +104,9 @@ impl Default for SchedulerConfig {
         Self {
             block_size: 64,
             overlap_credit: 1.0,
+            host_cache_hit_weight: DEFAULT_HOST_CACHE_HIT_WEIGHT,
+            disk_cache_hit_weight: DEFAULT_DISK_CACHE_HIT_WEIGHT,
+            shared_cache_hit_weight: DEFAULT_SHARED_CACHE_HIT_WEIGHT,
             prefill_load_scale: 1.0,
             temperature: 0.0,
             busy_active_blocks_frac: None,
@@ -113,6 +130,9 @@ impl SchedulerConfig {
         }
         for (name, v) in [
             ("overlap_credit", self.overlap_credit),
+            ("host_cache_hit_weight", self.host_cache_hit_weight),
+            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
+            ("shared_cache_hit_weight", self.shared_cache_hit_weight),
             ("prefill_load_scale", self.prefill_load_scale),
             ("temperature", self.temperature),
         ] {

@@ -3,7 +3,11 @@
 //! For a candidate key, with `request_blocks = ceil(prompt_tokens / block_size)`:
 //!
 //! ```text
-//! prefill_blocks = max(request_blocks - overlap_credit * overlap, 0)
+//! credit         = overlap_credit * device overlap
+//!                + host_cache_hit_weight * host extension
+//!                + disk_cache_hit_weight * disk extension
+//!                + shared_cache_hit_weight * shared-storage extension
+//! prefill_blocks = max(request_blocks - credit, 0)
 //!                + in-flight prefill tokens on the key / block_size
 //! decode_blocks  = active blocks on the key
 //!                + the request's blocks (sequence hashes) not already active there
@@ -14,6 +18,7 @@
 //! `T > 0`: a key is drawn with probability ∝ `exp(-(cost / max_cost) / T)`.
 
 use fastrand::Rng;
+use kvrouter_protocol::TierBlocks;
 
 /// The config values the formula uses.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -21,6 +26,19 @@ pub struct CostParams {
     pub block_size: u32,
     pub overlap_credit: f64,
     pub prefill_load_scale: f64,
+    pub host_cache_hit_weight: f64,
+    pub disk_cache_hit_weight: f64,
+    pub shared_cache_hit_weight: f64,
+}
+
+impl CostParams {
+    /// Prefill blocks a key's cached prefix saves: each tier's blocks at its weight.
+    pub fn credit(&self, cached: &TierBlocks) -> f64 {
+        self.overlap_credit * f64::from(cached.device)
+            + self.host_cache_hit_weight * f64::from(cached.host)
+            + self.disk_cache_hit_weight * f64::from(cached.disk)
+            + self.shared_cache_hit_weight * f64::from(cached.shared)
+    }
 }
 
 /// One key's cost, split into its parts.
@@ -43,17 +61,18 @@ pub fn uncached_prefill_tokens(prompt_tokens: usize, overlap_blocks: u32, block_
 
 /// The cost formula (see the module docs).
 ///
-/// `new_blocks` is the number of the request's distinct blocks not already active on the
-/// key; `active_blocks` and `inflight_prefill_tokens` are the key's current load.
+/// `cached` is the key's overlap by tier; `new_blocks` is the number of the request's
+/// distinct blocks not already active on the key; `active_blocks` and
+/// `inflight_prefill_tokens` are the key's current load.
 pub fn key_cost(
     p: &CostParams,
     request_blocks: u64,
-    overlap: u32,
+    cached: TierBlocks,
     inflight_prefill_tokens: u64,
     active_blocks: u64,
     new_blocks: u64,
 ) -> KeyCost {
-    let uncached = (request_blocks as f64 - p.overlap_credit * f64::from(overlap)).max(0.0);
+    let uncached = (request_blocks as f64 - p.credit(&cached)).max(0.0);
     let prefill_blocks = uncached + inflight_prefill_tokens as f64 / f64::from(p.block_size);
     let decode_blocks = active_blocks + new_blocks;
     KeyCost {
@@ -151,6 +170,9 @@ mod tests {
         block_size: 16,
         overlap_credit: 1.0,
         prefill_load_scale: 1.0,
+        host_cache_hit_weight: 0.75,
+        disk_cache_hit_weight: 0.25,
+        shared_cache_hit_weight: 0.25,
     };
 
     #[test]
@@ -164,7 +186,7 @@ mod tests {
 
         // 3 request blocks, 1 cached, 8 in-flight prefill tokens (0.5 block),
         // 10 active blocks, 2 new ones.
-        let c = key_cost(&P, 3, 1, 8, 10, 2);
+        let c = key_cost(&P, 3, TierBlocks::on_device(1), 8, 10, 2);
         assert_eq!(c.prefill_blocks, 2.5);
         assert_eq!(c.decode_blocks, 12);
         assert_eq!(c.cost, 14.5);
@@ -175,9 +197,35 @@ mod tests {
             prefill_load_scale: 3.0,
             ..P
         };
-        let c = key_cost(&p, 3, 2, 16, 0, 0);
+        let c = key_cost(&p, 3, TierBlocks::on_device(2), 16, 0, 0);
         assert_eq!(c.prefill_blocks, 1.0);
         assert_eq!(c.cost, 3.0);
+
+        // Lower tiers earn their weights: 2 device + 4 host + 4 disk + 2 shared of 16 blocks.
+        let cached = TierBlocks {
+            device: 2,
+            host: 4,
+            disk: 4,
+            shared: 2,
+        };
+        assert_eq!(P.credit(&cached), 2.0 + 3.0 + 1.0 + 0.5);
+        let c = key_cost(&P, 16, cached, 0, 0, 0);
+        assert_eq!(c.prefill_blocks, 16.0 - 6.5);
+        // A host hit is worth less than a device hit, more than none.
+        let host = key_cost(
+            &P,
+            16,
+            TierBlocks {
+                host: 8,
+                ..TierBlocks::default()
+            },
+            0,
+            0,
+            0,
+        );
+        let device = key_cost(&P, 16, TierBlocks::on_device(8), 0, 0, 0);
+        let none = key_cost(&P, 16, TierBlocks::default(), 0, 0, 0);
+        assert!(device.cost < host.cost && host.cost < none.cost);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use crate::active::RequestId;
 use crate::error::ScheduleError;
 use crate::route_query::RouteQuery;
-use kvrouter_protocol::{RouteOverrides, SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -22,6 +22,9 @@ pub struct Queued<P> {
     pub overrides: RouteOverrides,
     /// Sparse overlaps (keys with overlap > 0) as seen when the request arrived.
     pub overlaps: Vec<(WorkerKey, u32)>,
+    /// Lower-tier overlaps as seen when the request arrived (see [`RouteQuery`]).
+    pub lower_tiers: Vec<(WorkerKey, TierBlocks)>,
+    pub shared_blocks: u32,
     pub update_states: bool,
     pub enqueued_at: Instant,
     pub token: P,
@@ -48,6 +51,8 @@ impl<P> Queued<P> {
             excluded_workers: query.excluded_workers.to_vec(),
             overrides: query.overrides,
             overlaps: overlaps.to_vec(),
+            lower_tiers: query.lower_tiers.to_vec(),
+            shared_blocks: query.shared_blocks,
             update_states,
             enqueued_at,
             token,
@@ -65,6 +70,8 @@ impl<P> Queued<P> {
             allowed_keys: self.allowed_keys.as_deref(),
             excluded_workers: &self.excluded_workers,
             overrides: self.overrides,
+            lower_tiers: &self.lower_tiers,
+            shared_blocks: self.shared_blocks,
         }
     }
 }

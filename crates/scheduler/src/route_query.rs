@@ -1,6 +1,6 @@
 //! A request to place: prompt, block hashes and the filters narrowing where it may go.
 
-use kvrouter_protocol::{RouteOverrides, SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 
 /// A request to place.
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
@@ -22,6 +22,11 @@ pub struct RouteQuery<'a> {
     pub excluded_workers: &'a [WorkerId],
     /// This request's own cost settings (each `None`: the scheduler's).
     pub overrides: RouteOverrides,
+    /// Keys whose cached prefix a lower tier (host, disk, shared storage) extends, by tier
+    /// (the index's `OverlapScores::tiers`).
+    pub lower_tiers: &'a [(WorkerKey, TierBlocks)],
+    /// The shared-storage overlap of a key in neither overlap list.
+    pub shared_blocks: u32,
 }
 
 impl<'a> RouteQuery<'a> {

@@ -8,15 +8,17 @@ use crate::error::ScheduleError;
 use crate::queue::{Overloaded, Queued, RequestQueue};
 use crate::route_query::RouteQuery;
 use fastrand::Rng;
-use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use std::time::{Duration, Instant};
 
 /// The chosen worker key and why.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct Selection {
     pub key: WorkerKey,
-    /// Leading blocks of the request cached on the key.
+    /// Leading blocks of the request cached on the key's device.
     pub overlap_blocks: u32,
+    /// The key's cached prefix by tier (`device` = `overlap_blocks`).
+    pub tier_overlap_blocks: TierBlocks,
     pub cost: f64,
     pub prefill_blocks: f64,
     pub decode_blocks: u64,
@@ -45,12 +47,14 @@ pub struct Scheduler<P = ()> {
     active: ActiveSequences,
     queue: RequestQueue<P>,
     // Scratch reused by every call (sized by slot; all zero between calls).
-    overlap_by_slot: Vec<u32>,
+    overlap_by_slot: Vec<TierBlocks>,
+    /// The shared-storage overlap of a key with none listed, for the call in progress.
+    shared_default: u32,
     hits_by_slot: Vec<u32>,
     touched: Vec<Slot>,
     hashes: Vec<SequenceHash>,
     candidates: Vec<Slot>,
-    scored: Vec<(Slot, u32, KeyCost)>,
+    scored: Vec<(Slot, TierBlocks, KeyCost)>,
     weights: Vec<f64>,
     /// Round-robin position.
     turn: usize,
@@ -70,12 +74,16 @@ impl<P> Scheduler<P> {
                 block_size: config.block_size,
                 overlap_credit: config.overlap_credit,
                 prefill_load_scale: config.prefill_load_scale,
+                host_cache_hit_weight: config.host_cache_hit_weight,
+                disk_cache_hit_weight: config.disk_cache_hit_weight,
+                shared_cache_hit_weight: config.shared_cache_hit_weight,
             },
             rng: Rng::with_seed(config.seed),
             queue: RequestQueue::new(config.max_queued_requests),
             config,
             active: ActiveSequences::default(),
             overlap_by_slot: Vec::new(),
+            shared_default: 0,
             hits_by_slot: Vec::new(),
             touched: Vec::new(),
             hashes: Vec::new(),
@@ -196,17 +204,16 @@ impl<P> Scheduler<P> {
             .active
             .slots()
             .map(|slot| {
-                let (overlap, c) =
-                    self.cost_of(&self.params, slot, request_blocks, distinct, false);
+                let (cached, c) = self.cost_of(&self.params, slot, request_blocks, distinct, false);
                 PotentialLoad {
                     key: self.active.state(slot).key,
-                    overlap_blocks: overlap,
+                    overlap_blocks: cached.device,
                     potential_prefill_blocks: c.prefill_blocks,
                     potential_decode_blocks: c.decode_blocks,
                 }
             })
             .collect();
-        self.reset_scratch(overlaps);
+        self.reset_scratch(req, overlaps);
         out
     }
 
@@ -478,16 +485,22 @@ impl<P> Scheduler<P> {
     fn prepare_scratch(&mut self, req: &RouteQuery<'_>, overlaps: &[(WorkerKey, u32)]) -> u64 {
         let bound = self.active.slot_bound();
         if self.overlap_by_slot.len() < bound {
-            self.overlap_by_slot.resize(bound, 0);
+            self.overlap_by_slot.resize(bound, TierBlocks::default());
             self.hits_by_slot.resize(bound, 0);
             self.peer_picks.resize(bound, EchoLoad::default());
         }
         for &(key, overlap) in overlaps {
             if let Some(slot) = self.active.slot_of(key) {
                 let o = &mut self.overlap_by_slot[slot as usize];
-                *o = (*o).max(overlap);
+                o.device = o.device.max(overlap);
             }
         }
+        for &(key, tiers) in req.lower_tiers {
+            if let Some(slot) = self.active.slot_of(key) {
+                self.overlap_by_slot[slot as usize] = tiers;
+            }
+        }
+        self.shared_default = req.shared_blocks;
         self.hashes.clear();
         self.hashes.extend_from_slice(req.sequence_hashes);
         self.hashes.sort_unstable();
@@ -507,10 +520,11 @@ impl<P> Scheduler<P> {
         self.hashes.len() as u64
     }
 
-    fn reset_scratch(&mut self, overlaps: &[(WorkerKey, u32)]) {
-        for &(key, _) in overlaps {
+    fn reset_scratch(&mut self, req: &RouteQuery<'_>, overlaps: &[(WorkerKey, u32)]) {
+        let keys = overlaps.iter().map(|(k, _)| *k);
+        for key in keys.chain(req.lower_tiers.iter().map(|(k, _)| *k)) {
             if let Some(slot) = self.active.slot_of(key) {
-                self.overlap_by_slot[slot as usize] = 0;
+                self.overlap_by_slot[slot as usize] = TierBlocks::default();
             }
         }
         for slot in self.touched.drain(..) {
@@ -543,7 +557,7 @@ impl<P> Scheduler<P> {
                 let c = cost::key_cost(
                     &self.params,
                     request_blocks,
-                    0,
+                    TierBlocks::default(),
                     load.prefill_tokens + e.prefill_tokens + p.prefill_tokens,
                     load.active_blocks + e.blocks + p.blocks,
                     distinct,
@@ -570,7 +584,7 @@ impl<P> Scheduler<P> {
         request_blocks: u64,
         distinct: u64,
         with_echo: bool,
-    ) -> (u32, KeyCost) {
+    ) -> (TierBlocks, KeyCost) {
         let load = &self.active.state(slot).load;
         let echo = if with_echo {
             let (e, p) = (self.echo.load(slot), self.peer_picks[slot as usize]);
@@ -581,17 +595,20 @@ impl<P> Scheduler<P> {
         } else {
             Default::default()
         };
-        let overlap = self.overlap_by_slot[slot as usize];
+        let mut cached = self.overlap_by_slot[slot as usize];
+        if cached == TierBlocks::default() {
+            cached.shared = self.shared_default; // a key holding nothing else
+        }
         let new_blocks = distinct - u64::from(self.hits_by_slot[slot as usize]);
         let c = cost::key_cost(
             params,
             request_blocks,
-            overlap,
+            cached,
             load.prefill_tokens + echo.prefill_tokens,
             load.active_blocks + echo.blocks,
             new_blocks,
         );
-        (overlap, c)
+        (cached, c)
     }
 
     fn select_slot(
@@ -612,18 +629,25 @@ impl<P> Scheduler<P> {
         if self.config.policy == RoutingPolicy::Kv {
             self.charge_peers_first(req.prompt_tokens, request_blocks, distinct);
         }
+        let o = &req.overrides;
         let params = CostParams {
-            overlap_credit: (req.overrides.overlap_credit).unwrap_or(self.params.overlap_credit),
+            overlap_credit: o.overlap_credit.unwrap_or(self.params.overlap_credit),
+            host_cache_hit_weight: (o.host_cache_hit_weight)
+                .unwrap_or(self.params.host_cache_hit_weight),
+            disk_cache_hit_weight: (o.disk_cache_hit_weight)
+                .unwrap_or(self.params.disk_cache_hit_weight),
+            shared_cache_hit_weight: (o.shared_cache_hit_weight)
+                .unwrap_or(self.params.shared_cache_hit_weight),
             ..self.params
         };
         let temperature = req.overrides.temperature.unwrap_or(self.config.temperature);
         let mut scored = std::mem::take(&mut self.scored);
         scored.clear();
         scored.extend(self.candidates.iter().map(|&slot| {
-            let (overlap, c) = self.cost_of(&params, slot, request_blocks, distinct, true);
-            (slot, overlap, c)
+            let (cached, c) = self.cost_of(&params, slot, request_blocks, distinct, true);
+            (slot, cached, c)
         }));
-        self.reset_scratch(overlaps);
+        self.reset_scratch(req, overlaps);
 
         let i = match self.config.policy {
             RoutingPolicy::Kv => cost::choose(
@@ -655,16 +679,17 @@ impl<P> Scheduler<P> {
                 .unwrap_or(0)
             }
         };
-        let (slot, overlap, c) = scored[i];
+        let (slot, cached, c) = scored[i];
         self.scored = scored;
         let sel = Selection {
             key: self.active.state(slot).key,
-            overlap_blocks: overlap,
+            overlap_blocks: cached.device,
+            tier_overlap_blocks: cached,
             cost: c.cost,
             prefill_blocks: c.prefill_blocks,
             decode_blocks: c.decode_blocks,
         };
-        tracing::trace!(key = %sel.key, cost = sel.cost, overlap, "selected");
+        tracing::trace!(key = %sel.key, cost = sel.cost, overlap = cached.device, lower = cached.lower(), "selected");
         Ok((sel, slot))
     }
 }
@@ -940,6 +965,56 @@ mod tests {
             seen[key.worker_id as usize - 1] = true;
         }
         assert_eq!(seen, [true, true]);
+    }
+
+    #[test]
+    fn lower_tiers_earn_their_weights() {
+        let mut s = sched(|_| {});
+        for w in 1..=3 {
+            s.add_worker_key(k(w, 0), 100);
+        }
+        let h = hs(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        let q = RouteQuery::new(32, &h); // 8 blocks
+                                         // Key 1 holds 4 on the device; key 2 holds 8 in host memory (credit 6); key 3 none.
+        let host_8 = TierBlocks {
+            host: 8,
+            ..TierBlocks::default()
+        };
+        let lower = [(k(2, 0), host_8)];
+        let with_host = RouteQuery {
+            lower_tiers: &lower,
+            ..q
+        };
+        let sel = s.select(&with_host, &[(k(1, 0), 4)]).unwrap();
+        assert_eq!((sel.key, sel.tier_overlap_blocks), (k(2, 0), host_8));
+        assert_eq!(sel.overlap_blocks, 0);
+        assert_eq!(sel.prefill_blocks, 2.0);
+        // At weight 0.25 the host copy (credit 2) loses to the device prefix (credit 4).
+        let cheap_host = RouteQuery {
+            overrides: RouteOverrides {
+                host_cache_hit_weight: Some(0.25),
+                ..RouteOverrides::default()
+            },
+            ..with_host
+        };
+        let sel = s.select(&cheap_host, &[(k(1, 0), 4)]).unwrap();
+        assert_eq!(
+            (sel.key, sel.tier_overlap_blocks),
+            (k(1, 0), TierBlocks::on_device(4))
+        );
+        // Shared storage reaches every key that holds nothing of its own: 8 shared blocks
+        // (credit 2) on the idle keys tie, and beat nothing; key 1's device prefix (4) wins.
+        let shared = RouteQuery {
+            shared_blocks: 8,
+            ..q
+        };
+        let loads = s.potential_loads(&shared, &[(k(1, 0), 4)]);
+        let prefill: Vec<f64> = loads.iter().map(|l| l.potential_prefill_blocks).collect();
+        assert_eq!(prefill, vec![4.0, 6.0, 6.0]);
+        assert_eq!(s.select(&shared, &[(k(1, 0), 4)]).unwrap().key, k(1, 0));
+        // The scratch is clean afterwards: the same query without tiers scores as before.
+        let loads = s.potential_loads(&q, &[]);
+        assert!(loads.iter().all(|l| l.potential_prefill_blocks == 8.0));
     }
 
     #[test]

@@ -449,6 +449,9 @@ fn check_state(s: &Scheduler<u64>, m: &Model) {
 
 fn run(cfg: Cfg, ops: Vec<Op>) {
     let config = SchedulerConfig {
+        host_cache_hit_weight: 0.75,
+        disk_cache_hit_weight: 0.25,
+        shared_cache_hit_weight: 0.25,
         block_size: BS,
         overlap_credit: cfg.overlap_credit,
         prefill_load_scale: cfg.prefill_load_scale,

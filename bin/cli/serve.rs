@@ -41,6 +41,20 @@ pub struct ServeArgs {
     /// Prefill blocks one cached block saves in the cost.
     #[arg(long, env = "KVROUTER_OVERLAP_CREDIT", default_value_t = 1.0)]
     overlap_credit: f64,
+    /// Prefill blocks one block cached in a worker's host memory saves (a transfer, not a
+    /// prefill).
+    #[arg(long, env = "KVROUTER_HOST_CACHE_HIT_WEIGHT",
+          default_value_t = kvrouter_scheduler::DEFAULT_HOST_CACHE_HIT_WEIGHT)]
+    host_cache_hit_weight: f64,
+    /// Prefill blocks one block cached on a worker's disk saves.
+    #[arg(long, env = "KVROUTER_DISK_CACHE_HIT_WEIGHT",
+          default_value_t = kvrouter_scheduler::DEFAULT_DISK_CACHE_HIT_WEIGHT)]
+    disk_cache_hit_weight: f64,
+    /// Prefill blocks one block in shared storage (any worker of the model can load it)
+    /// saves.
+    #[arg(long, env = "KVROUTER_SHARED_CACHE_HIT_WEIGHT",
+          default_value_t = kvrouter_scheduler::DEFAULT_SHARED_CACHE_HIT_WEIGHT)]
+    shared_cache_hit_weight: f64,
     /// Weight of prefill blocks against decode blocks in the cost.
     #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
     prefill_load_scale: f64,
@@ -163,6 +177,9 @@ impl ServeArgs {
     fn config(&self) -> anyhow::Result<ReplicaConfig> {
         let scheduler = SchedulerConfig {
             overlap_credit: self.overlap_credit,
+            host_cache_hit_weight: self.host_cache_hit_weight,
+            disk_cache_hit_weight: self.disk_cache_hit_weight,
+            shared_cache_hit_weight: self.shared_cache_hit_weight,
             prefill_load_scale: self.prefill_load_scale,
             temperature: self.router_temperature,
             busy_active_blocks_frac: self.busy_active_blocks_frac,

@@ -29,6 +29,11 @@ impl OverlapScores {
         }
     }
 
+    /// No key holds any leading block in any tier.
+    pub fn is_empty(&self) -> bool {
+        self.scores.is_empty() && !self.has_lower_tiers()
+    }
+
     /// Whether any lower tier adds to any key's overlap.
     pub fn has_lower_tiers(&self) -> bool {
         !self.tiers.is_empty() || self.shared_blocks > 0

@@ -24,7 +24,7 @@ use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
 use kvrouter_protocol::{
     prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, ErrorReply, RouteDecision,
-    Subjects, TierBlocks, TransferReport, TransferSide, WorkerKey, WorkerRole,
+    Subjects, TransferReport, TransferSide, WorkerKey, WorkerRole,
 };
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -219,7 +219,7 @@ async fn route_disagg(
         req.request_id.clone(),
         req.tokens.len(),
         seq.clone(),
-        Vec::new(),
+        Default::default(),
         req.update_states,
     );
     job.allowed_keys = Some(candidates);
@@ -250,7 +250,7 @@ async fn route_disagg(
         recorder.record(pre.key, local, seq);
     }
     let decision = |sel: &kvrouter_scheduler::Selection| RouteDecision {
-        tier_overlap_blocks: TierBlocks::on_device(sel.overlap_blocks),
+        tier_overlap_blocks: sel.tier_overlap_blocks,
         worker_id: sel.key.worker_id,
         dp_rank: sel.key.dp_rank,
         overlap_blocks: sel.overlap_blocks,

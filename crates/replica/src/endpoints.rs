@@ -11,7 +11,7 @@ use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
     prompt_local_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OverlapRequest,
     OverlapScoresReply, Pin, PotentialLoad, PromptExtras, RequestUpdate, RouteDecision,
-    RouteRequest, SequenceHash, TierBlocks, WorkerKey,
+    RouteRequest, SequenceHash, Tier, WorkerKey,
 };
 use kvrouter_scheduler::Selection;
 use std::sync::Arc;
@@ -128,6 +128,19 @@ pub(crate) fn observe_route(
         m.overlap_blocks
             .get_or_create(&labels)
             .observe(d.overlap_blocks as f64);
+        for tier in Tier::ALL {
+            let n = d.tier_overlap_blocks.get(tier);
+            if n > 0 {
+                let labels = crate::metrics::TierLabels {
+                    model: model.clone(),
+                    tier: tier.as_str(),
+                };
+                m.tier_hits.get_or_create(&labels).inc();
+                m.tier_hit_blocks
+                    .get_or_create(&labels)
+                    .inc_by(u64::from(n));
+            }
+        }
         m.decision_seconds
             .get_or_create(&labels)
             .observe(started.elapsed().as_secs_f64());
@@ -268,7 +281,7 @@ pub(crate) async fn route(
     Ok((
         req.model,
         RouteDecision {
-            tier_overlap_blocks: TierBlocks::on_device(sel.overlap_blocks),
+            tier_overlap_blocks: sel.tier_overlap_blocks,
             worker_id: sel.key.worker_id,
             dp_rank: sel.key.dp_rank,
             overlap_blocks: sel.overlap_blocks,
@@ -312,15 +325,14 @@ async fn overlap_scores(
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (local, _) = hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
+    let mut found = m.find_overlaps(&local).await;
+    found.scores.sort_unstable();
+    found.tiers.sort_unstable_by_key(|(k, _)| *k);
     Ok(OverlapScoresReply {
-        shared_blocks: 0,
-        tier_overlap_blocks: Vec::new(),
         block_size: m.status.block_size().unwrap_or(0),
-        scores: {
-            let mut scores = m.find_overlaps(&local).await;
-            scores.sort_unstable();
-            scores
-        },
+        scores: found.scores,
+        tier_overlap_blocks: found.tiers,
+        shared_blocks: found.shared_blocks,
     })
 }
 

@@ -14,6 +14,13 @@ pub struct ModelLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierLabels {
+    pub model: String,
+    /// `device`, `host`, `disk` or `shared`.
+    pub tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub model: String,
     pub kind: String,
@@ -75,6 +82,9 @@ pub struct Metrics {
     pub routes: Family<ModelLabels, Counter>,
     pub route_errors: Family<ErrorLabels, Counter>,
     pub overlap_blocks: HistogramFamily<ModelLabels>,
+    /// Routes whose chosen rank had cached blocks in a tier, and how many blocks, by tier.
+    pub tier_hits: Family<TierLabels, Counter>,
+    pub tier_hit_blocks: Family<TierLabels, Counter>,
     pub decision_seconds: HistogramFamily<ModelLabels>,
     pub events_applied: Family<ModelLabels, Counter>,
     pub events_stale: Family<ModelLabels, Counter>,
@@ -162,6 +172,16 @@ impl Metrics {
                 "route_overlap_blocks",
                 "Cached prefix blocks on the chosen worker rank",
                 HistogramFamily::new_with_constructor(overlap_histogram as fn() -> Histogram)
+            ),
+            tier_hits: reg!(
+                "route_tier_hits",
+                "Routes whose chosen worker rank held cached prefix blocks in a tier (device, host, disk, shared)",
+                Family::default()
+            ),
+            tier_hit_blocks: reg!(
+                "route_tier_hit_blocks",
+                "Cached prefix blocks of routed requests on the chosen worker rank, by tier",
+                Family::default()
             ),
             decision_seconds: reg!(
                 "route_decision_seconds",

@@ -29,6 +29,7 @@ use crate::clock::now;
 use crate::metrics::{Metrics, ModelLabels};
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
+use kvrouter_indexer::OverlapScores;
 use kvrouter_protocol::{
     decode, encode, ErrorKind, IndexerQuery, IndexerRecord, LocalBlockHash, OverlapScoresReply,
     Reply, SequenceHash, WorkerKey,
@@ -145,13 +146,9 @@ impl RemoteIndexer {
 
     /// The overlap of each worker rank holding a leading block of `local`, from a serving
     /// indexer; empty (route on load alone) when none answers. Never fails.
-    pub async fn find_matches(
-        &self,
-        block_size: u32,
-        local: &[LocalBlockHash],
-    ) -> Vec<(WorkerKey, u32)> {
+    pub async fn find_matches(&self, block_size: u32, local: &[LocalBlockHash]) -> OverlapScores {
         if local.is_empty() {
-            return Vec::new(); // no full block: nothing can overlap
+            return OverlapScores::default(); // no full block: nothing can overlap
         }
         let admitted = self.breaker.lock().admit(now());
         let ticket = match admitted {
@@ -162,7 +159,7 @@ impl RemoteIndexer {
                     .get_or_create(&self.labels)
                     .inc();
                 self.fell_back("the breaker is open after repeated failures");
-                return Vec::new();
+                return OverlapScores::default();
             }
         };
         let result = self.query(block_size, local).await;
@@ -197,7 +194,7 @@ impl RemoteIndexer {
             }
             Err(failure) => {
                 self.fell_back(&failure.reason);
-                Vec::new()
+                OverlapScores::default()
             }
         }
     }
@@ -263,7 +260,7 @@ impl RemoteIndexer {
         &self,
         block_size: u32,
         local: &[LocalBlockHash],
-    ) -> Result<Vec<(WorkerKey, u32)>, Failure> {
+    ) -> Result<OverlapScores, Failure> {
         let payload = Bytes::from(
             encode(&IndexerQuery {
                 block_size,
@@ -287,7 +284,7 @@ impl RemoteIndexer {
         block_size: u32,
         payload: Bytes,
         timeout: Duration,
-    ) -> Result<Vec<(WorkerKey, u32)>, Failure> {
+    ) -> Result<OverlapScores, Failure> {
         let msg = self
             .bus
             .request(&self.subject, payload, timeout)
@@ -310,7 +307,11 @@ impl RemoteIndexer {
                 reply.block_size
             )));
         }
-        Ok(reply.scores)
+        Ok(OverlapScores {
+            scores: reply.scores,
+            tiers: reply.tier_overlap_blocks,
+            shared_blocks: reply.shared_blocks,
+        })
     }
 }
 
@@ -377,6 +378,7 @@ impl DecisionPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvrouter_protocol::TierBlocks;
     use std::sync::atomic::AtomicU64;
 
     fn lh(v: &[u64]) -> Vec<LocalBlockHash> {
@@ -467,10 +469,11 @@ mod tests {
             .await
             .unwrap();
         answering_indexer(&bus, sub);
-        assert_eq!(
-            r.find_matches(16, &lh(&[1, 2])).await,
-            vec![(WorkerKey::new(7, 0), 2)]
-        );
+        let found = r.find_matches(16, &lh(&[1, 2])).await;
+        assert_eq!(found.scores, vec![(WorkerKey::new(7, 0), 2)]);
+        // The lower tiers come through.
+        assert_eq!(found.tiers.len(), 1);
+        assert_eq!(found.tier_blocks(WorkerKey::new(9, 0)).shared, 1);
         assert!(!r.is_down());
         let text = metrics.render();
         assert!(text.contains(r#"kvrouter_remote_indexer_queries_total{model="m"} 1"#));
@@ -505,8 +508,8 @@ mod tests {
             while let Some(msg) = sub.next().await {
                 let q: IndexerQuery = decode(&msg.payload).unwrap();
                 let reply: Reply<OverlapScoresReply> = Reply::Ok(OverlapScoresReply {
-                    shared_blocks: 0,
-                    tier_overlap_blocks: Vec::new(),
+                    shared_blocks: 1,
+                    tier_overlap_blocks: vec![(WorkerKey::new(8, 0), TierBlocks::on_device(0))],
                     block_size: q.block_size,
                     scores: vec![(WorkerKey::new(7, 0), q.local_hashes.len() as u32)],
                 });
@@ -614,7 +617,7 @@ mod tests {
         );
         tokio::time::advance(Duration::from_millis(1600)).await;
         assert_eq!(
-            r.find_matches(16, &lh(&[1, 2])).await,
+            r.find_matches(16, &lh(&[1, 2])).await.scores,
             vec![(WorkerKey::new(7, 0), 2)]
         );
         assert!(!r.breaker_open() && !r.is_down());

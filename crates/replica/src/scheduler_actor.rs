@@ -6,6 +6,7 @@
 
 use crate::metrics::{KeyLabels, Metrics, ModelLabels};
 use crate::replica_sync::{self, ReplicaSync};
+use kvrouter_indexer::OverlapScores;
 use kvrouter_protocol::{
     ErrorKind, ErrorReply, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId, WorkerKey,
 };
@@ -41,7 +42,7 @@ pub fn route_job(
     request_id: String,
     prompt_tokens: usize,
     sequence_hashes: Vec<kvrouter_protocol::SequenceHash>,
-    overlaps: Vec<(WorkerKey, u32)>,
+    overlaps: OverlapScores,
     update_states: bool,
 ) -> (RouteJob, oneshot::Receiver<Result<Selection, ErrorReply>>) {
     let (tx, rx) = oneshot::channel();
@@ -55,7 +56,9 @@ pub fn route_job(
         allowed_keys: None,
         excluded_workers: Vec::new(),
         overrides: Default::default(),
-        overlaps,
+        overlaps: overlaps.scores,
+        lower_tiers: overlaps.tiers,
+        shared_blocks: overlaps.shared_blocks,
         update_states,
         enqueued_at: crate::clock::now(),
         token: RouteToken {
@@ -110,7 +113,7 @@ pub enum SchedulerMsg {
     PotentialLoads {
         prompt_tokens: usize,
         sequence_hashes: Vec<SequenceHash>,
-        overlaps: Vec<(WorkerKey, u32)>,
+        overlaps: OverlapScores,
         reply: oneshot::Sender<Vec<PotentialLoad>>,
     },
     AddKey {
@@ -402,8 +405,12 @@ impl Actor for SchedulerActor {
                 overlaps,
                 reply,
             } => {
-                let query = RouteQuery::new(prompt_tokens, &sequence_hashes);
-                let _ = reply.send(state.core.potential_loads(&query, &overlaps));
+                let query = RouteQuery {
+                    lower_tiers: &overlaps.tiers,
+                    shared_blocks: overlaps.shared_blocks,
+                    ..RouteQuery::new(prompt_tokens, &sequence_hashes)
+                };
+                let _ = reply.send(state.core.potential_loads(&query, &overlaps.scores));
             }
             SchedulerMsg::AddKey {
                 key,

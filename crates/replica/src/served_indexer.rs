@@ -29,11 +29,11 @@ use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::ModelShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Subscription};
-use kvrouter_indexer::ShardedIndex;
+use kvrouter_indexer::{OverlapScores, ShardedIndex};
 use kvrouter_protocol::{
     chunk_approx_entries, decode, encode, ApproxEntry, ErrorKind, ErrorReply, IndexerAnnouncement,
     IndexerDumpChunk, IndexerDumpRequest, IndexerQuery, IndexerRecord, LocalBlockHash,
-    OverlapScoresReply, Reply, WorkerKey,
+    OverlapScoresReply, Reply,
 };
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -52,7 +52,7 @@ pub fn answer(
     query: &IndexerQuery,
     ready: Result<(), String>,
     block_size: Option<u32>,
-    find: impl FnOnce(&[LocalBlockHash]) -> Vec<(WorkerKey, u32)>,
+    find: impl FnOnce(&[LocalBlockHash]) -> OverlapScores,
 ) -> Result<OverlapScoresReply, ErrorReply> {
     ready.map_err(|why| {
         ErrorReply::new(
@@ -71,11 +71,12 @@ pub fn answer(
             ),
         ));
     }
+    let found = find(&query.local_hashes);
     Ok(OverlapScoresReply {
-        shared_blocks: 0,
-        tier_overlap_blocks: Vec::new(),
         block_size,
-        scores: find(&query.local_hashes),
+        scores: found.scores,
+        tier_overlap_blocks: found.tiers,
+        shared_blocks: found.shared_blocks,
     })
 }
 
@@ -119,7 +120,7 @@ pub fn spawn_queries(
                         &q,
                         model.status.ready(),
                         model.status.block_size(),
-                        |local| model.index.find_matches(local).scores,
+                        |local| model.index.find_matches(local),
                     );
                     let counter = if result.is_ok() {
                         &metrics.served_indexer_queries
@@ -441,6 +442,7 @@ pub fn spawn_dumps(model: Arc<ModelShared>, index: Arc<ShardedIndex>, bus: Bus) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvrouter_protocol::{TierBlocks, WorkerKey};
 
     fn query(block_size: u32) -> IndexerQuery {
         IndexerQuery {
@@ -449,8 +451,18 @@ mod tests {
         }
     }
 
-    fn find(local: &[LocalBlockHash]) -> Vec<(WorkerKey, u32)> {
-        vec![(WorkerKey::new(4, 1), local.len() as u32)]
+    fn find(local: &[LocalBlockHash]) -> OverlapScores {
+        OverlapScores {
+            scores: vec![(WorkerKey::new(4, 1), local.len() as u32)],
+            tiers: vec![(
+                WorkerKey::new(5, 0),
+                TierBlocks {
+                    host: 2,
+                    ..TierBlocks::default()
+                },
+            )],
+            shared_blocks: 1,
+        }
     }
 
     #[test]
@@ -458,6 +470,8 @@ mod tests {
         let r = answer(&query(16), Ok(()), Some(16), find).unwrap();
         assert_eq!(r.block_size, 16);
         assert_eq!(r.scores, vec![(WorkerKey::new(4, 1), 3)]);
+        assert_eq!(r.tier_overlap_blocks.len(), 1);
+        assert_eq!(r.shared_blocks, 1);
     }
 
     #[test]

@@ -8,8 +8,8 @@ use crate::serve::InFlight;
 use crate::status::ModelStatus;
 use crate::worker_tracker::TrackerMsg;
 use kvrouter_bus::Bus;
-use kvrouter_indexer::{IndexReader, ShardedIndex};
-use kvrouter_protocol::{LocalBlockHash, ModelSubjects, Subjects, WorkerKey};
+use kvrouter_indexer::{IndexReader, OverlapScores, ShardedIndex};
+use kvrouter_protocol::{LocalBlockHash, ModelSubjects, Subjects};
 use prometheus_client::metrics::gauge::Gauge;
 use ractor::ActorRef;
 use std::collections::HashMap;
@@ -37,13 +37,13 @@ pub struct ModelShared {
 impl ModelShared {
     /// The overlaps of a request: from the local index, or from a serving indexer with
     /// `--use-remote-indexer` (empty when none answers).
-    pub async fn find_overlaps(&self, local: &[LocalBlockHash]) -> Vec<(WorkerKey, u32)> {
+    pub async fn find_overlaps(&self, local: &[LocalBlockHash]) -> OverlapScores {
         match &self.remote_index {
             Some(remote) => {
                 let block_size = self.status.block_size().unwrap_or(0);
                 remote.find_matches(block_size, local).await
             }
-            None => self.index.find_matches(local).scores,
+            None => self.index.find_matches(local),
         }
     }
 }

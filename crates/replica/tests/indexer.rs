@@ -152,7 +152,7 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let local = kvrouter_protocol::local_block_hashes(&tokens, BLOCK as usize, None).unwrap();
-        if remote_index.find_matches(BLOCK, &local).await == vec![(holder, 6)] {
+        if remote_index.find_matches(BLOCK, &local).await.scores == vec![(holder, 6)] {
             break;
         }
         assert!(Instant::now() < deadline, "overlap never came back");

@@ -33,7 +33,10 @@ mod route_query;
 mod scheduler;
 
 pub use active::{KeyLoad, ReportedLoad, RequestId};
-pub use config::{RoutingPolicy, SchedulerConfig};
+pub use config::{
+    RoutingPolicy, SchedulerConfig, DEFAULT_DISK_CACHE_HIT_WEIGHT, DEFAULT_HOST_CACHE_HIT_WEIGHT,
+    DEFAULT_SHARED_CACHE_HIT_WEIGHT,
+};
 pub use error::ScheduleError;
 pub use queue::{Overloaded, Queued};
 pub use route_query::RouteQuery;

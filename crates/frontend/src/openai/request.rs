@@ -247,16 +247,23 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
     for (key, v) in o {
         let param = format!("kvrouter.{key}");
         match key.as_str() {
-            "overlap_credit" | "temperature" => {
+            "overlap_credit"
+            | "temperature"
+            | "host_cache_hit_weight"
+            | "disk_cache_hit_weight"
+            | "shared_cache_hit_weight" => {
                 let x = v
                     .as_f64()
                     .filter(|x| x.is_finite() && *x >= 0.0)
                     .ok_or_else(|| bad(&param, format!("{param} must be a number >= 0")))?;
-                if key == "overlap_credit" {
-                    overrides.overlap_credit = Some(x);
-                } else {
-                    overrides.temperature = Some(x);
-                }
+                let slot = match key.as_str() {
+                    "overlap_credit" => &mut overrides.overlap_credit,
+                    "temperature" => &mut overrides.temperature,
+                    "host_cache_hit_weight" => &mut overrides.host_cache_hit_weight,
+                    "disk_cache_hit_weight" => &mut overrides.disk_cache_hit_weight,
+                    _ => &mut overrides.shared_cache_hit_weight,
+                };
+                *slot = Some(x);
             }
             "allowed_workers" => {
                 let ids = v
@@ -281,7 +288,8 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
                     &param,
                     format!(
                         "unknown field {param} (known: overlap_credit, temperature, \
-                         allowed_workers, pin)"
+                         host_cache_hit_weight, disk_cache_hit_weight, \
+                         shared_cache_hit_weight, allowed_workers, pin)"
                     ),
                 ))
             }

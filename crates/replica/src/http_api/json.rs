@@ -4,8 +4,8 @@
 use super::errors::ApiError;
 use crate::layouts::WorkerLayout;
 use kvrouter_protocol::{
-    DpRank, ErrorKind, Pin, PromptExtras, RouteDecision, RouteOverrides, RouteRequest, WorkerId,
-    WorkerKey,
+    DpRank, ErrorKind, Pin, PromptExtras, RouteDecision, RouteOverrides, RouteRequest, TierBlocks,
+    WorkerId, WorkerKey,
 };
 use kvrouter_scheduler::KeyLoad;
 use serde::de::DeserializeOwned;
@@ -75,6 +75,12 @@ pub struct KvrouterOverrides {
     pub overlap_credit: Option<f64>,
     #[serde(default)]
     pub temperature: Option<f64>,
+    #[serde(default)]
+    pub host_cache_hit_weight: Option<f64>,
+    #[serde(default)]
+    pub disk_cache_hit_weight: Option<f64>,
+    #[serde(default)]
+    pub shared_cache_hit_weight: Option<f64>,
 }
 
 /// `"WORKER"` or `"WORKER:RANK"`.
@@ -92,11 +98,11 @@ impl RouteBody {
     pub fn into_request(self, new_id: impl FnOnce() -> String) -> Result<RouteRequest, ApiError> {
         let pin = self.pin.as_deref().map(parse_pin).transpose()?;
         let overrides = self.kvrouter.map(|o| RouteOverrides {
-            disk_cache_hit_weight: None,
-            host_cache_hit_weight: None,
-            shared_cache_hit_weight: None,
             overlap_credit: o.overlap_credit,
             temperature: o.temperature,
+            host_cache_hit_weight: o.host_cache_hit_weight,
+            disk_cache_hit_weight: o.disk_cache_hit_weight,
+            shared_cache_hit_weight: o.shared_cache_hit_weight,
         });
         if let Some((field, value)) = overrides.as_ref().and_then(RouteOverrides::invalid) {
             return Err(ApiError::invalid(format!(
@@ -133,7 +139,10 @@ impl RouteBody {
 pub struct RouteAnswer {
     pub worker_id: WorkerId,
     pub dp_rank: DpRank,
+    /// Leading blocks cached on the worker's device.
     pub overlap_blocks: u32,
+    /// The cached prefix by tier: `{device, host, disk, shared}`.
+    pub tier_overlap_blocks: TierBlocks,
     /// The worker's HTTP address from its registration (empty for the mocker).
     pub base_url: String,
     /// Send `prefill_done` and `free` with it; `null` for a request that updates no state
@@ -149,6 +158,7 @@ impl RouteAnswer {
             worker_id: d.worker_id,
             dp_rank: d.dp_rank,
             overlap_blocks: d.overlap_blocks,
+            tier_overlap_blocks: d.tier_overlap_blocks,
             base_url: d.base_url,
             request_id: (!request_id.is_empty()).then(|| request_id.to_string()),
             replica_id: d.replica_id,
@@ -248,7 +258,7 @@ pub fn worker_ranks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrouter_protocol::{EngineKind, TierBlocks, WorkerRole};
+    use kvrouter_protocol::{EngineKind, WorkerRole};
     use kvrouter_scheduler::ReportedLoad;
 
     fn body(json: &str) -> Result<RouteBody, ApiError> {
@@ -426,7 +436,12 @@ mod tests {
     #[test]
     fn the_route_answer_names_the_request_and_the_replica() {
         let d = RouteDecision {
-            tier_overlap_blocks: TierBlocks::default(),
+            tier_overlap_blocks: TierBlocks {
+                device: 3,
+                host: 2,
+                disk: 0,
+                shared: 1,
+            },
             worker_id: 7,
             dp_rank: 1,
             overlap_blocks: 3,
@@ -436,7 +451,11 @@ mod tests {
         let json = serde_json::to_string(&RouteAnswer::new(d.clone(), "q")).unwrap();
         assert_eq!(
             json,
-            r#"{"worker_id":7,"dp_rank":1,"overlap_blocks":3,"base_url":"http://w","request_id":"q","replica_id":"r"}"#
+            concat!(
+                r#"{"worker_id":7,"dp_rank":1,"overlap_blocks":3,"#,
+                r#""tier_overlap_blocks":{"device":3,"host":2,"disk":0,"shared":1},"#,
+                r#""base_url":"http://w","request_id":"q","replica_id":"r"}"#
+            )
         );
         assert_eq!(RouteAnswer::new(d, "").request_id, None);
     }

@@ -49,6 +49,13 @@ pub struct BridgeArgs {
     /// KV cache capacity of each rank, in blocks (the engine logs it at start-up).
     #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS")]
     capacity_blocks: u64,
+    /// Host-memory blocks per rank the engine offloads to (vLLM's offloading connector,
+    /// LMCache, SGLang's hierarchical cache): bounds the bridge's copy of that tier.
+    #[arg(long, env = "KVROUTER_HOST_CAPACITY_BLOCKS")]
+    host_capacity_blocks: Option<u64>,
+    /// Disk blocks per rank the engine offloads to.
+    #[arg(long, env = "KVROUTER_DISK_CAPACITY_BLOCKS")]
+    disk_capacity_blocks: Option<u64>,
     /// Where frontends send this engine's requests, http://HOST:PORT.
     #[arg(long, env = "KVROUTER_BASE_URL")]
     base_url: String,
@@ -94,6 +101,8 @@ impl BridgeArgs {
         c.tp_size = self.tp_size;
         c.role = self.role;
         c.capacity_blocks = self.capacity_blocks;
+        c.host_capacity_blocks = self.host_capacity_blocks;
+        c.disk_capacity_blocks = self.disk_capacity_blocks;
         c.metrics_url = self.metrics_url.clone();
         c.health_url = self.health_url.clone();
         c.worker_id = self.worker_id;

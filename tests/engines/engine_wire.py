@@ -207,7 +207,13 @@ def cases():
         ts=6.0,
         events=[BlockStored([31], None, T8[:4], 4, None, "CPU", None),
                 BlockRemoved([31], "CPU"),
-                BlockStored([32], None, T8[:4], 4, None, "GPU", None, locality="REMOTE")],
+                BlockStored([32], None, T8[:4], 4, None, "GPU", None, locality="REMOTE"),
+                # offloaded as vLLM's connector reports it: the device copy first, then the
+                # host copy by hash alone (no tokens), then the device copy goes
+                BlockStored([33], None, T8[:4], 4, None, "GPU", None),
+                BlockStored([33], None, [], 4, None, "CPU_PINNED", None),
+                BlockRemoved([33], "GPU"),
+                BlockStored([34], None, T8[:4], 4, None, "TAPE", None)],
     )
     yield "vllm_groups", KVEventBatch(
         ts=7.0,

@@ -10,7 +10,7 @@ use kvrouter_admin::AdminView;
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
     decode, reply_version, ErrorKind, ErrorReply, ModelSubjects, Reply, StateChunk, StateQuery,
-    WorkerId, WorkerKey,
+    Tier, WorkerId, WorkerKey,
 };
 use kvrouter_worker::{
     announce, deregister_within, discovery_task, send_error_stream, send_state, stopped, Publisher,
@@ -122,7 +122,9 @@ impl Bridge {
                 c.dp_size,
                 c.block_size,
                 c.capacity_blocks,
-            ),
+            )
+            .with_tier_capacity(Tier::Host, c.host_capacity_blocks)
+            .with_tier_capacity(Tier::Disk, c.disk_capacity_blocks),
             info: info.clone(),
             publisher: pub_tx,
             metrics: metrics.clone(),

@@ -22,6 +22,11 @@ pub struct BridgeConfig {
     pub tp_size: u32,
     pub role: WorkerRole,
     pub capacity_blocks: u64,
+    /// Host-memory blocks per rank the engine offloads to (bounds the mirror's host copy;
+    /// `None`: whatever the engine reports).
+    pub host_capacity_blocks: Option<u64>,
+    /// Disk blocks per rank, likewise.
+    pub disk_capacity_blocks: Option<u64>,
     pub base_url: String,
     /// Default: the base URL's `/metrics`.
     pub metrics_url: Option<String>,
@@ -61,6 +66,8 @@ impl BridgeConfig {
             tp_size: 1,
             role: WorkerRole::Aggregated,
             capacity_blocks: 0,
+            host_capacity_blocks: None,
+            disk_capacity_blocks: None,
             base_url: base_url.into(),
             metrics_url: None,
             health_url: None,

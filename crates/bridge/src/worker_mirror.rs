@@ -17,8 +17,10 @@ use rustc_hash::FxHashMap;
 /// Why an engine event was not forwarded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Skip {
-    /// Not on the device (`medium` other than `GPU`), or held by another node.
-    NotDevice,
+    /// A `medium` that names no tier kvrouter knows.
+    UnknownMedium,
+    /// Held by another node (`locality` other than `LOCAL`).
+    OtherNode,
     /// Not the full-attention group (sliding window, mamba, another group index).
     OtherGroup,
     /// `block_size` differs from the bridge's `--block-size`.
@@ -38,8 +40,9 @@ pub enum Skip {
 }
 
 impl Skip {
-    pub const ALL: [Skip; 10] = [
-        Skip::NotDevice,
+    pub const ALL: [Skip; 11] = [
+        Skip::UnknownMedium,
+        Skip::OtherNode,
         Skip::OtherGroup,
         Skip::BlockSize,
         Skip::NoTokens,
@@ -54,7 +57,8 @@ impl Skip {
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
-            Skip::NotDevice => "not_device",
+            Skip::UnknownMedium => "unknown_medium",
+            Skip::OtherNode => "other_node",
             Skip::OtherGroup => "other_group",
             Skip::BlockSize => "block_size",
             Skip::NoTokens => "no_tokens",
@@ -106,6 +110,20 @@ impl WorkerMirror {
         }
     }
 
+    /// Bounds each rank's copy of a lower tier (the engine's offload capacity, in blocks);
+    /// `None` leaves it unbounded.
+    pub fn with_tier_capacity(mut self, tier: Tier, capacity_blocks: Option<u64>) -> Self {
+        if let Some(cap) = capacity_blocks {
+            let cap = usize::try_from(cap).unwrap_or(usize::MAX / 2);
+            self.index.set_tier_block_limit(
+                self.worker_id,
+                tier,
+                Some(block_limit_for_capacity(cap)),
+            );
+        }
+        self
+    }
+
     fn slot(&self, rank: DpRank) -> Option<usize> {
         rank.checked_sub(self.dp_start_rank)
             .map(|i| i as usize)
@@ -141,7 +159,7 @@ impl WorkerMirror {
         let key = self.key(rank);
         let mut out = Vec::new();
         for ev in events {
-            let data = match ev {
+            let (tier, data) = match ev {
                 Err(EventError::UnknownType(_)) => {
                     self.skip(Skip::UnknownType);
                     continue;
@@ -151,7 +169,7 @@ impl WorkerMirror {
                     continue;
                 }
                 Ok(EngineEvent::Stored(s)) => match self.stored(key, s) {
-                    Ok(data) => data,
+                    Ok(stored) => stored,
                     Err(why) => {
                         self.skip(why);
                         continue;
@@ -163,21 +181,23 @@ impl WorkerMirror {
                     group_idx,
                     locality,
                 }) => {
-                    if !on_device(medium.as_deref(), locality.as_deref()) {
-                        self.skip(Skip::NotDevice);
-                        continue;
-                    }
+                    let tier = match tier_of(medium.as_deref(), locality.as_deref()) {
+                        Ok(t) => t,
+                        Err(why) => {
+                            self.skip(why);
+                            continue;
+                        }
+                    };
                     if !self.is_main_group(*group_idx) {
                         self.skip(Skip::OtherGroup);
                         continue;
                     }
-                    KvEventData::Removed {
-                        engine_hashes: block_hashes.iter().map(|&h| EngineBlockHash(h)).collect(),
-                    }
+                    let engine_hashes = block_hashes.iter().map(|&h| EngineBlockHash(h)).collect();
+                    (tier, KvEventData::Removed { engine_hashes })
                 }
-                Ok(EngineEvent::Cleared) => KvEventData::Cleared,
+                Ok(EngineEvent::Cleared) => (Tier::Device, KvEventData::Cleared),
             };
-            match self.index.apply_unsequenced(key, &data) {
+            match self.index.apply_unsequenced_in(key, tier, &data) {
                 Ok(applied) => {
                     if matches!(data, KvEventData::Removed { .. }) && applied.removed == 0 {
                         self.skip(Skip::UnknownBlocks);
@@ -193,16 +213,22 @@ impl WorkerMirror {
                     continue;
                 }
             }
-            out.push(self.next_event(slot, key, data));
+            out.push(self.next_event(slot, key, tier, data));
         }
         Some(out)
     }
 
-    fn next_event(&mut self, slot: usize, key: WorkerKey, data: KvEventData) -> KvEvent {
+    fn next_event(
+        &mut self,
+        slot: usize,
+        key: WorkerKey,
+        tier: Tier,
+        data: KvEventData,
+    ) -> KvEvent {
         let id = self.last_ids[slot].map_or(0, |l| l + 1);
         self.last_ids[slot] = Some(id);
         KvEvent {
-            tier: Tier::Device,
+            tier,
             key,
             event_id: id,
             data,
@@ -217,10 +243,8 @@ impl WorkerMirror {
         }
     }
 
-    fn stored(&mut self, key: WorkerKey, s: &Stored) -> Result<KvEventData, Skip> {
-        if !on_device(s.medium.as_deref(), s.locality.as_deref()) {
-            return Err(Skip::NotDevice);
-        }
+    fn stored(&mut self, key: WorkerKey, s: &Stored) -> Result<(Tier, KvEventData), Skip> {
+        let tier = tier_of(s.medium.as_deref(), s.locality.as_deref())?;
         let main = s.sliding_window.unwrap_or(0) == 0
             && match s.spec_kind.as_deref() {
                 Some(kind) => MAIN_ATTENTION.contains(&kind),
@@ -251,18 +275,17 @@ impl WorkerMirror {
             }
             local_hashes(s, bs)
         };
-        Ok(KvEventData::Stored {
-            parent: s.parent.map(EngineBlockHash),
-            blocks: s
-                .block_hashes
-                .iter()
-                .zip(local)
-                .map(|(&h, local_hash)| StoredBlock {
-                    engine_hash: EngineBlockHash(h),
-                    local_hash,
-                })
-                .collect(),
-        })
+        let blocks = s
+            .block_hashes
+            .iter()
+            .zip(local)
+            .map(|(&h, local_hash)| StoredBlock {
+                engine_hash: EngineBlockHash(h),
+                local_hash,
+            })
+            .collect();
+        let parent = s.parent.map(EngineBlockHash);
+        Ok((tier, KvEventData::Stored { parent, blocks }))
     }
 
     /// A rank's batches were lost for good: drop what it held and tell the router so.
@@ -270,7 +293,7 @@ impl WorkerMirror {
         let slot = self.slot(rank)?;
         let key = self.key(rank);
         self.index.remove_worker_rank(key);
-        Some(self.next_event(slot, key, KvEventData::Cleared))
+        Some(self.next_event(slot, key, Tier::Device, KvEventData::Cleared))
     }
 
     /// A new worker instance (the engine process started again): every rank's cache is
@@ -300,9 +323,33 @@ impl WorkerMirror {
     }
 }
 
-/// Device blocks of this node: `medium` absent or `GPU`, `locality` absent or `LOCAL`.
-fn on_device(medium: Option<&str>, locality: Option<&str>) -> bool {
-    matches!(medium, None | Some("GPU")) && matches!(locality, None | Some("LOCAL"))
+/// The tier an engine's `medium` names (vLLM's offloading connector, LMCache, SGLang's
+/// hierarchical cache and Dynamo's block manager spell them differently); blocks of another
+/// node (`locality` other than `LOCAL`) are not this worker's.
+pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Skip> {
+    if !locality.is_none_or(|l| l.eq_ignore_ascii_case("LOCAL")) {
+        return Err(Skip::OtherNode);
+    }
+    let Some(m) = medium else {
+        return Ok(Tier::Device);
+    };
+    const NAMES: [(&str, Tier); 10] = [
+        ("GPU", Tier::Device),
+        ("CPU", Tier::Host),
+        ("CPU_PINNED", Tier::Host),
+        ("CPU_TIER1", Tier::Host),
+        ("DISK", Tier::Disk),
+        ("CPU_TIER2", Tier::Disk),
+        ("NVME", Tier::Disk),
+        ("EXTERNAL", Tier::Shared),
+        ("SHARED", Tier::Shared),
+        ("REMOTE", Tier::Shared),
+    ];
+    NAMES
+        .iter()
+        .find(|(name, _)| m.eq_ignore_ascii_case(name))
+        .map(|&(_, t)| t)
+        .ok_or(Skip::UnknownMedium)
 }
 
 /// The router's local hashes of a stored run: the LoRA (its name, else its decimal id) seeds

@@ -4,7 +4,7 @@
 use kvrouter_bridge::{decode_batch, EngineBatch, EngineEvent, EventError, Skip, WorkerMirror};
 use kvrouter_protocol::{
     local_block_hash_with_extras, local_block_hashes, lora_seed, prompt_local_hashes,
-    EngineBlockHash, KvEventData, LocalBlockHash, PromptExtras, BASE_SEED,
+    EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, PromptExtras, Tier, BASE_SEED,
 };
 use std::collections::HashMap;
 use std::process::Command;
@@ -183,12 +183,29 @@ fn salt_and_multimodal_keys_change_the_hash() {
 }
 
 #[test]
-fn other_media_remote_blocks_and_other_groups_are_skipped() {
+fn lower_tiers_are_forwarded_and_remote_blocks_unknown_media_and_other_groups_skipped() {
     let c = cases();
     let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
     let out = m.apply(0, &batch(&c, "vllm_cpu").events).unwrap();
-    assert!(out.is_empty(), "{out:?}");
-    assert_eq!(m.skipped(Skip::NotDevice), 3);
+    let tiers: Vec<Tier> = out.iter().map(|e| e.tier).collect();
+    use Tier::{Device, Host};
+    assert_eq!(tiers, [Host, Host, Device, Host, Device], "{out:?}");
+    // The host copy named by hash alone gets the device copy's local hash.
+    let stored_local = |e: &KvEvent| match &e.data {
+        KvEventData::Stored { blocks, .. } => blocks[0].local_hash,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(stored_local(&out[3]), stored_local(&out[2]));
+    assert_eq!(stored_local(&out[3]), plain(&T8[..4], None)[0]);
+    assert_eq!(
+        (m.skipped(Skip::OtherNode), m.skipped(Skip::UnknownMedium)),
+        (1, 1)
+    );
+    assert_eq!(m.held_blocks(0), 0, "nothing left on the device");
+    let (snapshot, _) = m.snapshot(0).unwrap();
+    assert_eq!(snapshot.len(), 1);
+    assert_eq!(snapshot[0].tier, Host, "the mirror keeps the host copy");
+    let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
 
     let out = m.apply(0, &batch(&c, "vllm_groups").events).unwrap();
     assert_eq!(out.len(), 1, "only the full-attention block");

@@ -512,8 +512,14 @@ impl Index {
         self.blocks.find(p, |b| b.prefix == p).map(|b| b.holders)
     }
 
-    /// The local hash of the block `key` holds under engine hash `engine`, if it holds one.
+    /// The local hash of the block `key` holds under engine hash `engine` in any tier, if it
+    /// holds one (an engine may name an offloaded block by its hash alone).
     pub fn local_hash(&self, key: WorkerKey, engine: EngineBlockHash) -> Option<LocalBlockHash> {
+        self.local_hash_here(key, engine)
+            .or_else(|| self.lower_local_hash(key, engine))
+    }
+
+    fn local_hash_here(&self, key: WorkerKey, engine: EngineBlockHash) -> Option<LocalBlockHash> {
         let &slot = self.slots.get(&key)?;
         let rank = self.ranks[slot as usize].as_ref()?;
         let p = alias_of(&rank.aliases, engine.0)?;

@@ -562,3 +562,58 @@ fn cleared_drops_only_that_rank_and_many_ranks_spill_correctly() {
     assert_eq!(index.find_matches(&q).get(WorkerKey::new(71, 0)), 0);
     assert_eq!(index.stats().worker_keys, 99);
 }
+
+#[test]
+fn lower_tier_limits_refuse_and_offloaded_blocks_keep_their_local_hash() {
+    let mut index = Index::new();
+    let k = WorkerKey::new(1, 0);
+    let ev = |id, tier, blocks: &[(u64, u64)]| KvEvent {
+        key: k,
+        event_id: id,
+        tier,
+        data: KvEventData::Stored {
+            parent: None,
+            blocks: blocks
+                .iter()
+                .map(|&(e, l)| StoredBlock {
+                    engine_hash: EngineBlockHash(e),
+                    local_hash: LocalBlockHash(l),
+                })
+                .collect(),
+        },
+    };
+    index.set_tier_block_limit(1, Tier::Host, Some(2));
+    index
+        .apply(&ev(0, Tier::Host, &[(1, 10), (2, 20)]))
+        .unwrap();
+    assert!(matches!(
+        index.apply(&ev(1, Tier::Host, &[(3, 30)])),
+        Err(IndexError::BlockLimit { limit: 2, .. })
+    ));
+    // The device has no limit of its own here, and the host one does not apply to it.
+    index.apply(&ev(2, Tier::Device, &[(3, 30)])).unwrap();
+    // A block held only in host memory still names its local hash.
+    assert_eq!(
+        index.local_hash(k, EngineBlockHash(2)),
+        Some(LocalBlockHash(20))
+    );
+    let m = index.find_matches(&locals(&[10, 20]));
+    assert_eq!(
+        m.tier_blocks(k),
+        TierBlocks {
+            host: 2,
+            ..TierBlocks::default()
+        }
+    );
+    // Cleared clears every tier of the rank.
+    index
+        .apply(&KvEvent {
+            key: k,
+            event_id: 3,
+            tier: Tier::Device,
+            data: KvEventData::Cleared,
+        })
+        .unwrap();
+    assert!(index.find_matches(&locals(&[10, 20])).is_empty());
+    assert_eq!(index.local_hash(k, EngineBlockHash(2)), None);
+}

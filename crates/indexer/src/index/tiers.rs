@@ -102,6 +102,18 @@ impl Index {
                     .get_mut(tier)
                     .expect("a lower tier");
                 let s = index.slot_for(key_in(tier, key));
+                let held = index.held_blocks(key_in(tier, key));
+                if let Some(&limit) = index.limits.get(&key.worker_id) {
+                    if held + blocks.len() > limit {
+                        self.counters.rejected_block_limit += 1;
+                        return Err(IndexError::BlockLimit {
+                            key,
+                            held,
+                            adding: blocks.len(),
+                            limit,
+                        });
+                    }
+                }
                 index.store_from(s, prefix, blocks)?
             }
             (_, KvEventData::Removed { engine_hashes }) => {
@@ -124,6 +136,30 @@ impl Index {
         self.counters.removed_blocks += out.removed as u64;
         self.counters.removed_unknown_blocks += out.skipped as u64;
         Ok(out)
+    }
+
+    /// [`Index::local_hash`] in the host and disk tiers.
+    pub(super) fn lower_local_hash(
+        &self,
+        key: WorkerKey,
+        engine: EngineBlockHash,
+    ) -> Option<LocalBlockHash> {
+        let lower = self.lower.as_deref()?;
+        [&lower.host, &lower.disk]
+            .into_iter()
+            .find_map(|i| i.local_hash_here(key, engine))
+    }
+
+    /// Refuse lower-tier `Stored` events that would make any rank of `worker_id` hold more
+    /// than `limit` blocks in `tier` (`None` lifts it); see [`Index::set_block_limit`].
+    pub fn set_tier_block_limit(&mut self, worker_id: WorkerId, tier: Tier, limit: Option<usize>) {
+        if tier == Tier::Device {
+            return self.set_block_limit(worker_id, limit);
+        }
+        let lower = self.lower.get_or_insert_with(Default::default);
+        if let Some(index) = lower.get_mut(tier) {
+            index.set_block_limit(worker_id, limit);
+        }
     }
 
     /// Forgets a key's blocks and slot; returns how many blocks it held.

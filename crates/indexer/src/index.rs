@@ -267,18 +267,25 @@ impl Index {
                 }
             },
         };
-        if let Some(&limit) = self.limits.get(&key.worker_id) {
-            if rank.held + blocks.len() > limit {
-                self.counters.rejected_block_limit += 1;
-                return Err(IndexError::BlockLimit {
-                    key,
-                    held: rank.held,
-                    adding: blocks.len(),
-                    limit,
-                });
-            }
+        if let Err(e) = self.within_limit(key, rank.held, blocks.len()) {
+            self.counters.rejected_block_limit += 1;
+            return Err(e);
         }
         self.store_from(slot, prefix, blocks)
+    }
+
+    /// Whether `key`, holding `held` blocks here, may take `adding` more under its worker's
+    /// limit in this index.
+    fn within_limit(&self, key: WorkerKey, held: usize, adding: usize) -> Result<(), IndexError> {
+        match self.limits.get(&key.worker_id) {
+            Some(&limit) if held + adding > limit => Err(IndexError::BlockLimit {
+                key,
+                held,
+                adding,
+                limit,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Stores a chain of blocks below the prefix `prefix` (resolved, held, or the root).

@@ -103,16 +103,9 @@ impl Index {
                     .expect("a lower tier");
                 let s = index.slot_for(key_in(tier, key));
                 let held = index.held_blocks(key_in(tier, key));
-                if let Some(&limit) = index.limits.get(&key.worker_id) {
-                    if held + blocks.len() > limit {
-                        self.counters.rejected_block_limit += 1;
-                        return Err(IndexError::BlockLimit {
-                            key,
-                            held,
-                            adding: blocks.len(),
-                            limit,
-                        });
-                    }
+                if let Err(e) = index.within_limit(key, held, blocks.len()) {
+                    self.counters.rejected_block_limit += 1;
+                    return Err(e);
                 }
                 index.store_from(s, prefix, blocks)?
             }

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvrouter_protocol::WorkerKey;
+use kvrouter_protocol::{OverlapRequest, RouteOverrides, RouteRequest, TierBlocks, WorkerKey};
 use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -16,34 +16,51 @@ struct Engine {
     zmq: u16,
     dp: u32,
     kind: &'static str,
+    capacity_blocks: u32,
 }
 
 fn engine(kind: &'static str, wire: &str, dp: u32, zmq: u16, http: u16) -> Engine {
-    let (z, h, d) = (zmq.to_string(), http.to_string(), dp.to_string());
-    let mut p = Proc::start(
-        "engine",
-        &[
-            "mocker",
-            "--emulate",
-            kind,
-            "--zmq-port",
-            &z,
-            "--http-port",
-            &h,
-            "--zmq-wire",
-            wire,
-            "--model",
-            E2E_MODEL,
-            "--dp-size",
-            &d,
-            "--block-size",
-            "16",
-            "--capacity-blocks",
-            "512",
-            "--speedup",
-            "100",
-        ],
+    engine_with(kind, wire, dp, zmq, http, 512, &[])
+}
+
+fn engine_with(
+    kind: &'static str,
+    wire: &str,
+    dp: u32,
+    zmq: u16,
+    http: u16,
+    capacity_blocks: u32,
+    extra: &[&str],
+) -> Engine {
+    let (z, h, d, c) = (
+        zmq.to_string(),
+        http.to_string(),
+        dp.to_string(),
+        capacity_blocks.to_string(),
     );
+    let mut args = vec![
+        "mocker",
+        "--emulate",
+        kind,
+        "--zmq-port",
+        &z,
+        "--http-port",
+        &h,
+        "--zmq-wire",
+        wire,
+        "--model",
+        E2E_MODEL,
+        "--dp-size",
+        &d,
+        "--block-size",
+        "16",
+        "--capacity-blocks",
+        &c,
+        "--speedup",
+        "100",
+    ];
+    args.extend_from_slice(extra);
+    let mut p = Proc::start("engine", &args);
     let v = p.first_json();
     assert_eq!(v["base_url"], format!("http://127.0.0.1:{http}"));
     Engine {
@@ -52,6 +69,7 @@ fn engine(kind: &'static str, wire: &str, dp: u32, zmq: u16, http: u16) -> Engin
         zmq,
         dp,
         kind,
+        capacity_blocks,
     }
 }
 
@@ -64,22 +82,26 @@ impl Engine {
             replay: Some(self.zmq + self.dp as u16),
             http: self.http,
             dp: self.dp,
-            capacity_blocks: 512,
+            capacity_blocks: self.capacity_blocks,
         }
     }
 }
 
 /// A completion on rank `rank` of the engine, as a frontend sends it after a route.
 fn complete(e: &Engine, rank: u32, prompt: &[u32]) -> Value {
+    complete_n(e, rank, prompt, 2)
+}
+
+fn complete_n(e: &Engine, rank: u32, prompt: &[u32], max_tokens: u32) -> Value {
     let r = rank.to_string();
     let (headers, body) = match e.kind {
         "sglang" => (
             vec![],
-            json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": 2, "routed_dp_rank": rank}),
+            json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": max_tokens, "routed_dp_rank": rank}),
         ),
         _ => (
             vec![("X-data-parallel-rank", r.as_str())],
-            json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": 2}),
+            json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": max_tokens}),
         ),
     };
     let (status, body) = http_post(e.http, "/v1/completions", &headers, &body.to_string());
@@ -270,4 +292,158 @@ fn emulated_sglang_behind_a_bridge() {
     // SGLang's metric names reach the bridge's load figures.
     let m = http_get(e.http, "/metrics").1;
     assert!(m.contains("sglang:num_queue_reqs{dp_rank=\"1\""), "{m}");
+}
+
+/// What every replica answering overlap queries says `key` holds of `tokens`, by tier.
+fn tiers(c: &E2eClient, tokens: &[u32], key: WorkerKey) -> TierBlocks {
+    let req = OverlapRequest {
+        model: E2E_MODEL.into(),
+        tokens: tokens.to_vec(),
+        lora: None,
+    };
+    let reply =
+        c.rt.block_on(c.client.overlap_scores(&req))
+            .expect("overlap_scores");
+    // Ranks a lower tier extends are listed by tier; the others have their device overlap
+    // (and the model's shared-storage overlap).
+    let device = reply
+        .scores
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(0, |s| s.1);
+    reply
+        .tier_overlap_blocks
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(
+            TierBlocks {
+                shared: reply.shared_blocks,
+                ..TierBlocks::on_device(device)
+            },
+            |t| t.1,
+        )
+}
+
+fn route_with(
+    c: &E2eClient,
+    tokens: &[u32],
+    overrides: Option<RouteOverrides>,
+) -> kvrouter_protocol::RouteDecision {
+    c.route_req(RouteRequest {
+        model: E2E_MODEL.into(),
+        request_id: String::new(),
+        tokens: tokens.to_vec(),
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states: false,
+        extras: None,
+        excluded_workers: Vec::new(),
+        overrides,
+    })
+    .expect("a route")
+}
+
+/// An emulated vLLM with a host tier behind a bridge: a prefix the device evicted is
+/// reported with medium CPU, still routed to its holder, credited by the host weight (a lower
+/// weight per request sends it to a shorter device prefix instead), reported by tier in the
+/// decision, loaded back by the engine, and counted in the replica's tier metrics.
+#[test]
+fn emulated_vllm_with_a_host_tier_routes_offloaded_prefixes_to_their_holder() {
+    let nats = NatsServer::start();
+    let (zmq, http) = (free_ports(4), free_port());
+    // 16 device blocks a rank, 64 in host memory.
+    let e = engine_with(
+        "vllm",
+        "array-batch",
+        2,
+        zmq,
+        http,
+        16,
+        &["--host-capacity-blocks", "64"],
+    );
+    let (a1, ab) = (free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let (_b, worker) = bridge_with(&nats, &e.at(), ab, &["--host-capacity-blocks", "64"]);
+    assert!(ready(ab) && ready(a1));
+    let c = E2eClient::new(&nats);
+    let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
+
+    // A (8 blocks) on rank 1, then B fills rank 1's device and pushes A to its host memory.
+    let a = e2e_tokens(1, 8);
+    complete(&e, 1, &a);
+    assert!(c.overlap_becomes(&a, k1, 8));
+    complete_n(&e, 1, &e2e_tokens(2, 16), 1);
+    let on_host = TierBlocks {
+        host: 8,
+        ..TierBlocks::default()
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || tiers(&c, &a, k1) == on_host),
+        "A on rank 1's host: {:?}",
+        tiers(&c, &a, k1)
+    );
+    // Rank 0 holds A's first 4 blocks on its device.
+    complete(&e, 0, &a[..4 * E2E_BLOCK + 3]);
+    assert!(c.overlap_becomes(&a, k0, 4));
+
+    // 8 host blocks at 0.75 (6) beat 4 device blocks: A goes to its holder, reported by tier.
+    let d = route_with(&c, &a, None);
+    assert_eq!(
+        (d.worker_id, d.dp_rank, d.overlap_blocks),
+        (worker, 1, 0),
+        "{d:?}"
+    );
+    assert_eq!(d.tier_overlap_blocks, on_host);
+    // At 0.25 (2) they do not.
+    let low = RouteOverrides {
+        host_cache_hit_weight: Some(0.25),
+        ..RouteOverrides::default()
+    };
+    let d = route_with(&c, &a, Some(low));
+    assert_eq!((d.dp_rank, d.overlap_blocks), (0, 4), "{d:?}");
+    assert_eq!(d.tier_overlap_blocks, TierBlocks::on_device(4));
+
+    // The engine loads A back from its host memory (all but the last block, which it
+    // computes again) and the replica sees it back on the device.
+    let out = complete(&e, 1, &a);
+    assert_eq!(
+        out["usage"]["prompt_tokens_details"]["cached_tokens"],
+        7 * E2E_BLOCK,
+        "{out}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || tiers(&c, &a, k1)
+            == TierBlocks::on_device(8)),
+        "A back on rank 1's device: {:?}",
+        tiers(&c, &a, k1)
+    );
+    let m = http_get(a1, "/metrics").1;
+    assert!(
+        m.lines().any(
+            |l| l.starts_with("kvrouter_route_tier_hits_total") && l.contains(r#"tier="host""#)
+        ),
+        "{m}"
+    );
+    let bridge_metrics = http_get(ab, "/metrics").1;
+    let skipped = bridge_metrics
+        .lines()
+        .filter(|l| l.starts_with("kvrouter_bridge_events_skipped_total") && !l.ends_with(" 0"))
+        .collect::<Vec<_>>();
+    assert!(skipped.is_empty(), "{skipped:?}");
+    // Every tier the engine holds, the replica holds (the engine's hook and the replica's
+    // debug endpoint list device and lower-tier blocks alike, with their tier).
+    for rank in 0..2 {
+        assert!(
+            wait_until(Duration::from_secs(10), || engine_cache(&e, rank)
+                == index_of(a1, worker, rank)),
+            "rank {rank}: engine {:?} vs replica {:?}",
+            engine_cache(&e, rank),
+            index_of(a1, worker, rank)
+        );
+    }
+    assert!(
+        engine_cache(&e, 1).iter().any(|b| b[3] == "host"),
+        "B's evicted blocks are on the host"
+    );
 }

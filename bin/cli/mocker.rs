@@ -43,6 +43,14 @@ pub struct MockerArgs {
     /// KV cache capacity of each rank, in blocks.
     #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS", default_value_t = 6400)]
     capacity_blocks: usize,
+    /// Host-memory tier of each rank, in blocks: blocks the device evicts move there (and
+    /// are reported with medium CPU); 0 for none.
+    #[arg(long, env = "KVROUTER_HOST_CAPACITY_BLOCKS", default_value_t = 0)]
+    host_capacity_blocks: usize,
+    /// Disk tier of each rank, in blocks: what the host tier (or, without one, the device)
+    /// evicts moves there (medium DISK); 0 for none.
+    #[arg(long, env = "KVROUTER_DISK_CAPACITY_BLOCKS", default_value_t = 0)]
+    disk_capacity_blocks: usize,
     /// Simulated time runs this many times faster than the wall clock.
     #[arg(long, env = "KVROUTER_SPEEDUP", default_value_t = 1.0)]
     speedup: f64,
@@ -116,6 +124,8 @@ impl MockerArgs {
             engine: EngineConfig {
                 block_size: self.block_size,
                 capacity_blocks: self.capacity_blocks,
+                host_capacity_blocks: self.host_capacity_blocks,
+                disk_capacity_blocks: self.disk_capacity_blocks,
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 max_num_seqs: self.max_num_seqs,
                 ..EngineConfig::default()

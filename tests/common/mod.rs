@@ -487,6 +487,11 @@ pub struct EngineAt {
 /// `kvrouter bridge` for [`E2E_MODEL`] (block size [`E2E_BLOCK`]) beside an engine, with an
 /// admin port and 200 ms heartbeats; returns it and its worker id once it has started.
 pub fn bridge(nats: &NatsServer, e: &EngineAt, admin: u16) -> (Proc, u64) {
+    bridge_with(nats, e, admin, &[])
+}
+
+/// [`bridge`] with more arguments.
+pub fn bridge_with(nats: &NatsServer, e: &EngineAt, admin: u16, extra: &[&str]) -> (Proc, u64) {
     let url = nats.url();
     let zmq = format!("tcp://127.0.0.1:{}", e.zmq);
     let base = format!("http://127.0.0.1:{}", e.http);
@@ -523,6 +528,7 @@ pub fn bridge(nats: &NatsServer, e: &EngineAt, admin: u16) -> (Proc, u64) {
     if let Some(r) = &replay {
         args.extend_from_slice(&["--replay-endpoint", r]);
     }
+    args.extend_from_slice(extra);
     let mut p = Proc::start("bridge", &args);
     let id = p.first_json()["worker_id"].as_u64().expect("worker_id");
     (p, id)

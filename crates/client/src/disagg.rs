@@ -7,7 +7,7 @@ use crate::generate::GenerateParams;
 use kvrouter_bus::BusError;
 use kvrouter_protocol::{
     decode, prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, GenerateEvent,
-    GenerateRequest, RouteDecision,
+    GenerateRequest, RouteDecision, TierBlocks,
 };
 use std::time::Instant;
 use tracing::Instrument;
@@ -17,6 +17,7 @@ use tracing::Instrument;
 pub struct StageOutcome {
     pub ttft_us: u64,
     pub cached_blocks: u32,
+    pub tier_cached_blocks: TierBlocks,
     pub prompt_blocks: u32,
     pub output_tokens: u32,
     pub itl_us: Vec<u32>,
@@ -199,9 +200,11 @@ impl KvRouterClient {
                     ttft_us,
                     cached_blocks,
                     prompt_blocks,
+                    tier_cached_blocks,
                 } => {
                     out.ttft_us = ttft_us;
                     out.cached_blocks = cached_blocks;
+                    out.tier_cached_blocks = tier_cached_blocks;
                     out.prompt_blocks = prompt_blocks;
                 }
                 GenerateEvent::Tokens { itl_us } => out.itl_us.extend(itl_us),

@@ -4,7 +4,7 @@ use crate::client::{encode_checked, new_request_id, KvRouterClient};
 use crate::error::{ClientError, WorkerFailure};
 use kvrouter_bus::BusError;
 use kvrouter_protocol::{
-    decode, GenerateEvent, GenerateRequest, Pin, RouteDecision, RouteRequest, WorkerId,
+    decode, GenerateEvent, GenerateRequest, Pin, RouteDecision, RouteRequest, TierBlocks, WorkerId,
 };
 use std::time::Instant;
 use tracing::Instrument;
@@ -51,7 +51,9 @@ pub struct GenerateOutcome {
     pub request_id: String,
     pub decision: RouteDecision,
     pub ttft_us: u64,
+    /// Leading prompt blocks the engine reused (any tier), and by tier.
     pub cached_blocks: u32,
+    pub tier_cached_blocks: TierBlocks,
     pub prompt_blocks: u32,
     pub output_tokens: u32,
     pub itl_us: Vec<u32>,
@@ -81,6 +83,7 @@ impl GenerateOutcome {
 struct Progress {
     ttft_us: u64,
     cached_blocks: u32,
+    tier_cached_blocks: TierBlocks,
     prompt_blocks: u32,
     output_tokens: u32,
     itl_us: Vec<u32>,
@@ -165,6 +168,7 @@ impl KvRouterClient {
             decision,
             ttft_us: progress.ttft_us,
             cached_blocks: progress.cached_blocks,
+            tier_cached_blocks: progress.tier_cached_blocks,
             prompt_blocks: progress.prompt_blocks,
             output_tokens: progress.output_tokens,
             itl_us: progress.itl_us,
@@ -211,9 +215,11 @@ impl KvRouterClient {
                     ttft_us,
                     cached_blocks,
                     prompt_blocks,
+                    tier_cached_blocks,
                 } => {
                     progress.ttft_us = ttft_us;
                     progress.cached_blocks = cached_blocks;
+                    progress.tier_cached_blocks = tier_cached_blocks;
                     progress.prompt_blocks = prompt_blocks;
                     if !progress.prefill_marked {
                         progress.prefill_marked = true;

@@ -277,6 +277,10 @@ async fn generate_marks_prefill_then_frees_on_the_deciding_replica() {
                 ttft_us: 1500,
                 cached_blocks: 2,
                 prompt_blocks: 4,
+                tier_cached_blocks: TierBlocks {
+                    host: 1,
+                    ..TierBlocks::on_device(1)
+                },
             },
             GenerateEvent::Tokens {
                 itl_us: vec![10, 20],
@@ -298,6 +302,10 @@ async fn generate_marks_prefill_then_frees_on_the_deciding_replica() {
     assert_eq!(
         (out.ttft_us, out.cached_blocks, out.prompt_blocks),
         (1500, 2, 4)
+    );
+    assert_eq!(
+        (out.tier_cached_blocks.device, out.tier_cached_blocks.host),
+        (1, 1)
     );
     assert_eq!(out.itl_us, vec![10, 20, 30]);
     assert_eq!(out.mean_itl_us(), Some(20.0));
@@ -361,6 +369,7 @@ async fn generate_frees_when_the_stream_breaks_or_nobody_serves() {
             ttft_us: 1,
             cached_blocks: 0,
             prompt_blocks: 1,
+            tier_cached_blocks: TierBlocks::default(),
         }],
         true,
     )

@@ -29,6 +29,16 @@
 //!   context token adds its 128 KiB of KV read at ≈ 3 TB/s ≈ 40 ns.
 //! - **Mixed batches** (chunked prefill piggy-backing on decodes) run as one forward pass:
 //!   the larger of the two bases, plus every prefill and decode term.
+//! - **Lower tiers** ([`EngineConfig::host_capacity_blocks`], [`EngineConfig::disk_capacity_blocks`],
+//!   both 0 by default: no tier). A block the device evicts moves to host memory, then to
+//!   disk (see the `offload` module). A request whose device prefix ends where a lower tier
+//!   continues it loads those blocks instead of computing them: they cost a transfer,
+//!   [`TimingModel::host_load_ns_per_token`] 5 µs and [`TimingModel::disk_load_ns_per_token`]
+//!   25 µs per token, paid in the step that admits the request (on the step's critical path,
+//!   as a synchronous load; engines that overlap loads with other requests' compute do
+//!   better for the neighbours). A token's 128 KiB of KV over PCIe at ≈ 26 GB/s effective is
+//!   ≈ 5 µs, from an NVMe drive at ≈ 5 GB/s ≈ 25 µs, against 60 µs to compute it. Loaded
+//!   blocks count as context for the attention of the chunk that follows, as cached ones do.
 //! - **Batching limits**: `max_num_batched_tokens = 8192`, `max_num_seqs = 256` and chunked
 //!   prefill on, as vLLM v1 defaults for an H100-class GPU.
 
@@ -52,6 +62,20 @@ pub struct TimingModel {
     pub decode_ns_per_seq: f64,
     /// Cost per context token (KV read) of the sequences decoded in the step.
     pub decode_ns_per_context_token: f64,
+    /// Copying a prompt token's KV from host memory to the device.
+    #[serde(default = "default_host_load")]
+    pub host_load_ns_per_token: f64,
+    /// Reading a prompt token's KV from disk to the device.
+    #[serde(default = "default_disk_load")]
+    pub disk_load_ns_per_token: f64,
+}
+
+fn default_host_load() -> f64 {
+    5_000.0
+}
+
+fn default_disk_load() -> f64 {
+    25_000.0
 }
 
 impl Default for TimingModel {
@@ -64,6 +88,8 @@ impl Default for TimingModel {
             decode_base: Duration::from_millis(7),
             decode_ns_per_seq: 100_000.0,
             decode_ns_per_context_token: 40.0,
+            host_load_ns_per_token: default_host_load(),
+            disk_load_ns_per_token: default_disk_load(),
         }
     }
 }
@@ -80,6 +106,10 @@ pub struct BatchShape {
     pub decode_seqs: u64,
     /// Sum of the context lengths (KV tokens read) of the decoding sequences.
     pub decode_context_tokens: u64,
+    /// Prompt tokens loaded from host memory instead of computed.
+    pub host_loaded_tokens: u64,
+    /// Prompt tokens loaded from disk instead of computed.
+    pub disk_loaded_tokens: u64,
 }
 
 impl BatchShape {
@@ -96,9 +126,18 @@ impl BatchShape {
         self.decode_context_tokens += context as u64;
     }
 
-    /// Nothing is computed.
+    /// Adds prompt tokens loaded from the host and the disk tiers.
+    pub fn add_loaded(&mut self, host_tokens: usize, disk_tokens: usize) {
+        self.host_loaded_tokens += host_tokens as u64;
+        self.disk_loaded_tokens += disk_tokens as u64;
+    }
+
+    /// Nothing is computed or loaded.
     pub fn is_empty(&self) -> bool {
-        self.prefill_tokens == 0 && self.decode_seqs == 0
+        self.prefill_tokens == 0
+            && self.decode_seqs == 0
+            && self.host_loaded_tokens == 0
+            && self.disk_loaded_tokens == 0
     }
 }
 
@@ -117,6 +156,8 @@ impl TimingModel {
             ns += self.decode_ns_per_seq * shape.decode_seqs as f64;
             ns += self.decode_ns_per_context_token * shape.decode_context_tokens as f64;
         }
+        ns += self.host_load_ns_per_token * shape.host_loaded_tokens as f64;
+        ns += self.disk_load_ns_per_token * shape.disk_loaded_tokens as f64;
         // `as` saturates: negative or NaN costs count as zero, huge ones as u64::MAX ns.
         base.saturating_add(Duration::from_nanos(ns.round() as u64))
     }
@@ -152,6 +193,12 @@ pub struct EngineConfig {
     /// Split long prompts across steps (default true). When false, a prompt is prefilled in
     /// one step and must fit `max_num_batched_tokens`.
     pub enable_chunked_prefill: bool,
+    /// Host-memory tier of this rank, in blocks (default 0: none). See the module docs.
+    #[serde(default)]
+    pub host_capacity_blocks: usize,
+    /// Disk tier of this rank, in blocks (default 0: none).
+    #[serde(default)]
+    pub disk_capacity_blocks: usize,
     /// Seed of the engine block hash chain (default [`DEFAULT_ENGINE_HASH_SEED`]).
     pub engine_hash_seed: u64,
     /// Step durations.
@@ -166,6 +213,8 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 8192,
             max_num_seqs: 256,
             enable_chunked_prefill: true,
+            host_capacity_blocks: 0,
+            disk_capacity_blocks: 0,
             engine_hash_seed: DEFAULT_ENGINE_HASH_SEED,
             timing: TimingModel::default(),
         }
@@ -216,6 +265,8 @@ impl EngineConfig {
             ),
             ("decode_ns_per_seq", t.decode_ns_per_seq),
             ("decode_ns_per_context_token", t.decode_ns_per_context_token),
+            ("host_load_ns_per_token", t.host_load_ns_per_token),
+            ("disk_load_ns_per_token", t.disk_load_ns_per_token),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(ConfigError::BadTiming(name));

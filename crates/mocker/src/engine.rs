@@ -31,6 +31,12 @@
 //! preempts (recomputes) when decode runs out of blocks; the reservation here is more
 //! conservative under long `max_tokens` but keeps the simulation simple and its events exact.
 //!
+//! **Lower tiers** (`host_capacity_blocks`, `disk_capacity_blocks`). Where a request's
+//! device prefix ends, host and disk may continue it: those blocks are loaded at admission
+//! instead of computed (the step pays their transfer, see [`crate::config`]), counted in
+//! `cached_blocks` and by tier in [`OutputKind::PrefillDone`], and registered on the device
+//! again with the step's prefill.
+//!
 //! Simulated time: `step(now)` starts a step at `now` and returns its duration; outputs are
 //! stamped at the end of the step (`now + duration`). Nothing here reads a clock.
 
@@ -106,8 +112,12 @@ pub enum OutputKind {
     /// Prefill finished; the first generated token (index 0) comes with it, unless
     /// `max_tokens` is 0.
     PrefillDone {
-        /// Leading full prompt blocks found in the prefix cache when first scheduled.
+        /// Leading full prompt blocks found in the prefix cache when first scheduled, in
+        /// any tier (none of them computed).
         cached_blocks: usize,
+        /// Of those, the blocks loaded from host memory and from disk.
+        host_blocks: usize,
+        disk_blocks: usize,
         /// Full prompt blocks (`prompt tokens / block_size`, rounded down).
         prompt_blocks: usize,
         /// From submit to the end of this step.
@@ -153,8 +163,11 @@ struct Sequence {
     table: BlockTable,
     /// Blocks the request may hold at most over its life.
     total_blocks: usize,
-    /// Leading prompt blocks found cached when first scheduled.
+    /// Leading prompt blocks found cached when first scheduled (any tier).
     cached_blocks: usize,
+    /// Of those, loaded from host memory and from disk.
+    host_blocks: usize,
+    disk_blocks: usize,
     /// Prompt tokens in KV (cached or computed).
     computed: usize,
     /// Tokens generated so far.
@@ -199,7 +212,12 @@ impl RankEngine {
         config.validate()?;
         Ok(Self {
             key,
-            cache: KvCache::new(key, config.capacity_blocks),
+            cache: KvCache::with_tiers(
+                key,
+                config.capacity_blocks,
+                config.host_capacity_blocks,
+                config.disk_capacity_blocks,
+            ),
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -292,6 +310,8 @@ impl RankEngine {
             table: BlockTable::default(),
             total_blocks,
             cached_blocks: 0,
+            host_blocks: 0,
+            disk_blocks: 0,
             computed: 0,
             generated: 0,
             last_token_at: now,
@@ -360,6 +380,13 @@ impl RankEngine {
             let max_hit = (s.prompt_len - 1) / bs;
             let hit_seq = &s.prompt.seq[..max_hit.min(s.prompt.len())];
             let m = self.cache.match_prefix(hit_seq);
+            // Lower tiers continue the device prefix (a transferred prompt needs no load).
+            let (host, disk) = if s.kv_transferred {
+                (0, 0)
+            } else {
+                self.cache.match_lower(&hit_seq[m.blocks..])
+            };
+            let reused = m.blocks + host + disk;
             let new_blocks = s.total_blocks - m.blocks;
             let available = self.cache.available_blocks() - m.unreferenced;
             if new_blocks + reserved > available {
@@ -369,7 +396,7 @@ impl RankEngine {
             let remaining = if s.kv_transferred {
                 1
             } else {
-                s.prompt_len - m.blocks * bs
+                s.prompt_len - reused * bs
             };
             let chunk = remaining.min(budget);
             if chunk < remaining && !self.config.enable_chunked_prefill {
@@ -384,18 +411,19 @@ impl RankEngine {
                 .cache
                 .acquire_prefix(&mut s.table, &s.prompt.seq[..hit_len]);
             debug_assert_eq!(hit, m.blocks);
-            s.cached_blocks = hit;
+            s.cached_blocks = reused;
+            (s.host_blocks, s.disk_blocks) = (host, disk);
             s.computed = if s.kv_transferred {
                 s.prompt_len - 1
             } else {
-                hit * bs
+                reused * bs
             };
             let need = (s.computed + chunk).div_ceil(bs).saturating_sub(hit);
             if self.cache.allocate(&mut s.table, need).is_err() {
                 // Unreachable by the check above; put the request back untouched.
                 debug_assert!(false, "admission checked availability");
                 self.cache.release(std::mem::take(&mut s.table));
-                s.cached_blocks = 0;
+                (s.cached_blocks, s.host_blocks, s.disk_blocks) = (0, 0, 0);
                 s.computed = 0;
                 self.waiting.push_front(s);
                 break;
@@ -405,6 +433,7 @@ impl RankEngine {
                 // Its KV is in place: the step samples its first token like a decode.
                 shape.add_decode(s.prompt_len);
             } else {
+                shape.add_loaded(host * bs, disk * bs);
                 shape.add_prefill_chunk(s.computed, chunk);
             }
             reserved += s.future_blocks();
@@ -445,6 +474,8 @@ impl RankEngine {
                         request_id: s.id.clone(),
                         kind: OutputKind::PrefillDone {
                             cached_blocks: s.cached_blocks,
+                            host_blocks: s.host_blocks,
+                            disk_blocks: s.disk_blocks,
                             prompt_blocks: s.prompt.len(),
                             ttft: end.saturating_sub(s.arrival),
                         },
@@ -603,6 +634,7 @@ mod tests {
                 cached_blocks,
                 prompt_blocks,
                 ttft,
+                ..
             } = *k
             {
                 return (cached_blocks, prompt_blocks, ttft);
@@ -654,6 +686,95 @@ mod tests {
         let warm = prefill_done(&steps, "warm").2;
         assert!(cold > Duration::from_millis(400), "{cold:?}");
         assert!(warm * 10 < cold, "warm {warm:?} cold {cold:?}");
+    }
+
+    /// Blocks by tier of a request's `PrefillDone`: (cached, host, disk).
+    fn tiers_of(steps: &[StepOutcome], id: &str) -> (usize, usize, usize) {
+        outputs_of(steps, id)
+            .into_iter()
+            .find_map(|k| match *k {
+                OutputKind::PrefillDone {
+                    cached_blocks,
+                    host_blocks,
+                    disk_blocks,
+                    ..
+                } => Some((cached_blocks, host_blocks, disk_blocks)),
+                _ => None,
+            })
+            .expect("a PrefillDone")
+    }
+
+    #[test]
+    fn evicted_prefix_is_loaded_from_the_host_tier_and_costs_a_transfer() {
+        // 32 device blocks; prompt a (16 full blocks) is pushed out by b, then asked again.
+        let tiered = EngineConfig {
+            capacity_blocks: 32,
+            host_capacity_blocks: 64,
+            ..EngineConfig::default()
+        };
+        let a: Vec<u32> = (0..1030).collect();
+        let b: Vec<u32> = (10_000..12_030).collect();
+        let run = |config: EngineConfig| {
+            let mut e = engine(config);
+            e.submit(req("a", a.clone(), 1), Duration::ZERO).unwrap();
+            let (_, now) = drain(&mut e, Duration::ZERO);
+            e.submit(req("b", b.clone(), 1), now).unwrap();
+            let (steps_b, now) = drain(&mut e, now);
+            e.submit(req("again", a.clone(), 1), now).unwrap();
+            let (steps, _) = drain(&mut e, now);
+            (e, steps_b, steps)
+        };
+        let (e, steps_b, steps) = run(tiered.clone());
+        let (cached, host, disk) = tiers_of(&steps, "again");
+        assert_eq!(
+            (cached, host, disk),
+            (16, 16, 0),
+            "every block came back from the host"
+        );
+        // b's admission moved a's blocks down: stored on the host, then removed from the device.
+        let moved: Vec<(Tier, bool)> = steps_b
+            .iter()
+            .flat_map(|s| &s.events)
+            .map(|ev| (ev.tier, matches!(ev.data, KvEventData::Stored { .. })))
+            .collect();
+        assert!(
+            moved.starts_with(&[(Tier::Host, true), (Tier::Device, false)]),
+            "{moved:?}"
+        );
+        // Loading them back takes them off the host (b's blocks went there to make room).
+        let off_host: usize = steps
+            .iter()
+            .flat_map(|s| &s.events)
+            .filter(|ev| ev.tier == Tier::Host)
+            .map(|ev| match &ev.data {
+                KvEventData::Removed { engine_hashes } => engine_hashes.len(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(off_host, 16);
+        assert_eq!(
+            e.cache().tier_blocks(Tier::Host),
+            16,
+            "b's blocks made room for a's"
+        );
+
+        // Against no tier: the transfer is far cheaper than the prefill it replaces.
+        let ttft_tiered = prefill_done(&steps, "again").2;
+        let (_, _, cold) = run(EngineConfig {
+            host_capacity_blocks: 0,
+            ..tiered.clone()
+        });
+        assert_eq!(tiers_of(&cold, "again"), (0, 0, 0));
+        let ttft_cold = prefill_done(&cold, "again").2;
+        assert!(
+            ttft_tiered * 3 < ttft_cold,
+            "{ttft_tiered:?} vs {ttft_cold:?}"
+        );
+        let load = tiered.timing.host_load_ns_per_token * (16 * 64) as f64;
+        assert!(
+            ttft_tiered >= Duration::from_nanos(load as u64),
+            "{ttft_tiered:?}"
+        );
     }
 
     #[test]

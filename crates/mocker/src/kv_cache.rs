@@ -18,12 +18,18 @@
 //! - If a sequence computes a block that another sequence registered meanwhile, it adopts the
 //!   registered block and frees its own copy (no duplicate is published).
 //!
+//! - With lower tiers ([`KvCache::with_tiers`]), an evicted block moves to the host, then to
+//!   disk (see [`crate::offload`]) instead of being forgotten; a block registered on the
+//!   device again (a request loaded it back) leaves its lower tier.
+//!
 //! Every change is reported as a KV event with this rank's next event id (0, 1, 2, …):
 //! newly registered blocks as `Stored` (one event per contiguous run, with the parent's
-//! engine hash), evictions as `Removed` (consecutive evictions share one event), and
-//! [`KvCache::clear`] as `Cleared`. Events queue until [`KvCache::take_events`].
+//! engine hash), evictions as `Removed` (consecutive evictions from one tier share one
+//! event), moves between tiers as a `Stored` in the new tier and a `Removed` in the old, and
+//! [`KvCache::clear`] as `Cleared` (every tier). Events queue until [`KvCache::take_events`].
 
 use crate::engine_hash::engine_block_hashes;
+use crate::offload::{LowerTiers, Move};
 use kvrouter_protocol::{
     local_block_hashes, sequence_hashes, EngineBlockHash, EventId, KvEvent, KvEventData,
     LocalBlockHash, SequenceHash, StoredBlock, Tier, WorkerKey,
@@ -124,12 +130,13 @@ pub struct CachedBlock {
     pub ref_count: u32,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct BlockMeta {
-    seq: SequenceHash,
-    engine: EngineBlockHash,
-    parent: Option<EngineBlockHash>,
-    local: LocalBlockHash,
+/// What a registered block is, in any tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BlockMeta {
+    pub(crate) seq: SequenceHash,
+    pub(crate) engine: EngineBlockHash,
+    pub(crate) parent: Option<EngineBlockHash>,
+    pub(crate) local: LocalBlockHash,
 }
 
 #[derive(Clone, Debug)]
@@ -159,6 +166,10 @@ pub struct KvCache {
     epoch: u64,
     next_event_id: EventId,
     pending: Vec<KvEvent>,
+    /// Host and disk, when the rank has them.
+    lower: Option<LowerTiers>,
+    /// Scratch for the moves of one eviction.
+    moves: Vec<Move>,
 }
 
 impl fmt::Debug for KvCache {
@@ -178,6 +189,17 @@ impl KvCache {
     /// An empty cache of `capacity` blocks for rank `key`. Capacity is clamped to what a
     /// u32 block id can name.
     pub fn new(key: WorkerKey, capacity: usize) -> Self {
+        Self::with_tiers(key, capacity, 0, 0)
+    }
+
+    /// Like [`new`](Self::new), with host and disk tiers of these capacities (blocks; 0 for
+    /// none) that keep what the device evicts.
+    pub fn with_tiers(
+        key: WorkerKey,
+        capacity: usize,
+        host_capacity: usize,
+        disk_capacity: usize,
+    ) -> Self {
         Self {
             key,
             capacity: capacity.min(NIL as usize - 1),
@@ -190,7 +212,31 @@ impl KvCache {
             epoch: 0,
             next_event_id: 0,
             pending: Vec::new(),
+            lower: LowerTiers::new(host_capacity, disk_capacity),
+            moves: Vec::new(),
         }
+    }
+
+    /// Blocks held in a lower tier (0 for the device or a tier the rank lacks).
+    pub fn tier_blocks(&self, tier: Tier) -> usize {
+        self.lower.as_ref().map_or(0, |l| l.len(tier))
+    }
+
+    /// How many blocks of `seq`, from its start, the lower tiers hold, by tier: what a
+    /// request whose device prefix ends there loads instead of computing.
+    pub fn match_lower(&self, seq: &[SequenceHash]) -> (usize, usize) {
+        let (mut host, mut disk) = (0, 0);
+        let Some(lower) = &self.lower else {
+            return (0, 0);
+        };
+        for &s in seq {
+            match lower.tier_of(s) {
+                Some(Tier::Host) => host += 1,
+                Some(_) => disk += 1,
+                None => break,
+            }
+        }
+        (host, disk)
     }
 
     /// The rank whose cache this is.
@@ -310,6 +356,8 @@ impl KvCache {
         let end = full_computed.min(prompt.len()).min(table.blocks.len());
         let mut run: Vec<StoredBlock> = Vec::new();
         let mut run_parent = None;
+        // Blocks now on the device that a lower tier held (tiers are exclusive).
+        let mut loaded: Vec<(Tier, EngineBlockHash)> = Vec::new();
         for i in table.registered..end {
             let seq = prompt.seq[i];
             let parent = i.checked_sub(1).map(|p| prompt.engine[p]);
@@ -331,6 +379,11 @@ impl KvCache {
                     local: prompt.local[i],
                 });
                 self.index.insert(seq, own);
+                if let Some(lower) = &mut self.lower {
+                    if let Some((tier, m)) = lower.take(seq) {
+                        loaded.push((tier, m.engine));
+                    }
+                }
                 if run.is_empty() {
                     run_parent = parent;
                 }
@@ -342,6 +395,14 @@ impl KvCache {
             table.registered = i + 1;
         }
         self.flush_stored(run_parent, &mut run);
+        for (tier, engine) in loaded {
+            self.push_event_in(
+                tier,
+                KvEventData::Removed {
+                    engine_hashes: vec![engine],
+                },
+            );
+        }
     }
 
     /// Drops the table's references, last block first (so a prompt's tail is evicted before
@@ -369,6 +430,9 @@ impl KvCache {
         self.lru_tail = NIL;
         self.lru_len = 0;
         self.epoch += 1;
+        if let Some(lower) = &mut self.lower {
+            lower.clear();
+        }
         self.push_event(KvEventData::Cleared);
     }
 
@@ -377,74 +441,29 @@ impl KvCache {
         std::mem::take(&mut self.pending)
     }
 
-    /// The current cache as `Stored` events, parents before children, each of at most
-    /// `max_blocks_per_event` blocks (at least 1), plus the last event id. Every event of the
-    /// dump carries that last id (0 when there is none): a snapshot, not new events.
+    /// The current cache as `Stored` events, device first, then host and disk, parents
+    /// before children within a tier, each of at most `max_blocks_per_event` blocks (at
+    /// least 1), plus the last event id. Every event of the dump carries that last id (0 when
+    /// there is none): a snapshot, not new events.
     pub fn state_events(&self, max_blocks_per_event: usize) -> (Vec<KvEvent>, Option<EventId>) {
-        let max = max_blocks_per_event.max(1);
         let last = self.last_event_id();
-        let event_id = last.unwrap_or(0);
-        let mut by_engine: FxHashMap<EngineBlockHash, BlockMeta> = FxHashMap::default();
-        let mut children: FxHashMap<EngineBlockHash, Vec<EngineBlockHash>> = FxHashMap::default();
-        for &id in self.index.values() {
-            if let Some(m) = self.blocks[id as usize].meta {
-                by_engine.insert(m.engine, m);
-            }
-        }
-        let mut roots = Vec::new();
-        for m in by_engine.values() {
-            match m.parent {
-                Some(p) if by_engine.contains_key(&p) => {
-                    children.entry(p).or_default().push(m.engine)
-                }
-                _ => roots.push(m.engine),
-            }
-        }
-        for kids in children.values_mut() {
-            kids.sort_unstable();
-        }
-        roots.sort_unstable();
-        roots.reverse();
-
-        let mut events = Vec::new();
-        let mut visited: FxHashSet<EngineBlockHash> = FxHashSet::default();
-        let mut emit = |parent: Option<EngineBlockHash>, blocks: Vec<StoredBlock>| {
-            events.push(KvEvent {
-                tier: Tier::Device,
-                key: self.key,
-                event_id,
-                data: KvEventData::Stored { parent, blocks },
-            });
+        let mut dump = TierDump {
+            key: self.key,
+            event_id: last.unwrap_or(0),
+            max: max_blocks_per_event.max(1),
+            events: Vec::new(),
         };
-        let mut stack = roots;
-        while let Some(start) = stack.pop() {
-            let mut chunk_parent = by_engine[&start].parent;
-            let mut chunk: Vec<StoredBlock> = Vec::new();
-            let mut cur = start;
-            loop {
-                if !visited.insert(cur) {
-                    break; // only on an engine-hash collision cycle
-                }
-                let m = by_engine[&cur];
-                chunk.push(StoredBlock {
-                    engine_hash: m.engine,
-                    local_hash: m.local,
-                });
-                if chunk.len() == max {
-                    emit(chunk_parent, std::mem::take(&mut chunk));
-                    chunk_parent = Some(cur);
-                }
-                let Some(kids) = children.get(&cur) else {
-                    break;
-                };
-                stack.extend(kids[1..].iter().rev());
-                cur = kids[0];
-            }
-            if !chunk.is_empty() {
-                emit(chunk_parent, chunk);
+        let device = self
+            .index
+            .values()
+            .filter_map(|&id| self.blocks[id as usize].meta);
+        dump.tier(Tier::Device, device);
+        if let Some(lower) = &self.lower {
+            for tier in [Tier::Host, Tier::Disk] {
+                dump.tier(tier, lower.blocks(tier));
             }
         }
-        (events, last)
+        (dump.events, last)
     }
 
     /// Every registered block.
@@ -459,6 +478,20 @@ impl KvCache {
                 ref_count: b.ref_count,
             })
         })
+    }
+
+    /// Every block of a lower tier (unreferenced: nothing runs from a lower tier).
+    pub fn lower_cached(&self, tier: Tier) -> impl Iterator<Item = CachedBlock> + '_ {
+        self.lower
+            .iter()
+            .flat_map(move |l| l.blocks(tier))
+            .map(|m| CachedBlock {
+                engine_hash: m.engine,
+                parent: m.parent,
+                local_hash: m.local,
+                seq_hash: m.seq,
+                ref_count: 0,
+            })
     }
 
     /// Checks the internal bookkeeping; with `tables`, also that every block's reference
@@ -507,6 +540,13 @@ impl KvCache {
             }
             if b.ref_count == 0 && !in_free[i] && !in_lru[i] {
                 return Err(format!("unreferenced block {i} leaked: {b:?}"));
+            }
+        }
+        if let Some(lower) = &self.lower {
+            for tier in [Tier::Host, Tier::Disk] {
+                if let Some(m) = lower.blocks(tier).find(|m| self.index.contains_key(&m.seq)) {
+                    return Err(format!("block {m:?} is on the device and in {tier:?}"));
+                }
             }
         }
         if registered != self.index.len() {
@@ -561,6 +601,7 @@ impl KvCache {
             let meta = self.blocks[id as usize].meta.take();
             if let Some(m) = meta {
                 self.index.remove(&m.seq);
+                self.offload(m);
                 self.push_event(KvEventData::Removed {
                     engine_hashes: vec![m.engine],
                 });
@@ -628,6 +669,36 @@ impl KvCache {
         self.lru_len -= 1;
     }
 
+    /// Moves a block the device evicted into the lower tiers, if any.
+    fn offload(&mut self, m: BlockMeta) {
+        let Some(lower) = &mut self.lower else {
+            return;
+        };
+        let mut moves = std::mem::take(&mut self.moves);
+        lower.offload(m, &mut moves);
+        for mv in moves.drain(..) {
+            match mv {
+                Move::Stored(tier, b) => self.push_event_in(
+                    tier,
+                    KvEventData::Stored {
+                        parent: b.parent,
+                        blocks: vec![StoredBlock {
+                            engine_hash: b.engine,
+                            local_hash: b.local,
+                        }],
+                    },
+                ),
+                Move::Removed(tier, engine) => self.push_event_in(
+                    tier,
+                    KvEventData::Removed {
+                        engine_hashes: vec![engine],
+                    },
+                ),
+            }
+        }
+        self.moves = moves;
+    }
+
     fn flush_stored(&mut self, parent: Option<EngineBlockHash>, run: &mut Vec<StoredBlock>) {
         if !run.is_empty() {
             let blocks = std::mem::take(run);
@@ -635,10 +706,16 @@ impl KvCache {
         }
     }
 
-    /// Queues an event with the next id; a `Removed` right after a `Removed` joins it.
     fn push_event(&mut self, data: KvEventData) {
+        self.push_event_in(Tier::Device, data)
+    }
+
+    /// Queues an event with the next id; a `Removed` right after a `Removed` from the same
+    /// tier joins it.
+    fn push_event_in(&mut self, tier: Tier, data: KvEventData) {
         if let KvEventData::Removed { engine_hashes } = &data {
             if let Some(KvEvent {
+                tier: prev_tier,
                 data:
                     KvEventData::Removed {
                         engine_hashes: prev,
@@ -646,17 +723,90 @@ impl KvCache {
                 ..
             }) = self.pending.last_mut()
             {
-                prev.extend_from_slice(engine_hashes);
-                return;
+                if *prev_tier == tier {
+                    prev.extend_from_slice(engine_hashes);
+                    return;
+                }
             }
         }
         self.pending.push(KvEvent {
-            tier: Tier::Device,
+            tier,
             key: self.key,
             event_id: self.next_event_id,
             data,
         });
         self.next_event_id += 1;
+    }
+}
+
+/// Builds a state dump, one tier at a time.
+struct TierDump {
+    key: WorkerKey,
+    event_id: EventId,
+    max: usize,
+    events: Vec<KvEvent>,
+}
+
+impl TierDump {
+    /// The blocks of one tier as chains, parents first: a block whose parent is not in this
+    /// tier starts a chain with that parent named (it is in a tier above, or was dropped).
+    fn tier(&mut self, tier: Tier, metas: impl Iterator<Item = BlockMeta>) {
+        let by_engine: FxHashMap<EngineBlockHash, BlockMeta> =
+            metas.map(|m| (m.engine, m)).collect();
+        let mut children: FxHashMap<EngineBlockHash, Vec<EngineBlockHash>> = FxHashMap::default();
+        let mut roots = Vec::new();
+        for m in by_engine.values() {
+            match m.parent {
+                Some(p) if by_engine.contains_key(&p) => {
+                    children.entry(p).or_default().push(m.engine)
+                }
+                _ => roots.push(m.engine),
+            }
+        }
+        for kids in children.values_mut() {
+            kids.sort_unstable();
+        }
+        roots.sort_unstable();
+        roots.reverse();
+
+        let (key, event_id, max) = (self.key, self.event_id, self.max);
+        let mut emit = |parent: Option<EngineBlockHash>, blocks: Vec<StoredBlock>| {
+            self.events.push(KvEvent {
+                tier,
+                key,
+                event_id,
+                data: KvEventData::Stored { parent, blocks },
+            });
+        };
+        let mut visited: FxHashSet<EngineBlockHash> = FxHashSet::default();
+        let mut stack = roots;
+        while let Some(start) = stack.pop() {
+            let mut chunk_parent = by_engine[&start].parent;
+            let mut chunk: Vec<StoredBlock> = Vec::new();
+            let mut cur = start;
+            loop {
+                if !visited.insert(cur) {
+                    break; // only on an engine-hash collision cycle
+                }
+                let m = by_engine[&cur];
+                chunk.push(StoredBlock {
+                    engine_hash: m.engine,
+                    local_hash: m.local,
+                });
+                if chunk.len() == max {
+                    emit(chunk_parent, std::mem::take(&mut chunk));
+                    chunk_parent = Some(cur);
+                }
+                let Some(kids) = children.get(&cur) else {
+                    break;
+                };
+                stack.extend(kids[1..].iter().rev());
+                cur = kids[0];
+            }
+            if !chunk.is_empty() {
+                emit(chunk_parent, chunk);
+            }
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //!   on one H100 with vLLM, with their reasoning).
 //! - [`kv_cache`]: [`KvCache`], the paged KV cache with prefix reuse, LRU eviction and KV
 //!   events (`Stored` / `Removed` / `Cleared` with gap-free event ids).
+//! - `offload`: the host and disk tiers a rank's evicted blocks move to (when configured).
 //! - [`engine`]: [`RankEngine`], continuous batching with chunked prefill and admission
 //!   control, producing per-step outputs (TTFT, inter-token latency) and events.
 //! - [`engine_hash`]: the engine's own block ids, a hash chain distinct from the router's
@@ -41,6 +42,7 @@ pub mod engine_hash;
 pub mod fleet;
 pub mod kv_cache;
 mod mock_info;
+mod offload;
 mod rank_task;
 mod worker;
 

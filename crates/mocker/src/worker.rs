@@ -8,7 +8,8 @@ use crate::rank_task::{RankCmd, RankOut};
 use kvrouter_bus::{Bus, Message, Subscription};
 use kvrouter_protocol::{
     decode, max_blocks_per_batch, reply_version, DpRank, ErrorKind, ErrorReply, GenerateEvent,
-    GenerateRequest, ModelSubjects, RankLiveness, Reply, StateChunk, StateQuery, WorkerKey,
+    GenerateRequest, ModelSubjects, RankLiveness, Reply, StateChunk, StateQuery, TierBlocks,
+    WorkerKey,
 };
 use kvrouter_worker::{publish_as, send_error_stream, send_state, set_rank_live, stopped, PubMsg};
 use std::sync::Arc;
@@ -317,13 +318,24 @@ async fn stream_generate(
             Some(RankOut::Failed(e)) => GenerateEvent::Error(e),
             Some(RankOut::Output(OutputKind::PrefillDone {
                 cached_blocks,
+                host_blocks,
+                disk_blocks,
                 prompt_blocks,
                 ttft,
-            })) => GenerateEvent::PrefillDone {
-                ttft_us: micros_u64(ttft),
-                cached_blocks: u32::try_from(cached_blocks).unwrap_or(u32::MAX),
-                prompt_blocks: u32::try_from(prompt_blocks).unwrap_or(u32::MAX),
-            },
+            })) => {
+                let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+                GenerateEvent::PrefillDone {
+                    ttft_us: micros_u64(ttft),
+                    cached_blocks: n(cached_blocks),
+                    prompt_blocks: n(prompt_blocks),
+                    tier_cached_blocks: TierBlocks {
+                        device: n(cached_blocks - host_blocks - disk_blocks),
+                        host: n(host_blocks),
+                        disk: n(disk_blocks),
+                        shared: 0,
+                    },
+                }
+            }
             Some(RankOut::Output(OutputKind::Token { itl: d, .. })) => {
                 itl.push(micros_u32(d));
                 if itl.len() >= TOKEN_BATCH {

@@ -89,6 +89,7 @@ fn summarize(events: &[GenerateEvent]) -> ((u64, u32, u32), Vec<u32>, (u32, u64)
                 ttft_us,
                 cached_blocks,
                 prompt_blocks,
+                ..
             } => {
                 assert_eq!(i, 0, "PrefillDone comes first");
                 prefill = Some((*ttft_us, *cached_blocks, *prompt_blocks));

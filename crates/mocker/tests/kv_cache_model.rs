@@ -1,14 +1,16 @@
 //! Model-based property test of a rank's KV cache and its KV events.
 //!
 //! Random request sequences (shared prefixes, random suffixes, aborts, clears) run through a
-//! small [`RankEngine`]. After every operation, replaying the emitted KV events into a simple
-//! model (engine hash → (parent, local hash), with `Removed` and `Cleared` applied) must give
-//! exactly the blocks the cache holds; the cache never exceeds its capacity; referenced
-//! blocks are never evicted; event ids run 0, 1, 2, … without gaps; and the state dump,
-//! replayed into an empty model, gives the same set.
+//! small [`RankEngine`], with and without host and disk tiers. After every operation,
+//! replaying the emitted KV events into a simple model ((tier, engine hash) → (parent, local
+//! hash), with `Removed` and `Cleared` applied) must give exactly the blocks each tier holds;
+//! no tier ever holds more than its capacity, even between two events; a block sits in one
+//! tier at a time; referenced blocks are never evicted; every parent named is held in some
+//! tier; event ids run 0, 1, 2, … without gaps; and the state dump, replayed into an empty
+//! model, gives the same set.
 
 use kvrouter_mocker::{EngineConfig, OutputKind, RankEngine, Request, StepOutcome};
-use kvrouter_protocol::{EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, WorkerKey};
+use kvrouter_protocol::{EngineBlockHash, KvEvent, KvEventData, LocalBlockHash, Tier, WorkerKey};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -16,7 +18,15 @@ use std::time::Duration;
 const KEY: WorkerKey = WorkerKey::new(11, 2);
 const BLOCK: usize = 4;
 
-type Model = HashMap<EngineBlockHash, (Option<EngineBlockHash>, LocalBlockHash)>;
+type Model = HashMap<(Tier, EngineBlockHash), (Option<EngineBlockHash>, LocalBlockHash)>;
+
+fn held(model: &Model, engine: EngineBlockHash) -> bool {
+    Tier::ALL.iter().any(|&t| model.contains_key(&(t, engine)))
+}
+
+fn in_tier(model: &Model, tier: Tier) -> usize {
+    model.keys().filter(|(t, _)| *t == tier).count()
+}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -55,53 +65,73 @@ fn config() -> impl Strategy<Value = EngineConfig> {
         prop::sample::select(vec![1usize, 3, 8, 16, 64]),
         1..6usize,
         any::<bool>(),
+        prop_oneof![Just(0usize), 1..12usize],
+        prop_oneof![Just(0usize), 1..12usize],
     )
-        .prop_map(|(capacity, budget, seqs, chunked)| EngineConfig {
-            block_size: BLOCK,
-            capacity_blocks: capacity,
-            max_num_batched_tokens: budget,
-            max_num_seqs: seqs,
-            enable_chunked_prefill: chunked,
-            ..Default::default()
-        })
+        .prop_map(
+            |(capacity, budget, seqs, chunked, host, disk)| EngineConfig {
+                block_size: BLOCK,
+                capacity_blocks: capacity,
+                max_num_batched_tokens: budget,
+                max_num_seqs: seqs,
+                enable_chunked_prefill: chunked,
+                host_capacity_blocks: host,
+                disk_capacity_blocks: disk,
+                ..Default::default()
+            },
+        )
 }
 
 /// Applies live events to the model, checking ids, chaining and what may be removed.
+/// Applies live events to the model, checking ids, chaining, capacities and what may be
+/// removed.
 fn apply(
     model: &mut Model,
     next_id: &mut u64,
     events: &[KvEvent],
     referenced_before: &HashSet<EngineBlockHash>,
+    cfg: &EngineConfig,
 ) -> Result<(), TestCaseError> {
     for e in events {
         prop_assert_eq!(e.key, KEY);
         prop_assert_eq!(e.event_id, *next_id, "event ids must have no gap");
         *next_id += 1;
+        let tier = e.tier;
         match &e.data {
             KvEventData::Stored { parent, blocks } => {
                 prop_assert!(!blocks.is_empty());
                 if let Some(p) = parent {
-                    prop_assert!(model.contains_key(p), "parent {p:?} not stored");
+                    prop_assert!(held(model, *p), "parent {p:?} not stored in any tier");
                 }
                 let mut parent = *parent;
                 for b in blocks {
                     prop_assert!(
                         model
-                            .insert(b.engine_hash, (parent, b.local_hash))
+                            .insert((tier, b.engine_hash), (parent, b.local_hash))
                             .is_none(),
-                        "block stored twice"
+                        "block stored twice in {tier:?}"
                     );
                     parent = Some(b.engine_hash);
                 }
+                let capacity = match tier {
+                    Tier::Device => cfg.capacity_blocks,
+                    Tier::Host => cfg.host_capacity_blocks,
+                    Tier::Disk => cfg.disk_capacity_blocks,
+                    Tier::Shared => 0,
+                };
+                prop_assert!(in_tier(model, tier) <= capacity, "{tier:?} over capacity");
             }
             KvEventData::Removed { engine_hashes } => {
                 prop_assert!(!engine_hashes.is_empty());
                 for h in engine_hashes {
                     prop_assert!(
-                        !referenced_before.contains(h),
+                        tier != Tier::Device || !referenced_before.contains(h),
                         "referenced block {h:?} evicted"
                     );
-                    prop_assert!(model.remove(h).is_some(), "removed unknown block {h:?}");
+                    prop_assert!(
+                        model.remove(&(tier, *h)).is_some(),
+                        "removed unknown block {h:?} from {tier:?}"
+                    );
                 }
             }
             KvEventData::Cleared => model.clear(),
@@ -111,9 +141,14 @@ fn apply(
 }
 
 fn cache_set(e: &RankEngine) -> Model {
-    e.cache()
-        .cached()
-        .map(|b| (b.engine_hash, (b.parent, b.local_hash)))
+    let c = e.cache();
+    let device = c.cached().map(|b| (Tier::Device, b));
+    let lower = [Tier::Host, Tier::Disk]
+        .into_iter()
+        .flat_map(|t| c.lower_cached(t).map(move |b| (t, b)));
+    device
+        .chain(lower)
+        .map(|(t, b)| ((t, b.engine_hash), (b.parent, b.local_hash)))
         .collect()
 }
 
@@ -131,7 +166,7 @@ fn check_state_dump(e: &RankEngine, max: usize, next_id: u64) -> Result<(), Test
         let mut parent = *parent;
         for b in blocks {
             prop_assert!(model
-                .insert(b.engine_hash, (parent, b.local_hash))
+                .insert((ev.tier, b.engine_hash), (parent, b.local_hash))
                 .is_none());
             parent = Some(b.engine_hash);
         }
@@ -143,7 +178,7 @@ fn check_state_dump(e: &RankEngine, max: usize, next_id: u64) -> Result<(), Test
     for ev in &events {
         if let KvEventData::Stored { parent, blocks } = &ev.data {
             if let Some(p) = parent {
-                prop_assert!(seen.contains(p) || !cached.contains_key(p));
+                prop_assert!(seen.contains(p) || !held(&cached, *p));
             }
             seen.extend(blocks.iter().map(|b| b.engine_hash));
         }
@@ -168,7 +203,7 @@ proptest! {
         dump_chunk in 1..6usize,
     ) {
         let capacity = cfg.capacity_blocks;
-        let mut e = RankEngine::new(KEY, cfg).unwrap();
+        let mut e = RankEngine::new(KEY, cfg.clone()).unwrap();
         let prefixes: Vec<Vec<u32>> =
             (0..3u32).map(|p| (0..28).map(|t| 1000 * (p + 1) + t).collect()).collect();
         let mut model = Model::new();
@@ -258,8 +293,10 @@ proptest! {
                 }
             }
 
-            apply(&mut model, &mut next_id, &events, &referenced)?;
+            apply(&mut model, &mut next_id, &events, &referenced, &cfg)?;
             prop_assert_eq!(&model, &cache_set(&e), "events replay to the cache's blocks");
+            let mut once = HashSet::new();
+            prop_assert!(model.keys().all(|&(_, h)| once.insert(h)), "a block in two tiers");
             prop_assert_eq!(e.last_event_id(), next_id.checked_sub(1));
             prop_assert!(e.cache().used_blocks() <= capacity);
             prop_assert!(e.load().active_blocks <= capacity);
@@ -275,7 +312,7 @@ proptest! {
         while let Some(out) = e.step(now) {
             now += out.duration;
             let referenced = HashSet::new();
-            apply(&mut model, &mut next_id, &out.events, &referenced)?;
+            apply(&mut model, &mut next_id, &out.events, &referenced, &cfg)?;
             for o in &out.outputs {
                 if matches!(o.kind, OutputKind::Finished { .. }) {
                     progress.remove(&o.request_id);

@@ -492,8 +492,11 @@ pub enum GenerateEvent {
     /// The prompt is in the cache and the first token is out.
     PrefillDone {
         ttft_us: u64,
+        /// Leading prompt blocks the engine reused instead of computing, from any tier.
         cached_blocks: u32,
         prompt_blocks: u32,
+        /// `cached_blocks` by the tier each block came from.
+        tier_cached_blocks: TierBlocks,
     },
     /// Inter-token latencies of the next tokens, in order.
     Tokens {

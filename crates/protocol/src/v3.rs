@@ -1,7 +1,8 @@
 //! Format version 3, the previous version: the types version 4 changed, as version 3 encodes
 //! them, and how they convert. Version 4 added tiers: `KvEvent::tier`, the tier weights of
 //! `RouteOverrides`, `RouteDecision::tier_overlap_blocks` and the tier fields of
-//! `OverlapScoresReply`; the messages that carry those types changed with them.
+//! `OverlapScoresReply`, `GenerateEvent::PrefillDone::tier_cached_blocks`; the messages
+//! that carry those types changed with them.
 //!
 //! FROZEN: these types are what version-3 peers send and read. Never change them (fields,
 //! their order, their types, enum variants); a test pins their bytes. The current types they
@@ -270,6 +271,79 @@ impl Wire for crate::messages::OverlapScoresReply {
     }
 }
 
+/// [`crate::GenerateEvent`] in version 3: no blocks by tier.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GenerateEvent {
+    PrefillDone {
+        ttft_us: u64,
+        cached_blocks: u32,
+        prompt_blocks: u32,
+    },
+    Tokens {
+        itl_us: Vec<u32>,
+    },
+    Done {
+        output_tokens: u32,
+        e2e_us: u64,
+    },
+    Error(ErrorReply),
+}
+
+/// A version-3 engine reports its reused blocks as device blocks.
+impl Wire for crate::messages::GenerateEvent {
+    type Previous = GenerateEvent;
+
+    fn from_previous(p: GenerateEvent) -> Self {
+        match p {
+            GenerateEvent::PrefillDone {
+                ttft_us,
+                cached_blocks,
+                prompt_blocks,
+            } => Self::PrefillDone {
+                ttft_us,
+                cached_blocks,
+                prompt_blocks,
+                tier_cached_blocks: TierBlocks::on_device(cached_blocks),
+            },
+            GenerateEvent::Tokens { itl_us } => Self::Tokens { itl_us },
+            GenerateEvent::Done {
+                output_tokens,
+                e2e_us,
+            } => Self::Done {
+                output_tokens,
+                e2e_us,
+            },
+            GenerateEvent::Error(e) => Self::Error(e),
+        }
+    }
+
+    fn to_previous(&self) -> GenerateEvent {
+        match self {
+            Self::PrefillDone {
+                ttft_us,
+                cached_blocks,
+                prompt_blocks,
+                ..
+            } => GenerateEvent::PrefillDone {
+                ttft_us: *ttft_us,
+                cached_blocks: *cached_blocks,
+                prompt_blocks: *prompt_blocks,
+            },
+            Self::Tokens { itl_us } => GenerateEvent::Tokens {
+                itl_us: itl_us.clone(),
+            },
+            Self::Done {
+                output_tokens,
+                e2e_us,
+            } => GenerateEvent::Done {
+                output_tokens: *output_tokens,
+                e2e_us: *e2e_us,
+            },
+            Self::Error(e) => GenerateEvent::Error(e.clone()),
+        }
+    }
+}
+
 // Every message encoded the same in versions 3 and 4.
 unchanged_since_previous!(
     Registration,
@@ -291,6 +365,5 @@ unchanged_since_previous!(
     IndexerDumpRequest,
     IndexerDumpChunk,
     GenerateRequest,
-    GenerateEvent,
     IndexerAnnouncement,
 );

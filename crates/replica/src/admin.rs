@@ -30,8 +30,9 @@ impl AdminView for ReplicaShared {
     }
 
     /// `/debug/rank?model=M&worker=W&dp_rank=R`: what this replica's index holds for one
-    /// rank, as `{"last_event_id", "blocks": [[engine_hash, parent_engine_hash, local_hash]]}`
-    /// (blocks a removed ancestor cut off from the root match nothing and are left out).
+    /// rank, as `{"last_event_id", "blocks": [[engine_hash, parent_engine_hash, local_hash,
+    /// tier]]}` (blocks a removed ancestor cut off from the root match nothing and are left
+    /// out).
     fn debug(self: Arc<Self>, path: String, query: String) -> Option<DebugPage> {
         if path != "rank" {
             return None;
@@ -69,7 +70,12 @@ impl AdminView for ReplicaShared {
                 {
                     let mut p = parent.map(|p| p.0);
                     for b in stored {
-                        blocks.push(serde_json::json!([b.engine_hash.0, p, b.local_hash.0]));
+                        blocks.push(serde_json::json!([
+                            b.engine_hash.0,
+                            p,
+                            b.local_hash.0,
+                            e.tier.as_str()
+                        ]));
                         p = Some(b.engine_hash.0);
                     }
                 }

@@ -193,7 +193,7 @@ impl WorkerHttp {
             {
                 let mut p = parent.map(|p| p.0);
                 for b in stored {
-                    blocks.push(json!([b.engine_hash.0, p, b.local_hash.0]));
+                    blocks.push(json!([b.engine_hash.0, p, b.local_hash.0, e.tier.as_str()]));
                     p = Some(b.engine_hash.0);
                 }
             }

@@ -1,7 +1,7 @@
 //! The mocker's KV events as vLLM and SGLang put them on ZeroMQ: msgpack batches shaped as
 //! their msgspec classes encode them (see tests/engines/engine_wire.py for the classes).
 
-use kvrouter_protocol::{DpRank, KvEvent, KvEventData};
+use kvrouter_protocol::{DpRank, KvEvent, KvEventData, Tier};
 use rustc_hash::FxHashMap;
 
 /// Which engine to look like.
@@ -129,7 +129,7 @@ pub fn encode_batch(
     }
     array(&mut out, events.len());
     for e in events {
-        event(&mut out, engine, wire, &e.data, block_size, tokens);
+        event(&mut out, engine, wire, e.tier, &e.data, block_size, tokens);
         tokens.forget(&e.data);
     }
     if wire == ZmqWire::Map {
@@ -139,10 +139,22 @@ pub fn encode_batch(
     out
 }
 
+/// The `medium` an engine names a tier by (vLLM's offloading connector says `CPU`; disk
+/// tiers `DISK`).
+fn medium(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Device => "GPU",
+        Tier::Host => "CPU",
+        Tier::Disk => "DISK",
+        Tier::Shared => "SHARED",
+    }
+}
+
 fn event(
     out: &mut Vec<u8>,
     engine: Emulated,
     wire: ZmqWire,
+    tier: Tier,
     data: &KvEventData,
     block_size: u32,
     tokens: &BlockTokens,
@@ -150,12 +162,17 @@ fn event(
     let as_map = wire != ZmqWire::Array;
     match data {
         KvEventData::Stored { parent, blocks } => {
-            // Every block's tokens, or none if one is unknown.
-            let toks: Vec<&[u32]> = blocks
-                .iter()
-                .map(|b| tokens.0.get(&b.engine_hash.0).map(Vec::as_slice))
-                .collect::<Option<_>>()
-                .unwrap_or_default();
+            // Every block's tokens, or none if one is unknown; offloaded blocks go without
+            // tokens, as vLLM's offloading connector sends them.
+            let toks: Vec<&[u32]> = if tier == Tier::Device {
+                blocks
+                    .iter()
+                    .map(|b| tokens.0.get(&b.engine_hash.0).map(Vec::as_slice))
+                    .collect::<Option<_>>()
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
             // vLLM: hashes, parent, tokens, block_size, lora_id, medium, lora_name,
             // extra_keys, group_idx, kv_cache_spec_kind; SGLang: up to medium.
             let vllm = engine == Emulated::Vllm;
@@ -192,7 +209,7 @@ fn event(
             key(out, "lora_id");
             nil(out);
             key(out, "medium");
-            str_(out, "GPU");
+            str_(out, medium(tier));
             if vllm {
                 key(out, "lora_name");
                 nil(out);
@@ -222,7 +239,7 @@ fn event(
             if as_map {
                 str_(out, "medium");
             }
-            str_(out, "GPU");
+            str_(out, medium(tier));
         }
         KvEventData::Cleared => {
             if as_map {

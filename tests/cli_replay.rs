@@ -195,3 +195,42 @@ fn replay_runs_every_replica_cluster_set_up() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("3 serving indexers asked of 2 replicas"));
 }
+
+/// `bench replay` with a host tier: blocks the small devices evict are loaded back from host
+/// memory, the report counts them by tier, and the hit rate beats the same fleet without it.
+#[test]
+fn replay_with_a_host_tier_reports_hits_by_tier() {
+    let trace = repo_file("data/mooncake_trace_1000.jsonl");
+    let replay = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--limit",
+            "200",
+            "--workers",
+            "4",
+            "--capacity-blocks",
+            "2048",
+            "--policies",
+            "kv",
+            "--rate-scale",
+            "1",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let v = json(&run(&args));
+        assert_eq!(v["runs"][0]["errors"], 0, "{extra:?}");
+        v
+    };
+    let f = |v: &Value, k: &str| field(v, k).as_f64().unwrap();
+    let without = replay(&[]);
+    let with = replay(&["--host-capacity-blocks", "16384"]);
+    let (r0, r1) = (&without["runs"][0], &with["runs"][0]);
+    assert_eq!(f(r0, "host_hit_rate"), 0.0);
+    assert!(f(r1, "host_hit_rate") > 0.0, "{r1}");
+    assert_eq!(f(r1, "disk_hit_rate"), 0.0);
+    assert!(f(r1, "hit_rate") > f(r0, "hit_rate"), "{r0} vs {r1}");
+    assert_eq!(with["config"]["host_capacity_blocks"], 16384);
+}

@@ -29,6 +29,13 @@ pub struct FleetArgs {
     /// KV cache capacity of each rank, in blocks.
     #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS", default_value_t = 8192)]
     capacity_blocks: usize,
+    /// Host-memory tier of each rank, in blocks (evicted blocks move there and load back
+    /// at a transfer cost; see the mocker's timing model); 0 for none.
+    #[arg(long, env = "KVROUTER_HOST_CAPACITY_BLOCKS", default_value_t = 0)]
+    host_capacity_blocks: usize,
+    /// Disk tier of each rank, in blocks; 0 for none.
+    #[arg(long, env = "KVROUTER_DISK_CAPACITY_BLOCKS", default_value_t = 0)]
+    disk_capacity_blocks: usize,
     /// Router replicas (requests are spread over them as over NATS queue subscribers).
     #[arg(long, env = "KVROUTER_REPLICAS", default_value_t = 2)]
     replicas: usize,
@@ -174,6 +181,8 @@ fn replay(
         dp_size: fleet.dp_size,
         block_size: fleet.block_size,
         capacity_blocks: fleet.capacity_blocks,
+        host_capacity_blocks: fleet.host_capacity_blocks,
+        disk_capacity_blocks: fleet.disk_capacity_blocks,
         speedup: fleet.speedup,
         replicas: fleet.replicas,
         nats: fleet.nats.as_ref().map(NatsOptions::new),
@@ -227,6 +236,8 @@ fn replay(
         dp_size: fleet.dp_size,
         block_size: fleet.block_size,
         capacity_blocks: fleet.capacity_blocks as u64,
+        host_capacity_blocks: fleet.host_capacity_blocks as u64,
+        disk_capacity_blocks: fleet.disk_capacity_blocks as u64,
         replicas: fleet.replicas,
         speedup: if fleet.nats.is_some() {
             fleet.speedup

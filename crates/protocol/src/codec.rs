@@ -364,6 +364,45 @@ mod tests {
     }
 
     #[test]
+    fn a_v3_engine_reports_reused_blocks_as_device_blocks() {
+        let done = GenerateEvent::PrefillDone {
+            ttft_us: 1200,
+            cached_blocks: 5,
+            prompt_blocks: 9,
+            tier_cached_blocks: TierBlocks {
+                host: 3,
+                disk: 1,
+                ..TierBlocks::on_device(1)
+            },
+        };
+        assert_eq!(
+            decode_versioned::<GenerateEvent>(&encode(&done).unwrap()).unwrap(),
+            (done.clone(), 4)
+        );
+        let old = v3_codec_read::<v3::GenerateEvent>(&encode_as(&done, 3).unwrap());
+        assert_eq!(
+            old,
+            v3::GenerateEvent::PrefillDone {
+                ttft_us: 1200,
+                cached_blocks: 5,
+                prompt_blocks: 9
+            }
+        );
+        let (back, v) = decode_versioned::<GenerateEvent>(&encode_as(&done, 3).unwrap()).unwrap();
+        assert_eq!(v, 3);
+        let GenerateEvent::PrefillDone {
+            tier_cached_blocks, ..
+        } = back
+        else {
+            panic!("{back:?}")
+        };
+        assert_eq!(tier_cached_blocks, TierBlocks::on_device(5));
+        let tokens = GenerateEvent::Tokens { itl_us: vec![7, 8] };
+        let (back, _) = decode_versioned::<GenerateEvent>(&encode_as(&tokens, 3).unwrap()).unwrap();
+        assert_eq!(back, tokens);
+    }
+
+    #[test]
     fn overrides_name_the_bad_value() {
         let ok = RouteOverrides {
             disk_cache_hit_weight: None,

@@ -27,8 +27,11 @@ pub struct RequestResult {
     pub dp_rank: u32,
     /// Overlap the router saw when it chose.
     pub overlap_blocks: u32,
-    /// Blocks the worker found cached at prefill, and the prompt's full blocks.
+    /// Blocks the worker found cached at prefill (any tier), and the prompt's full blocks.
     pub cached_blocks: u32,
+    /// Of `cached_blocks`, those loaded from host memory and from disk.
+    pub host_blocks: u32,
+    pub disk_blocks: u32,
     pub prompt_blocks: u32,
     pub ttft_us: u64,
     /// Mean inter-token latency (0 with fewer than two output tokens).

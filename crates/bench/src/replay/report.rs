@@ -65,8 +65,11 @@ pub struct PolicySummary {
     /// Requests replayed, failed ones included.
     pub requests: usize,
     pub errors: usize,
-    /// Σ cached blocks / Σ full prompt blocks over the successful requests.
+    /// Σ cached blocks / Σ full prompt blocks over the successful requests (every tier).
     pub hit_rate: f64,
+    /// Of `hit_rate`, the blocks loaded from host memory and from disk (0 without tiers).
+    pub host_hit_rate: f64,
+    pub disk_hit_rate: f64,
     pub cached_blocks: u64,
     pub prompt_blocks: u64,
     pub ttft_ms: TtftMs,
@@ -120,6 +123,8 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
     let errors = requests - ok.len();
 
     let cached_blocks: u64 = ok.iter().map(|r| r.cached_blocks as u64).sum();
+    let host_blocks: u64 = ok.iter().map(|r| r.host_blocks as u64).sum();
+    let disk_blocks: u64 = ok.iter().map(|r| r.disk_blocks as u64).sum();
     let prompt_blocks: u64 = ok.iter().map(|r| r.prompt_blocks as u64).sum();
     let uncached_blocks: u64 = ok
         .iter()
@@ -188,6 +193,8 @@ pub fn summarize(outcome: &RunOutcome, block_size: usize) -> PolicySummary {
         requests,
         errors,
         hit_rate: ratio(cached_blocks as f64, prompt_blocks as f64).unwrap_or(0.0),
+        host_hit_rate: ratio(host_blocks as f64, prompt_blocks as f64).unwrap_or(0.0),
+        disk_hit_rate: ratio(disk_blocks as f64, prompt_blocks as f64).unwrap_or(0.0),
         cached_blocks,
         prompt_blocks,
         ttft_ms: TtftMs {
@@ -266,6 +273,9 @@ pub struct ReportSettings {
     pub block_size: usize,
     /// Blocks per worker rank.
     pub capacity_blocks: u64,
+    /// Host-memory and disk blocks per worker rank (0: no such tier).
+    pub host_capacity_blocks: u64,
+    pub disk_capacity_blocks: u64,
     pub replicas: usize,
     /// Simulated seconds per wall second; 0 for the in-process replay's virtual clock.
     pub speedup: f64,
@@ -496,6 +506,13 @@ pub fn render_table(report: &ReplayReport) -> String {
     if !shared.is_empty() {
         let _ = writeln!(out, "replicas: {}", shared.join(", "));
     }
+    if c.host_capacity_blocks > 0 || c.disk_capacity_blocks > 0 {
+        let _ = writeln!(
+            out,
+            "lower tiers per rank: host {} blocks, disk {} blocks",
+            c.host_capacity_blocks, c.disk_capacity_blocks
+        );
+    }
     let _ = writeln!(out);
     let _ = writeln!(
         out,
@@ -530,6 +547,19 @@ pub fn render_table(report: &ReplayReport) -> String {
             r.load_spread.mean,
             r.load_spread.max,
         );
+    }
+    for r in &report.runs {
+        if r.host_hit_rate > 0.0 || r.disk_hit_rate > 0.0 {
+            let _ = writeln!(
+                out,
+                "hit by tier ({} x{}): device {}, host {}, disk {}",
+                r.policy,
+                r.rate_scale,
+                pct(r.hit_rate - r.host_hit_rate - r.disk_hit_rate),
+                pct(r.host_hit_rate),
+                pct(r.disk_hit_rate)
+            );
+        }
     }
     for r in &report.runs {
         if let Some(route) = &r.route_wall_us {

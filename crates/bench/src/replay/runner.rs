@@ -35,6 +35,9 @@ pub struct ReplayConfig {
     pub block_size: usize,
     /// KV capacity of each rank, in blocks.
     pub capacity_blocks: usize,
+    /// Host-memory and disk tiers of each rank, in blocks (0: none).
+    pub host_capacity_blocks: usize,
+    pub disk_capacity_blocks: usize,
     /// Simulated time per wall second (NATS only; the in-process replay runs on a virtual
     /// clock).
     pub speedup: f64,
@@ -67,6 +70,8 @@ impl Default for ReplayConfig {
             dp_size: 1,
             block_size: 64,
             capacity_blocks: 8192,
+            host_capacity_blocks: 0,
+            disk_capacity_blocks: 0,
             speedup: 1.0,
             replicas: 2,
             nats: None,
@@ -179,6 +184,8 @@ pub async fn run_policy(
             engine: EngineConfig {
                 block_size: config.block_size,
                 capacity_blocks: config.capacity_blocks,
+                host_capacity_blocks: config.host_capacity_blocks,
+                disk_capacity_blocks: config.disk_capacity_blocks,
                 ..EngineConfig::default()
             },
             speedup,
@@ -326,6 +333,8 @@ pub async fn run_policy(
                     dp_rank: o.decision.dp_rank,
                     overlap_blocks: o.decision.overlap_blocks,
                     cached_blocks: o.cached_blocks,
+                    host_blocks: o.tier_cached_blocks.host,
+                    disk_blocks: o.tier_cached_blocks.disk,
                     prompt_blocks: o.prompt_blocks,
                     ttft_us: o.ttft_us,
                     itl_mean_us: o.mean_itl_us().unwrap_or(0.0),

@@ -330,16 +330,8 @@ fn route_with(
     overrides: Option<RouteOverrides>,
 ) -> kvrouter_protocol::RouteDecision {
     c.route_req(RouteRequest {
-        model: E2E_MODEL.into(),
-        request_id: String::new(),
-        tokens: tokens.to_vec(),
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
         overrides,
+        ..plain_route(tokens)
     })
     .expect("a route")
 }

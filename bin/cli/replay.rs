@@ -56,6 +56,12 @@ pub struct FleetArgs {
     /// The replicas' cost: prefill blocks one cached block saves.
     #[arg(long, env = "KVROUTER_OVERLAP_CREDIT", default_value_t = 1.0)]
     overlap_credit: f64,
+    /// The replicas' cost: credit per block found in a worker's host memory.
+    #[arg(long, env = "KVROUTER_HOST_CACHE_HIT_WEIGHT", default_value_t = kvrouter_scheduler::DEFAULT_HOST_CACHE_HIT_WEIGHT)]
+    host_cache_hit_weight: f64,
+    /// The replicas' cost: credit per block found on a worker's disk.
+    #[arg(long, env = "KVROUTER_DISK_CACHE_HIT_WEIGHT", default_value_t = kvrouter_scheduler::DEFAULT_DISK_CACHE_HIT_WEIGHT)]
+    disk_cache_hit_weight: f64,
     /// The replicas' cost: weight of prefill blocks against decode blocks.
     #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
     prefill_load_scale: f64,
@@ -189,6 +195,8 @@ fn replay(
         seed: fleet.seed,
         scheduler: SchedulerConfig {
             overlap_credit: fleet.overlap_credit,
+            host_cache_hit_weight: fleet.host_cache_hit_weight,
+            disk_cache_hit_weight: fleet.disk_cache_hit_weight,
             prefill_load_scale: fleet.prefill_load_scale,
             temperature: fleet.router_temperature,
             ..SchedulerConfig::default()

@@ -449,19 +449,7 @@ impl E2eClient {
 
     /// A plain route of `tokens` for [`E2E_MODEL`] (`None` on an error).
     pub fn route_tokens(&self, tokens: &[u32]) -> Option<kvrouter_protocol::RouteDecision> {
-        self.route_req(kvrouter_protocol::RouteRequest {
-            model: E2E_MODEL.into(),
-            request_id: String::new(),
-            tokens: tokens.to_vec(),
-            lora: None,
-            allowed_workers: None,
-            pin: None,
-            update_states: false,
-            extras: None,
-            excluded_workers: Vec::new(),
-            overrides: None,
-        })
-        .ok()
+        self.route_req(plain_route(tokens)).ok()
     }
 
     pub fn route_req(
@@ -469,6 +457,22 @@ impl E2eClient {
         req: kvrouter_protocol::RouteRequest,
     ) -> Result<kvrouter_protocol::RouteDecision, kvrouter_client::ClientError> {
         self.rt.block_on(self.client.route(&req))
+    }
+}
+
+/// A route request for `tokens` of [`E2E_MODEL`] that changes no load (`update_states` off).
+pub fn plain_route(tokens: &[u32]) -> kvrouter_protocol::RouteRequest {
+    kvrouter_protocol::RouteRequest {
+        model: E2E_MODEL.into(),
+        request_id: String::new(),
+        tokens: tokens.to_vec(),
+        lora: None,
+        allowed_workers: None,
+        pin: None,
+        update_states: false,
+        extras: None,
+        excluded_workers: Vec::new(),
+        overrides: None,
     }
 }
 

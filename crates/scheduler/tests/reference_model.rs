@@ -3,10 +3,12 @@
 //! After every step the scheduler's per-key load (active blocks deduplicated by sequence
 //! hash, prefill tokens, request counts) must equal the model's; every route answer must
 //! match the model's filter / busy verdict, and at temperature 0 the chosen key must be a
-//! non-busy allowed candidate whose cost equals the model's minimum. Queued requests are
+//! non-busy allowed candidate whose cost equals the model's minimum. Overlaps come by tier
+//! (device overlaps, keys a lower tier extends, a shared-storage prefix) with per-request
+//! weight overrides, and the model credits each tier at its weight. Queued requests are
 //! replayed through `drain_ready` and checked the same way.
 
-use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use kvrouter_scheduler::{
     Queued, ReportedLoad, RouteQuery, RoutingPolicy, ScheduleError, Scheduler, SchedulerConfig,
     Selection,
@@ -19,6 +21,22 @@ const BS: u32 = 4;
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// Shorter than TIMEOUT, so the model tells the queue's timeout from the sweep's.
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(7);
+/// The scheduler's tier weights under test (requests may override them).
+const HOST_W: f64 = 0.75;
+const DISK_W: f64 = 0.25;
+const SHARED_W: f64 = 0.5;
+
+/// What the index says a request's prompt holds where, and the request's cost overrides.
+#[derive(Clone, Debug, Default)]
+struct Cached {
+    /// Device overlaps (a key may appear twice: the larger counts).
+    overlaps: Vec<(WorkerKey, u32)>,
+    /// Keys whose prefix a lower tier extends, by tier.
+    lower: Vec<(WorkerKey, TierBlocks)>,
+    /// The shared-storage prefix of a key holding nothing else.
+    shared: u32,
+    overrides: RouteOverrides,
+}
 
 #[derive(Clone, Debug)]
 enum Filter {
@@ -40,7 +58,7 @@ enum Op {
     Route {
         prompt_tokens: usize,
         hashes: Vec<u64>,
-        overlaps: Vec<(WorkerKey, u32)>,
+        cached: Cached,
         filter: Filter,
         update: bool,
         reuse_id: Option<usize>,
@@ -68,23 +86,59 @@ fn filter() -> impl Strategy<Value = Filter> {
     ]
 }
 
+fn tier_blocks() -> impl Strategy<Value = TierBlocks> {
+    (0u32..6, 0u32..6, 0u32..6, 0u32..4).prop_map(|(device, host, disk, shared)| TierBlocks {
+        device,
+        host,
+        disk,
+        shared,
+    })
+}
+
+fn weight() -> impl Strategy<Value = Option<f64>> {
+    prop::option::weighted(0.3, prop::sample::select(vec![0.0, 0.25, 1.0, 2.0]))
+}
+
+fn cached() -> impl Strategy<Value = Cached> {
+    (
+        prop::collection::vec((key(), 0u32..12), 0..5),
+        prop::collection::vec((key(), tier_blocks()), 0..3),
+        prop_oneof![3 => Just(0u32), 1 => 1u32..6],
+        (weight(), weight(), weight(), weight()),
+    )
+        .prop_map(
+            |(overlaps, lower, shared, (credit, host, disk, sh))| Cached {
+                overlaps,
+                lower,
+                shared,
+                overrides: RouteOverrides {
+                    overlap_credit: credit,
+                    host_cache_hit_weight: host,
+                    disk_cache_hit_weight: disk,
+                    shared_cache_hit_weight: sh,
+                    ..RouteOverrides::default()
+                },
+            },
+        )
+}
+
 fn op() -> impl Strategy<Value = Op> {
     let route = (
         0usize..40,
         prop::collection::vec(0u64..16, 10),
-        prop::collection::vec((key(), 0u32..12), 0..5),
+        cached(),
         filter(),
         prop::bool::weighted(0.85),
         prop::option::weighted(0.1, 0usize..100),
         any::<bool>(),
     )
         .prop_map(
-            |(prompt_tokens, pool, overlaps, filter, update, reuse_id, queue_if_busy)| {
+            |(prompt_tokens, pool, cached, filter, update, reuse_id, queue_if_busy)| {
                 let full = prompt_tokens / BS as usize;
                 Op::Route {
                     prompt_tokens,
                     hashes: pool[..full].to_vec(),
-                    overlaps,
+                    cached,
                     filter,
                     update,
                     reuse_id,
@@ -158,7 +212,7 @@ struct RefQueued {
     id: String,
     prompt_tokens: usize,
     hashes: Vec<u64>,
-    overlaps: Vec<(WorkerKey, u32)>,
+    cached: Cached,
     filter: Filter,
     update: bool,
     at: Instant,
@@ -286,13 +340,24 @@ impl Model {
         }
     }
 
-    fn overlap(overlaps: &[(WorkerKey, u32)], key: WorkerKey) -> u32 {
-        overlaps
+    /// What `key` holds of the prompt, by tier: a key a lower tier extends has its listed
+    /// tiers (the last listing wins); any other its largest device overlap, and the shared
+    /// prefix when it holds nothing on the device.
+    fn tiers(cached: &Cached, key: WorkerKey) -> TierBlocks {
+        if let Some((_, t)) = cached.lower.iter().rev().find(|(k, _)| *k == key) {
+            return *t;
+        }
+        let device = cached
+            .overlaps
             .iter()
             .filter(|(k, _)| *k == key)
             .map(|(_, o)| *o)
             .max()
-            .unwrap_or(0)
+            .unwrap_or(0);
+        TierBlocks {
+            shared: if device == 0 { cached.shared } else { 0 },
+            ..TierBlocks::on_device(device)
+        }
     }
 
     /// (prefill_blocks, decode_blocks, cost) of sending the request to `key`.
@@ -301,12 +366,17 @@ impl Model {
         key: WorkerKey,
         prompt_tokens: usize,
         hashes: &[u64],
-        overlaps: &[(WorkerKey, u32)],
+        cached: &Cached,
     ) -> (f64, u64, f64) {
         let request_blocks = (prompt_tokens as u64).div_ceil(u64::from(BS)) as f64;
-        let overlap = f64::from(Self::overlap(overlaps, key));
-        let prefill = (request_blocks - self.cfg.overlap_credit * overlap).max(0.0)
-            + self.prefill_tokens(key) as f64 / f64::from(BS);
+        let t = Self::tiers(cached, key);
+        let o = &cached.overrides;
+        let credit = o.overlap_credit.unwrap_or(self.cfg.overlap_credit) * f64::from(t.device)
+            + o.host_cache_hit_weight.unwrap_or(HOST_W) * f64::from(t.host)
+            + o.disk_cache_hit_weight.unwrap_or(DISK_W) * f64::from(t.disk)
+            + o.shared_cache_hit_weight.unwrap_or(SHARED_W) * f64::from(t.shared);
+        let prefill =
+            (request_blocks - credit).max(0.0) + self.prefill_tokens(key) as f64 / f64::from(BS);
         let mut set = self.active_set(key);
         set.extend(hashes.iter().copied());
         let decode = set.len() as u64;
@@ -335,24 +405,26 @@ impl Model {
         free: &[WorkerKey],
         prompt_tokens: usize,
         hashes: &[u64],
-        overlaps: &[(WorkerKey, u32)],
+        cached: &Cached,
     ) {
         assert!(
             free.contains(&sel.key),
             "chose {} outside {free:?}",
             sel.key
         );
-        let (p, d, c) = self.cost(sel.key, prompt_tokens, hashes, overlaps);
+        let (p, d, c) = self.cost(sel.key, prompt_tokens, hashes, cached);
         assert!(
             (sel.prefill_blocks - p).abs() < 1e-9,
             "prefill {sel:?} vs {p}"
         );
         assert_eq!(sel.decode_blocks, d, "{sel:?}");
         assert!((sel.cost - c).abs() < 1e-9, "cost {sel:?} vs {c}");
-        assert_eq!(sel.overlap_blocks, Self::overlap(overlaps, sel.key));
+        let tiers = Self::tiers(cached, sel.key);
+        assert_eq!(sel.overlap_blocks, tiers.device);
+        assert_eq!(sel.tier_overlap_blocks, tiers, "{sel:?}");
         let min = free
             .iter()
-            .map(|&k| self.cost(k, prompt_tokens, hashes, overlaps).2)
+            .map(|&k| self.cost(k, prompt_tokens, hashes, cached).2)
             .fold(f64::INFINITY, f64::min);
         assert!(
             (sel.cost - min).abs() < 1e-9,
@@ -405,8 +477,12 @@ fn query<'a>(
     prompt_tokens: usize,
     hashes: &'a [SequenceHash],
     filter: &'a Filter,
+    cached: &'a Cached,
 ) -> RouteQuery<'a> {
     let mut q = RouteQuery::new(prompt_tokens, hashes);
+    q.lower_tiers = &cached.lower;
+    q.shared_blocks = cached.shared;
+    q.overrides = cached.overrides;
     match filter {
         Filter::None => {}
         Filter::Allowed(list) => q.allowed_workers = Some(list),
@@ -449,9 +525,9 @@ fn check_state(s: &Scheduler<u64>, m: &Model) {
 
 fn run(cfg: Cfg, ops: Vec<Op>) {
     let config = SchedulerConfig {
-        host_cache_hit_weight: 0.75,
-        disk_cache_hit_weight: 0.25,
-        shared_cache_hit_weight: 0.25,
+        host_cache_hit_weight: HOST_W,
+        disk_cache_hit_weight: DISK_W,
+        shared_cache_hit_weight: SHARED_W,
         block_size: BS,
         overlap_credit: cfg.overlap_credit,
         prefill_load_scale: cfg.prefill_load_scale,
@@ -535,7 +611,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
             Op::Route {
                 prompt_tokens,
                 hashes,
-                overlaps,
+                cached,
                 filter,
                 update,
                 reuse_id,
@@ -550,15 +626,15 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 };
                 ids.push(id.clone());
                 let sh = to_hashes(&hashes);
-                let q = query(prompt_tokens, &sh, &filter);
-                let got = s.route(&q, &overlaps, id.clone(), update, now);
+                let q = query(prompt_tokens, &sh, &filter, &cached);
+                let got = s.route(&q, &cached.overlaps, id.clone(), update, now);
                 if update && m.reqs.contains_key(&id) {
                     assert_eq!(got, Err(ScheduleError::DuplicateRequest(id)));
                     continue;
                 }
                 match (m.verdict(&filter), got) {
                     (Ok(free), Ok(sel)) => {
-                        m.check_selection(&sel, &free, prompt_tokens, &hashes, &overlaps);
+                        m.check_selection(&sel, &free, prompt_tokens, &hashes, &cached);
                         if update {
                             m.add(id, sel.key, prompt_tokens, &hashes, sel.overlap_blocks, now);
                         }
@@ -568,7 +644,8 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                         if got == ScheduleError::AllBusy && queue_if_busy {
                             next_id += 1;
                             let token = next_id;
-                            let r = Queued::new(&q, &overlaps, id.clone(), update, now, token);
+                            let r =
+                                Queued::new(&q, &cached.overlaps, id.clone(), update, now, token);
                             match s.enqueue(r) {
                                 Ok(()) => {
                                     assert!(m.queue.len() < m.cfg.max_queued);
@@ -577,7 +654,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                                         id,
                                         prompt_tokens,
                                         hashes,
-                                        overlaps,
+                                        cached,
                                         filter,
                                         update,
                                         at: now,
@@ -658,7 +735,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                             let (token, res) = out.next().expect("placement reported");
                             assert_eq!(token, r.token);
                             let sel = res.expect("placed");
-                            m.check_selection(&sel, &free, r.prompt_tokens, &r.hashes, &r.overlaps);
+                            m.check_selection(&sel, &free, r.prompt_tokens, &r.hashes, &r.cached);
                             if r.update {
                                 m.add(
                                     r.id,

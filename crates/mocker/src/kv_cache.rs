@@ -29,7 +29,7 @@
 //! [`KvCache::clear`] as `Cleared` (every tier). Events queue until [`KvCache::take_events`].
 
 use crate::engine_hash::engine_block_hashes;
-use crate::offload::{LowerTiers, Move};
+use crate::offload::{BlockMeta, LowerTiers, Move};
 use kvrouter_protocol::{
     local_block_hashes, sequence_hashes, EngineBlockHash, EventId, KvEvent, KvEventData,
     LocalBlockHash, SequenceHash, StoredBlock, Tier, WorkerKey,
@@ -128,15 +128,6 @@ pub struct CachedBlock {
     pub local_hash: LocalBlockHash,
     pub seq_hash: SequenceHash,
     pub ref_count: u32,
-}
-
-/// What a registered block is, in any tier.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct BlockMeta {
-    pub(crate) seq: SequenceHash,
-    pub(crate) engine: EngineBlockHash,
-    pub(crate) parent: Option<EngineBlockHash>,
-    pub(crate) local: LocalBlockHash,
 }
 
 #[derive(Clone, Debug)]

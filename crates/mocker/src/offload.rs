@@ -6,7 +6,7 @@
 //! to the host (or straight to disk without a host tier); the host's least recently used
 //! block moves to disk when the host is full; the disk's drops out. A block that a request
 //! loads back is registered on the device again and leaves its lower tier (see
-//! [`crate::kv_cache::KvCache::commit`]).
+//! `KvCache::commit`).
 //!
 //! Moves come out in the order their events must go out: a tier drops its overflow before it
 //! takes a block (so a reader bounding each tier, like a bridge's mirror, never sees it over
@@ -15,10 +15,18 @@
 //! block it already knows). Parents: the device evicts a prompt's tail before its head, so
 //! in each tier a parent is newer than its children and is never dropped before them.
 
-use crate::kv_cache::BlockMeta;
-use kvrouter_protocol::{EngineBlockHash, SequenceHash, Tier};
+use kvrouter_protocol::{EngineBlockHash, LocalBlockHash, SequenceHash, Tier};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
+
+/// What a registered block is, in any tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BlockMeta {
+    pub(crate) seq: SequenceHash,
+    pub(crate) engine: EngineBlockHash,
+    pub(crate) parent: Option<EngineBlockHash>,
+    pub(crate) local: LocalBlockHash,
+}
 
 /// One change to the lower tiers, as the KV event that reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,7 +176,6 @@ impl LowerTiers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrouter_protocol::LocalBlockHash;
 
     fn meta(i: u64) -> BlockMeta {
         BlockMeta {

@@ -145,7 +145,8 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
         .collect();
     let mut last_diff = String::new();
     let mut equal = false;
-    for _ in 0..100 {
+    // Up to 15 s: a state fetch that timed out under load is retried after 0.5, 1, 2, 4 s.
+    for _ in 0..300 {
         tokio::time::sleep(Duration::from_millis(50)).await;
         last_diff.clear();
         for &key in &keys {

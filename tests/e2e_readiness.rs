@@ -5,27 +5,11 @@
 mod common;
 
 use common::{
-    e2e_tokens as tokens, free_port, http_get, let_nats_notice, metrics, ready, serve, wait_until,
-    E2eClient as Client, NatsServer, E2E_MODEL as MODEL,
+    e2e_tokens as tokens, free_port, http_get, let_nats_notice, metrics, plain_route, ready, serve,
+    wait_until, E2eClient as Client, NatsServer, E2E_MODEL as MODEL,
 };
 use kvrouter_client::GenerateParams;
-use kvrouter_protocol::RouteRequest;
 use std::time::Duration;
-
-fn request(tokens: &[u32]) -> RouteRequest {
-    RouteRequest {
-        model: MODEL.into(),
-        request_id: String::new(),
-        tokens: tokens.to_vec(),
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-    }
-}
 
 /// The value of a series (0 when absent).
 fn series(port: u16, name: &str) -> f64 {
@@ -68,7 +52,7 @@ fn readyz_turns_503_while_the_bus_is_down_and_back_after_reconnecting() {
     let prompt = tokens(3, 4);
     assert!(
         wait_until(Duration::from_secs(10), || c
-            .route_req(request(&prompt))
+            .route_req(plain_route(&prompt))
             .is_ok()),
         "routes resume"
     );
@@ -104,7 +88,7 @@ fn a_new_serving_indexer_is_used_as_soon_as_it_announces_itself() {
     let breaker = r#"kvrouter_remote_indexer_breaker_open{model="Qwen/Qwen3-0.6B"}"#;
     assert!(
         wait_until(Duration::from_secs(30), || {
-            let _ = c.route_req(request(&prompt)); // s1 may take it and time out
+            let _ = c.route_req(plain_route(&prompt)); // s1 may take it and time out
             series(pr1, breaker) == 1.0
         }),
         "r1's breaker never opened"
@@ -127,7 +111,7 @@ fn a_new_serving_indexer_is_used_as_soon_as_it_announces_itself() {
     );
     let mut by_r1 = 0;
     for i in 0..30 {
-        let d = c.route_req(request(&prompt)).expect("route");
+        let d = c.route_req(plain_route(&prompt)).expect("route");
         assert_eq!(
             d.overlap_blocks, 8,
             "route {i} after the announcement, answered by {}, was blind",

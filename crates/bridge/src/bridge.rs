@@ -71,6 +71,9 @@ pub struct Bridge {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     admin_addr: Option<SocketAddr>,
+    /// The admin server: it serves until aborted, last, so probes answer while the bridge
+    /// drains.
+    admin: Option<JoinHandle<()>>,
     view: Arc<BridgeView>,
 }
 
@@ -193,15 +196,14 @@ impl Bridge {
             metrics,
             bus: bus.clone(),
         });
-        let admin_addr = match c.admin_addr {
+        let (admin_addr, admin) = match c.admin_addr {
             Some(addr) => {
                 let (local, task) = kvrouter_admin::serve(addr, view.clone())
                     .await
                     .map_err(|source| BridgeError::Admin { addr, source })?;
-                tasks.push(task);
-                Some(local)
+                (Some(local), Some(task))
             }
-            None => None,
+            None => (None, None),
         };
         if let Err(e) = bus.flush().await {
             tracing::warn!(error = %e, "cannot flush subscriptions");
@@ -227,6 +229,7 @@ impl Bridge {
             shutdown,
             tasks,
             admin_addr,
+            admin,
             view,
         })
     }
@@ -257,6 +260,9 @@ impl Bridge {
         }
         let left = budget / 2;
         let dereg = deregister_within(&self.bus, &self.subjects, &[&*self.info], left).await;
+        if let Some(admin) = self.admin {
+            admin.abort();
+        }
         match (aborted, dereg) {
             (0, r) => r,
             (n, Ok(())) => Err(format!("{n} task(s) did not stop in time and were aborted")),

@@ -202,7 +202,7 @@ pub async fn latency_run(
     c.capacity_blocks = shape.capacity_blocks as u64 * 2;
     c.worker_id = Some(1);
     let subjects = Subjects::new(&c.namespace)?.model(&c.model)?;
-    let mut events = bus.subscribe(&subjects.kv_events()).await?;
+    let mut events = bus.subscribe(&subjects.kv_events(1)).await?;
     let bridge = Bridge::start(c, bus.clone()).await?;
     // Wait until the bridge's subscription reaches the publisher (a PUB drops messages
     // for subscribers that have not joined yet).

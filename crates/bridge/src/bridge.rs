@@ -110,8 +110,8 @@ impl Bridge {
         let publisher = Publisher {
             bus: bus.clone(),
             info: info.clone(),
-            kv_events_subject: subjects.kv_events(),
-            load_subject: subjects.load(),
+            kv_events_subject: subjects.kv_events(worker_id),
+            load_subject: subjects.load(worker_id),
             batch_interval: c.event_batch_interval,
             load_interval: c.metrics_interval,
         };

@@ -290,7 +290,12 @@ impl MockerFleet {
                 dp_size = info.dp_size,
                 "mocker worker started"
             );
-            publish_msg(&bus, &subjects.register(), &info.registration()).await;
+            publish_msg(
+                &bus,
+                &subjects.register(info.worker_id),
+                &info.registration(),
+            )
+            .await;
         }
         Ok(fleet)
     }
@@ -354,8 +359,8 @@ impl MockerFleet {
         let publisher = Publisher {
             bus: self.bus.clone(),
             info: info.worker.clone(),
-            kv_events_subject: self.subjects.kv_events(),
-            load_subject: self.subjects.load(),
+            kv_events_subject: self.subjects.kv_events(worker_id),
+            load_subject: self.subjects.load(worker_id),
             batch_interval: c.event_batch_interval,
             load_interval: c.load_report_interval,
         };

@@ -120,7 +120,7 @@ impl Endpoints {
         let (tx, rx) = mpsc::unbounded_channel();
         let rx = crate::disagg::hook(
             &self.bus,
-            &self.subjects.kv_transfer(),
+            &self.subjects.kv_transfer(self.info.worker_id),
             &self.info,
             req.dp_rank,
             &req.request_id,
@@ -135,7 +135,7 @@ impl Endpoints {
             // The rank gets the request once every tp rank has received its KV.
             let receive = crate::disagg::Receive {
                 bus: self.bus.clone(),
-                subject: self.subjects.kv_transfer(),
+                subject: self.subjects.kv_transfer(self.info.worker_id),
                 info: self.info.clone(),
                 dp_rank: req.dp_rank,
                 request,

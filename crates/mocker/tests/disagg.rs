@@ -6,7 +6,7 @@ use kvrouter_bus::{Bus, Subscription};
 use kvrouter_mocker::{EngineConfig, FleetConfig, FleetError, MockerFleet};
 use kvrouter_protocol::{
     decode, encode, ErrorKind, GenerateEvent, GenerateRequest, TransferReport, TransferSide,
-    WorkerRole,
+    WorkerRole, WorkerSubject,
 };
 use std::time::Duration;
 use tokio::time::{timeout, Instant};
@@ -92,7 +92,7 @@ async fn decode_starts_once_every_tp_rank_received() {
         .await
         .unwrap();
     let mut sub = bus
-        .subscribe(&fleet.subjects().kv_transfer())
+        .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
     let sent_at = Instant::now();
@@ -154,7 +154,7 @@ async fn a_silenced_decode_tp_rank_fails_the_request_after_the_receive_timeout()
     .await
     .unwrap();
     let mut sub = bus
-        .subscribe(&fleet.subjects().kv_transfer())
+        .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
     let events = generate(&bus, &fleet, 1, "a", prompt(1, 4)).await;
@@ -214,7 +214,7 @@ async fn a_silenced_prefill_tp_rank_never_reports_sent() {
     .await
     .unwrap();
     let mut sub = bus
-        .subscribe(&fleet.subjects().kv_transfer())
+        .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
     let events = generate(&bus, &fleet, 7, "p", prompt(3, 4)).await;

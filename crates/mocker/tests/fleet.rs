@@ -5,9 +5,9 @@ use kvrouter_bus::{Bus, LocalBus, Subscription};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
     decode, decode_versioned, encode, encode_as, Deregistration, EngineKind, ErrorKind, EventId,
-    GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, KvEventData, LoadReport,
-    ModelSubjects, Registration, Reply, StateChunk, StateQuery, WhoIsThere, Wire, WorkerKey,
-    WorkerRole, FORMAT_VERSION, MIN_READ_VERSION,
+    FromWorker, GenerateEvent, GenerateRequest, Heartbeat, KvEvent, KvEventBatch, KvEventData,
+    LoadReport, ModelSubjects, Registration, Reply, StateChunk, StateQuery, WhoIsThere, Wire,
+    WorkerKey, WorkerRole, WorkerSubject, FORMAT_VERSION, MIN_READ_VERSION,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -29,12 +29,20 @@ fn config(worker_id_start: u64) -> FleetConfig {
     }
 }
 
-async fn next_msg<T: Wire>(sub: &mut Subscription) -> T {
+/// The next message of a worker's own subjects, checked to be about that worker.
+async fn next_from_worker<T: Wire + FromWorker>(sub: &mut Subscription, s: &ModelSubjects) -> T {
     let msg = timeout(WAIT, sub.next())
         .await
         .expect("timed out waiting for a message")
         .expect("subscription closed");
-    decode(&msg.payload).expect("decodes")
+    let v: T = decode(&msg.payload).expect("decodes");
+    assert_eq!(
+        s.worker_of(&msg.subject),
+        Some(v.worker_id()),
+        "{}",
+        msg.subject
+    );
+    v
 }
 
 async fn collect_stream<T: Wire>(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<T> {
@@ -176,15 +184,25 @@ async fn discovery_registration_heartbeat_deregistration() {
         .unwrap()
         .model(MODEL)
         .unwrap();
-    let mut reg = bus.subscribe(&subjects.register()).await.unwrap();
-    let mut hb = bus.subscribe(&subjects.heartbeat()).await.unwrap();
-    let mut dereg = bus.subscribe(&subjects.deregister()).await.unwrap();
+    let every = |what| subjects.every_worker(what);
+    let mut reg = bus
+        .subscribe(&every(WorkerSubject::Register))
+        .await
+        .unwrap();
+    let mut hb = bus
+        .subscribe(&every(WorkerSubject::Heartbeat))
+        .await
+        .unwrap();
+    let mut dereg = bus
+        .subscribe(&every(WorkerSubject::Deregister))
+        .await
+        .unwrap();
     let fleet = MockerFleet::start(bus.clone(), cfg).await.unwrap();
     assert_eq!(fleet.worker_ids(), vec![100, 101]);
 
     let mut seen = Vec::new();
     for _ in 0..2 {
-        let r: Registration = next_msg(&mut reg).await;
+        let r: Registration = next_from_worker(&mut reg, &subjects).await;
         assert_eq!(
             r,
             Registration {
@@ -219,21 +237,21 @@ async fn discovery_registration_heartbeat_deregistration() {
         .await
         .unwrap();
     for _ in 0..2 {
-        let r: Registration = next_msg(&mut reg).await;
+        let r: Registration = next_from_worker(&mut reg, &subjects).await;
         assert_eq!(r.live_ranks, vec![4, 5]);
     }
     assert!(t0.elapsed() < Duration::from_millis(500));
 
     // Heartbeats, then a dead rank leaves live_ranks.
-    let h: Heartbeat = next_msg(&mut hb).await;
+    let h: Heartbeat = next_from_worker(&mut hb, &subjects).await;
     assert_eq!(h.live_ranks, vec![4, 5]);
     assert_eq!(fleet.instance_id(h.worker_id), Some(h.instance_id));
     fleet.set_rank_live(101, 5, false).await.unwrap();
-    let r: Registration = next_msg(&mut reg).await;
+    let r: Registration = next_from_worker(&mut reg, &subjects).await;
     assert_eq!((r.worker_id, r.live_ranks), (101, vec![4]));
     let deadline = Instant::now() + WAIT;
     loop {
-        let h: Heartbeat = next_msg(&mut hb).await;
+        let h: Heartbeat = next_from_worker(&mut hb, &subjects).await;
         if h.worker_id == 101 && h.live_ranks == vec![4] {
             break;
         }
@@ -249,7 +267,7 @@ async fn discovery_registration_heartbeat_deregistration() {
     fleet.shutdown().await.unwrap();
     let mut got = Vec::new();
     for _ in 0..2 {
-        let d: Deregistration = next_msg(&mut dereg).await;
+        let d: Deregistration = next_from_worker(&mut dereg, &subjects).await;
         got.push((d.worker_id, d.instance_id));
     }
     got.sort();
@@ -261,7 +279,10 @@ async fn generate_streams_and_reuses_the_cache() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), config(7)).await.unwrap();
     let s = fleet.subjects().clone();
-    let mut loads = bus.subscribe(&s.load()).await.unwrap();
+    let mut loads = bus
+        .subscribe(&s.every_worker(WorkerSubject::Load))
+        .await
+        .unwrap();
 
     let tokens = prompt(1, 256);
     let first = generate(&bus, &s, 7, 0, "a", tokens.clone(), 40).await;
@@ -308,7 +329,7 @@ async fn generate_streams_and_reuses_the_cache() {
     assert_eq!((itl.len(), out), (2999, 3000));
 
     // Load reports come.
-    let l: LoadReport = next_msg(&mut loads).await;
+    let l: LoadReport = next_from_worker(&mut loads, &s).await;
     assert_eq!(l.worker_id, 7);
     assert_eq!(l.instance_id, fleet.instance_id(7).unwrap());
     assert_eq!(l.ranks.len(), 1);
@@ -331,7 +352,10 @@ async fn events_are_gap_free_and_match_the_chunked_state() {
         .unwrap()
         .model(MODEL)
         .unwrap();
-    let mut kv = bus.subscribe(&s.kv_events()).await.unwrap();
+    let mut kv = bus
+        .subscribe(&s.every_worker(WorkerSubject::KvEvents))
+        .await
+        .unwrap();
     let fleet = MockerFleet::start(bus.clone(), cfg).await.unwrap();
     // 24 prompts of 32 blocks (shared prefixes for some): more than the cache, so evictions.
     let mut tasks = Vec::new();
@@ -415,7 +439,10 @@ async fn drop_events_makes_a_gap() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), config(9)).await.unwrap();
     let s = fleet.subjects().clone();
-    let mut kv = bus.subscribe(&s.kv_events()).await.unwrap();
+    let mut kv = bus
+        .subscribe(&s.every_worker(WorkerSubject::KvEvents))
+        .await
+        .unwrap();
     let settle = || tokio::time::sleep(Duration::from_millis(30));
 
     summarize(&generate(&bus, &s, 9, 0, "a", prompt(1, 64), 2).await);
@@ -532,7 +559,10 @@ async fn dp_ranks_are_separate_caches() {
     };
     let fleet = MockerFleet::start(bus.clone(), cfg).await.unwrap();
     let s = fleet.subjects().clone();
-    let mut kv = bus.subscribe(&s.kv_events()).await.unwrap();
+    let mut kv = bus
+        .subscribe(&s.every_worker(WorkerSubject::KvEvents))
+        .await
+        .unwrap();
 
     summarize(&generate(&bus, &s, 20, 5, "a", prompt(1, 128), 4).await);
     let again = generate(&bus, &s, 20, 4, "b", prompt(1, 128), 4).await;

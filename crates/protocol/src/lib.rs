@@ -28,6 +28,8 @@ pub use hashing::{
     prompt_local_hashes, sequence_hashes, HashError, BASE_SEED,
 };
 pub use messages::*;
-pub use subjects::{fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects};
+pub use subjects::{
+    fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects, WorkerSubject,
+};
 pub use types::*;
 pub use wire::Wire;

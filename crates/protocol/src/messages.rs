@@ -88,6 +88,31 @@ impl std::str::FromStr for EngineKind {
     }
 }
 
+/// A message a worker publishes about itself, on its own subjects
+/// ([`crate::ModelSubjects::worker`]): the worker it speaks for, which must be the subject's.
+pub trait FromWorker {
+    fn worker_id(&self) -> WorkerId;
+}
+
+macro_rules! from_worker {
+    ($($t:ty),*) => {$(
+        impl FromWorker for $t {
+            fn worker_id(&self) -> WorkerId {
+                self.worker_id
+            }
+        }
+    )*};
+}
+
+from_worker!(
+    Registration,
+    Heartbeat,
+    Deregistration,
+    KvEventBatch,
+    LoadReport,
+    TransferReport
+);
+
 /// A worker announcing itself: on start, on every "who is there", and again when asked.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registration {

@@ -121,20 +121,115 @@ pub struct ModelSubjects {
     prefix: String,
 }
 
+/// A subject of one worker, `<model>.worker.<worker id>.<token>`: whatever a worker says
+/// travels on its own subjects, so NATS permissions can confine a worker's credentials to
+/// them (`<model>.worker.<id>.>`), and a replica drops a message whose payload names another
+/// worker than its subject ([`ModelSubjects::worker_of`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum WorkerSubject {
+    /// `Registration`, published on start and after a `WhoIsThere`.
+    Register,
+    /// `Heartbeat`, published periodically.
+    Heartbeat,
+    /// `Deregistration`, published on shutdown.
+    Deregister,
+    /// `KvEventBatch`.
+    KvEvents,
+    /// `LoadReport`.
+    Load,
+    /// `TransferReport`, published by each tensor-parallel rank of prefill and decode
+    /// workers when KV transfers finish.
+    KvTransfer,
+    /// `GenerateRequest` → stream of `GenerateEvent`, served by the worker.
+    Generate,
+    /// `StateQuery` → stream of `Reply<StateChunk>`, served by the worker.
+    State,
+    /// Test hook (see [`ModelSubjects::drop_events`]).
+    DropEvents,
+    /// Test hook (see [`ModelSubjects::rank_live`]).
+    RankLive,
+}
+
+impl WorkerSubject {
+    /// What a worker publishes (the rest it serves or obeys).
+    pub const PUBLISHED: [WorkerSubject; 6] = [
+        Self::Register,
+        Self::Heartbeat,
+        Self::Deregister,
+        Self::KvEvents,
+        Self::Load,
+        Self::KvTransfer,
+    ];
+
+    /// The subject's last token.
+    pub fn token(self) -> &'static str {
+        match self {
+            Self::Register => "register",
+            Self::Heartbeat => "heartbeat",
+            Self::Deregister => "deregister",
+            Self::KvEvents => "kv_events",
+            Self::Load => "load",
+            Self::KvTransfer => "kv_transfer",
+            Self::Generate => "generate",
+            Self::State => "state",
+            Self::DropEvents => "drop_events",
+            Self::RankLive => "rank_live",
+        }
+    }
+}
+
 impl ModelSubjects {
-    /// `Registration`, published by workers on start and after a `WhoIsThere`.
-    pub fn register(&self) -> String {
-        format!("{}.discovery.register", self.prefix)
+    /// `what` of worker `worker_id`: `<model>.worker.<worker_id>.<token>`.
+    pub fn worker(&self, worker_id: u64, what: WorkerSubject) -> String {
+        format!("{}.worker.{worker_id}.{}", self.prefix, what.token())
     }
 
-    /// `Heartbeat`, published by workers periodically.
-    pub fn heartbeat(&self) -> String {
-        format!("{}.discovery.heartbeat", self.prefix)
+    /// `what` of every worker (`*` for the worker id): what replicas subscribe to.
+    pub fn every_worker(&self, what: WorkerSubject) -> String {
+        format!("{}.worker.*.{}", self.prefix, what.token())
     }
 
-    /// `Deregistration`, published by workers on shutdown.
-    pub fn deregister(&self) -> String {
-        format!("{}.discovery.deregister", self.prefix)
+    /// The worker a per-worker subject belongs to; `None` for any other subject (the
+    /// model-wide subjects of [`ModelSubjects::legacy`] among them).
+    pub fn worker_of(&self, subject: &str) -> Option<u64> {
+        let rest = subject
+            .strip_prefix(&self.prefix)?
+            .strip_prefix(".worker.")?;
+        let (id, _) = rest.split_once('.')?;
+        // Canonical decimal only: "010" or "+10" is not worker 10's subject.
+        id.parse::<u64>().ok().filter(|n| n.to_string() == id)
+    }
+
+    /// The model-wide subject workers of the previous release published `what` on, shared
+    /// by every worker (no permission can tell them apart). Replicas still accept them for
+    /// one release, so a fleet upgrades replicas first, then workers; `None` for subjects
+    /// that were always per worker.
+    pub fn legacy(&self, what: WorkerSubject) -> Option<String> {
+        let tail = match what {
+            WorkerSubject::Register => "discovery.register",
+            WorkerSubject::Heartbeat => "discovery.heartbeat",
+            WorkerSubject::Deregister => "discovery.deregister",
+            WorkerSubject::KvEvents => "kv_events",
+            WorkerSubject::Load => "load",
+            WorkerSubject::KvTransfer => "kv_transfer",
+            _ => return None,
+        };
+        Some(format!("{}.{tail}", self.prefix))
+    }
+
+    /// `Registration` of worker `worker_id`, published on start and after a `WhoIsThere`.
+    pub fn register(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::Register)
+    }
+
+    /// `Heartbeat` of worker `worker_id`, published periodically.
+    pub fn heartbeat(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::Heartbeat)
+    }
+
+    /// `Deregistration` of worker `worker_id`, published on shutdown.
+    pub fn deregister(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::Deregister)
     }
 
     /// `WhoIsThere`, published by replicas; every worker answers with a `Registration`.
@@ -142,30 +237,29 @@ impl ModelSubjects {
         format!("{}.discovery.who_is_there", self.prefix)
     }
 
-    /// `KvEventBatch`, published by workers.
-    pub fn kv_events(&self) -> String {
-        format!("{}.kv_events", self.prefix)
+    /// `KvEventBatch` of worker `worker_id`.
+    pub fn kv_events(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::KvEvents)
     }
 
-    /// `LoadReport`, published by workers.
-    pub fn load(&self) -> String {
-        format!("{}.load", self.prefix)
+    /// `LoadReport` of worker `worker_id`.
+    pub fn load(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::Load)
     }
 
-    /// `TransferReport`, published by each tensor-parallel rank of prefill and decode
-    /// workers when KV transfers finish.
-    pub fn kv_transfer(&self) -> String {
-        format!("{}.kv_transfer", self.prefix)
+    /// `TransferReport` of worker `worker_id` (each of its tensor-parallel ranks).
+    pub fn kv_transfer(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::KvTransfer)
     }
 
     /// `GenerateRequest` → stream of `GenerateEvent`, served by one worker.
     pub fn generate(&self, worker_id: u64) -> String {
-        format!("{}.worker.{worker_id}.generate", self.prefix)
+        self.worker(worker_id, WorkerSubject::Generate)
     }
 
     /// `StateQuery` → stream of `Reply<StateChunk>`, served by one worker.
     pub fn state(&self, worker_id: u64) -> String {
-        format!("{}.worker.{worker_id}.state", self.prefix)
+        self.worker(worker_id, WorkerSubject::State)
     }
 
     /// `IndexerQuery` → `Reply<OverlapScoresReply>`, answered by one serving indexer (queue
@@ -194,24 +288,26 @@ impl ModelSubjects {
 
     /// Test hook: `u64` number of KV event batches the worker should drop (not publish).
     pub fn drop_events(&self, worker_id: u64) -> String {
-        format!("{}.worker.{worker_id}.drop_events", self.prefix)
+        self.worker(worker_id, WorkerSubject::DropEvents)
     }
 
     /// Test hook: a [`crate::RankLiveness`] takes one rank of the worker down or back up.
     pub fn rank_live(&self, worker_id: u64) -> String {
-        format!("{}.worker.{worker_id}.rank_live", self.prefix)
+        self.worker(worker_id, WorkerSubject::RankLive)
     }
 }
 
 /// Every subject a fleet of `model` uses, as `(name, subject)`; `*` stands for a worker id or
-/// a replica id.
+/// a replica id. The `legacy_*` ones are the model-wide subjects replicas still accept from
+/// workers of the previous release.
 pub fn fleet_subjects(
     namespace: &str,
     model: &str,
 ) -> Result<Vec<(&'static str, String)>, SubjectError> {
+    use WorkerSubject as W;
     let s = Subjects::new(namespace)?;
     let m = s.model(model)?;
-    Ok(vec![
+    let mut out = vec![
         ("route", s.route()),
         ("route_disagg", s.route_disagg()),
         ("overlap_scores", s.overlap_scores()),
@@ -220,30 +316,26 @@ pub fn fleet_subjects(
         ("free", s.free("*")),
         ("sync", s.sync()),
         ("sync_state", s.sync_state()),
-        ("register", m.register()),
-        ("heartbeat", m.heartbeat()),
-        ("deregister", m.deregister()),
         ("who_is_there", m.who_is_there()),
-        ("kv_events", m.kv_events()),
-        ("load", m.load()),
-        ("kv_transfer", m.kv_transfer()),
         ("indexer_find_matches", m.indexer_find_matches()),
         ("indexer_record", m.indexer_record()),
         ("indexer_dump", m.indexer_dump()),
         ("indexer_announce", m.indexer_announce()),
-        ("generate", m.generate_wildcard()),
-        ("state", m.state_wildcard()),
-    ])
-}
-
-impl ModelSubjects {
-    fn generate_wildcard(&self) -> String {
-        format!("{}.worker.*.generate", self.prefix)
+    ];
+    for what in W::PUBLISHED.into_iter().chain([W::Generate, W::State]) {
+        out.push((what.token(), m.every_worker(what)));
     }
-
-    fn state_wildcard(&self) -> String {
-        format!("{}.worker.*.state", self.prefix)
+    for (name, what) in [
+        ("legacy_register", W::Register),
+        ("legacy_heartbeat", W::Heartbeat),
+        ("legacy_deregister", W::Deregister),
+        ("legacy_kv_events", W::KvEvents),
+        ("legacy_load", W::Load),
+        ("legacy_kv_transfer", W::KvTransfer),
+    ] {
+        out.extend(m.legacy(what).map(|l| (name, l)));
     }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -296,5 +388,36 @@ mod tests {
         assert_eq!(subjects.len(), list.len());
         assert!(list.iter().all(|(_, s)| s.starts_with("ns1.")));
         assert!(list.iter().any(|(n, _)| n.contains("route")));
+    }
+
+    #[test]
+    fn what_a_worker_says_travels_on_its_own_subjects() {
+        let m = Subjects::new("ns").unwrap().model("a.b").unwrap();
+        for what in WorkerSubject::PUBLISHED {
+            let own = m.worker(42, what);
+            assert!(own.starts_with("ns.model.a~2Eb.worker.42."), "{own}");
+            assert_eq!(m.worker_of(&own), Some(42));
+            let legacy = m.legacy(what).unwrap();
+            assert_eq!(m.worker_of(&legacy), None, "{legacy}");
+            assert_ne!(legacy, own);
+        }
+        assert_eq!(m.register(7), "ns.model.a~2Eb.worker.7.register");
+        assert_eq!(
+            m.every_worker(WorkerSubject::Load),
+            "ns.model.a~2Eb.worker.*.load"
+        );
+        assert_eq!(m.legacy(WorkerSubject::Generate), None);
+        for bad in [
+            "ns.model.a~2Eb.worker.010.load",
+            "ns.model.a~2Eb.worker.+10.load",
+            "ns.model.a~2Eb.worker.x.load",
+            "ns.model.a~2Eb.worker.10",
+            "ns.model.other.worker.10.load",
+            "ns.model.a~2Eb.kv_events",
+        ] {
+            assert_eq!(m.worker_of(bad), None, "{bad}");
+        }
+        let other = Subjects::new("ns").unwrap().model("a.bc").unwrap();
+        assert_eq!(m.worker_of(&other.load(1)), None);
     }
 }

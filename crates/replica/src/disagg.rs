@@ -19,12 +19,12 @@ use crate::layouts::decode_candidates;
 use crate::metrics::Metrics;
 use crate::route_gate::RouteGate;
 use crate::scheduler_actor::{route_job, SchedulerMsg};
-use crate::serve::{forward, serve_requests, subscribe, OneWay, Server};
+use crate::serve::{forward_from_workers, serve_requests, subscribe, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
 use kvrouter_protocol::{
     prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, ErrorReply, RouteDecision,
-    Subjects, TransferReport, TransferSide, WorkerKey, WorkerRole,
+    Subjects, TransferReport, TransferSide, WorkerKey, WorkerRole, WorkerSubject,
 };
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -77,15 +77,23 @@ pub async fn start(
             transfer_timeout,
             rx,
         )));
-        let to = tx.clone();
-        back.push(forward(
-            subscribe(bus, m.subjects.kv_transfer(), None).await?,
-            shared.metrics.clone(),
-            "kv_transfer",
-            move |r: TransferReport| {
-                let _ = to.send(TransferMsg::Report(r));
-            },
-        ));
+        let what = WorkerSubject::KvTransfer;
+        for subject in [m.subjects.every_worker(what)]
+            .into_iter()
+            .chain(m.subjects.legacy(what))
+        {
+            let to = tx.clone();
+            back.push(forward_from_workers(
+                subscribe(bus, subject, None).await?,
+                m.subjects.clone(),
+                what,
+                shared.metrics.clone(),
+                "kv_transfer",
+                move |r: TransferReport| {
+                    let _ = to.send(TransferMsg::Report(r));
+                },
+            ));
+        }
         let tick = tx.clone();
         back.push(tokio::spawn(async move {
             let mut every = tokio::time::interval(tick_every);

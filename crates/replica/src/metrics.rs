@@ -132,6 +132,9 @@ pub struct Metrics {
     pub transfers_pending: Family<ModelLabels, Gauge>,
     /// Messages that could not be decoded, by subject kind (route, registration ...).
     pub undecodable: Family<SubjectLabels, Counter>,
+    /// Worker messages dropped because their payload names another worker than their
+    /// subject, by subject kind.
+    pub misattributed: Family<SubjectLabels, Counter>,
     /// The bus connection: 1 while connected; times it was lost.
     pub bus_connected: Gauge,
     pub bus_disconnects: Counter,
@@ -340,6 +343,11 @@ impl Metrics {
                 "Bus messages that could not be decoded (dropped, or answered malformed), by subject kind",
                 Family::default()
             ),
+            misattributed: reg!(
+                "misattributed_messages",
+                "Worker messages dropped because they name another worker than their subject does, by subject kind",
+                Family::default()
+            ),
             bus_connected: reg!(
                 "bus_connected",
                 "1 while the bus (NATS) connection is up",
@@ -368,6 +376,12 @@ impl Metrics {
             ),
             registry,
         }
+    }
+
+    pub fn misattributed(&self, subject: &'static str) {
+        self.misattributed
+            .get_or_create(&SubjectLabels { subject })
+            .inc();
     }
 
     pub fn undecodable(&self, subject: &'static str) {

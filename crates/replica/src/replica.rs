@@ -11,14 +11,16 @@ use crate::remote_indexer::{DecisionPublisher, RemoteIndexer};
 use crate::replica_sync_bus;
 use crate::route_gate::RouteGate;
 use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg, SyncLink};
-use crate::serve::{forward, subscribe, InFlight, Server};
+use crate::serve::{forward, forward_from_workers, subscribe, InFlight, Server};
 use crate::served_indexer;
 use crate::state::{ModelShared, ReplicaShared};
 use crate::status::ModelStatus;
 use crate::worker_tracker::{ask_who_is_there, TrackerArgs, TrackerMsg, WorkerTracker};
 use kvrouter_bus::Bus;
 use kvrouter_indexer::{ApproxConfig, RankDump, ShardedIndex, ShardedIndexConfig};
-use kvrouter_protocol::{IndexerAnnouncement, Subjects, WorkerKey};
+use kvrouter_protocol::{
+    FromWorker, IndexerAnnouncement, Subjects, Wire, WorkerKey, WorkerSubject,
+};
 use ractor::{Actor, ActorRef};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -221,6 +223,33 @@ fn to_tracker<T: 'static>(
     }
 }
 
+/// `what` every worker publishes, on its own subject and (for one release) the model-wide
+/// legacy one, handed to the model's worker tracker.
+async fn follow<T: Wire + FromWorker + Send + 'static>(
+    bus: &Bus,
+    m: &ModelShared,
+    metrics: &Arc<Metrics>,
+    what: WorkerSubject,
+    kind: &'static str,
+    wrap: fn(T) -> TrackerMsg,
+    back: &mut Vec<JoinHandle<()>>,
+) -> Result<(), ReplicaError> {
+    let s = &m.subjects;
+    for subject in [s.every_worker(what)].into_iter().chain(s.legacy(what)) {
+        let sub = subscribe(bus, subject, None).await?;
+        let to = to_tracker(&m.tracker, wrap);
+        back.push(forward_from_workers(
+            sub,
+            s.clone(),
+            what,
+            metrics.clone(),
+            kind,
+            to,
+        ));
+    }
+    Ok(())
+}
+
 /// What workers publish, handed to the model's worker tracker.
 async fn subscribe_workers(
     config: &ReplicaConfig,
@@ -229,39 +258,51 @@ async fn subscribe_workers(
     metrics: &Arc<Metrics>,
     back: &mut Vec<JoinHandle<()>>,
 ) -> Result<(), ReplicaError> {
-    let s = &m.subjects;
-    back.push(forward(
-        subscribe(bus, s.register(), None).await?,
-        metrics.clone(),
+    use WorkerSubject as W;
+    follow(
+        bus,
+        m,
+        metrics,
+        W::Register,
         "registration",
-        to_tracker(&m.tracker, TrackerMsg::Registration),
-    ));
-    back.push(forward(
-        subscribe(bus, s.heartbeat(), None).await?,
-        metrics.clone(),
+        TrackerMsg::Registration,
+        back,
+    )
+    .await?;
+    follow(
+        bus,
+        m,
+        metrics,
+        W::Heartbeat,
         "heartbeat",
-        to_tracker(&m.tracker, TrackerMsg::Heartbeat),
-    ));
-    back.push(forward(
-        subscribe(bus, s.deregister(), None).await?,
-        metrics.clone(),
+        TrackerMsg::Heartbeat,
+        back,
+    )
+    .await?;
+    follow(
+        bus,
+        m,
+        metrics,
+        W::Deregister,
         "deregistration",
-        to_tracker(&m.tracker, TrackerMsg::Deregistration),
-    ));
+        TrackerMsg::Deregistration,
+        back,
+    )
+    .await?;
     if config.index.follows_events() {
-        back.push(forward(
-            subscribe(bus, s.kv_events(), None).await?,
-            metrics.clone(),
+        follow(
+            bus,
+            m,
+            metrics,
+            W::KvEvents,
             "kv_events",
-            to_tracker(&m.tracker, TrackerMsg::Events),
-        ));
+            TrackerMsg::Events,
+            back,
+        )
+        .await?;
     }
-    back.push(forward(
-        subscribe(bus, s.load(), None).await?,
-        metrics.clone(),
-        "load",
-        to_tracker(&m.tracker, TrackerMsg::Load),
-    ));
+    follow(bus, m, metrics, W::Load, "load", TrackerMsg::Load, back).await?;
+    let s = &m.subjects;
     if let Some(remote) = &m.remote_index {
         let remote = remote.clone();
         back.push(forward(

@@ -6,14 +6,16 @@
 //!   is counted and answered `malformed`. Nothing a peer sends stops the loop.
 //! - [`forward`]: one-way subjects (registrations, heartbeats, events ...): each message is
 //!   decoded and handed on; an undecodable one is counted and dropped, logged at most every
-//!   10 s per subject.
+//!   10 s per subject. [`forward_from_workers`] also drops what a worker says on another
+//!   worker's subject.
 
 use crate::config::ReplicaError;
 use crate::metrics::Metrics;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Subscription};
 use kvrouter_protocol::{
-    decode_versioned, encode_as, reply_version, ErrorKind, ErrorReply, Reply, Wire,
+    decode_versioned, encode_as, reply_version, ErrorKind, ErrorReply, FromWorker, ModelSubjects,
+    Reply, Wire, WorkerSubject,
 };
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -152,23 +154,65 @@ pub async fn serve_requests<Req, Resp, F, Fut>(
 /// Decodes every message of a one-way subscription and hands it on; undecodable ones are
 /// counted, logged (at most every 10 s per subject) and dropped.
 pub fn forward<T: Wire + Send + 'static>(
+    sub: Subscription,
+    metrics: Arc<Metrics>,
+    kind: &'static str,
+    to: impl FnMut(T) + Send + 'static,
+) -> JoinHandle<()> {
+    forward_checked(sub, metrics, kind, |_: &str, _: &T| true, to)
+}
+
+/// [`forward`] for `what` workers publish, subscribed on every worker's subject (or, for one
+/// release, the model-wide legacy one): a message whose payload names another worker than
+/// its subject does is counted as misattributed, logged and dropped. With NATS permissions
+/// confining each worker's credentials to its own subjects, no worker speaks for another.
+pub fn forward_from_workers<T: Wire + FromWorker + Send + 'static>(
+    sub: Subscription,
+    subjects: ModelSubjects,
+    what: WorkerSubject,
+    metrics: Arc<Metrics>,
+    kind: &'static str,
+    to: impl FnMut(T) + Send + 'static,
+) -> JoinHandle<()> {
+    let legacy = subjects.legacy(what);
+    let check = move |subject: &str, v: &T| {
+        subjects.worker_of(subject) == Some(v.worker_id()) || legacy.as_deref() == Some(subject)
+    };
+    forward_checked(sub, metrics, kind, check, to)
+}
+
+fn forward_checked<T: Wire + Send + 'static>(
     mut sub: Subscription,
     metrics: Arc<Metrics>,
     kind: &'static str,
+    check: impl Fn(&str, &T) -> bool + Send + 'static,
     mut to: impl FnMut(T) + Send + 'static,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let mut dropped = 0u64;
+        let (mut dropped, mut misattributed) = (0u64, 0u64);
         let mut last_warn: Option<Instant> = None;
+        let mut warn_now = || {
+            let due = last_warn.is_none_or(|t| t.elapsed() > Duration::from_secs(10));
+            if due {
+                last_warn = Some(Instant::now());
+            }
+            due
+        };
         while let Some(msg) = sub.next().await {
             match decode_versioned::<T>(&msg.payload) {
-                Ok((v, _)) => to(v),
+                Ok((v, _)) if check(&msg.subject, &v) => to(v),
+                Ok(_) => {
+                    misattributed += 1;
+                    metrics.misattributed(kind);
+                    if warn_now() {
+                        tracing::warn!(subject = %msg.subject, misattributed, "{kind} naming another worker than its subject dropped (a worker speaking for another: check the bus credentials)");
+                    }
+                }
                 Err(e) => {
                     dropped += 1;
                     metrics.undecodable(kind);
-                    if last_warn.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                    if warn_now() {
                         tracing::warn!(subject = %msg.subject, error = %e, dropped, "undecodable {kind} dropped");
-                        last_warn = Some(Instant::now());
                     }
                 }
             }

@@ -7,7 +7,8 @@ use kvrouter_bus::Bus;
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    encode, EngineKind, Heartbeat, Registration, RouteRequest, Subjects, WorkerRole,
+    encode, EngineKind, Heartbeat, KvEvent, KvEventBatch, KvEventData, Registration, RouteRequest,
+    Subjects, Tier, WorkerKey, WorkerRole, WorkerSubject,
 };
 use kvrouter_replica::{Replica, ReplicaConfig};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -91,12 +92,12 @@ async fn silent_worker(
     );
     let (bus, q) = (bus.clone(), queries.clone());
     let task = tokio::spawn(async move {
-        let _ = bus.publish(&s.register(), reg.clone()).await;
+        let _ = bus.publish(&s.register(worker_id), reg.clone()).await;
         let mut beat = tokio::time::interval(Duration::from_millis(200));
         loop {
             tokio::select! {
-                _ = beat.tick() => { let _ = bus.publish(&s.heartbeat(), hb.clone()).await; }
-                Some(_) = roll_call.next() => { let _ = bus.publish(&s.register(), reg.clone()).await; }
+                _ = beat.tick() => { let _ = bus.publish(&s.heartbeat(worker_id), hb.clone()).await; }
+                Some(_) = roll_call.next() => { let _ = bus.publish(&s.register(worker_id), reg.clone()).await; }
                 Some(_) = state.next() => { q.fetch_add(1, Ordering::SeqCst); }
             }
         }
@@ -197,7 +198,7 @@ async fn absurd_registrations_are_refused_and_takeovers_counted() {
     let s = subjects();
     let publish = |r: Registration| {
         let bus = bus.clone();
-        let subject = s.register();
+        let subject = s.register(r.worker_id);
         async move {
             bus.publish(&subject, Bytes::from(encode(&r).unwrap()))
                 .await
@@ -229,14 +230,75 @@ async fn absurd_registrations_are_refused_and_takeovers_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
+    let bus = Bus::local();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let s = subjects();
+    let publish = |subject: String, bytes: Vec<u8>| {
+        let bus = bus.clone();
+        async move { bus.publish(&subject, Bytes::from(bytes)).await.unwrap() }
+    };
+    // Worker 6's subject, worker 5's registration: dropped and counted.
+    let forged = registration(5, Uuid::new_v4(), 1);
+    publish(s.register(6), encode(&forged).unwrap()).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(
+        &replica,
+        "kvrouter_misattributed_messages_total{subject=\"registration\"}",
+    ) != Some(1)
+    {
+        assert!(Instant::now() < deadline, "the forgery was never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&replica, "kvrouter_workers{").unwrap_or(0), 0);
+
+    // Worker 5 registered on its own subject; worker 6 then claims a block for it.
+    let genuine = registration(5, Uuid::new_v4(), 1);
+    publish(s.register(5), encode(&genuine).unwrap()).await;
+    while metric(&replica, "kvrouter_workers{") != Some(1) {
+        assert!(Instant::now() < deadline, "worker 5 never joined");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let claim = KvEventBatch {
+        worker_id: 5,
+        instance_id: genuine.instance_id,
+        events: vec![KvEvent {
+            tier: Tier::Device,
+            key: WorkerKey::new(5, 0),
+            event_id: 0,
+            data: KvEventData::Cleared,
+        }],
+    };
+    publish(s.kv_events(6), encode(&claim).unwrap()).await;
+    while metric(
+        &replica,
+        "kvrouter_misattributed_messages_total{subject=\"kv_events\"}",
+    ) != Some(1)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the forged events were never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Nothing under another id on the model-wide subjects' place either: the worker's own
+    // subject with its own id is what counts.
+    assert!(s
+        .every_worker(WorkerSubject::KvEvents)
+        .contains(".worker.*."));
+    replica.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
     let bus = Bus::local();
     let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let s = subjects();
     let garbage = Bytes::from_static(&[1, 0xff, 0xff, 0xff]);
-    bus.publish(&s.register(), garbage.clone()).await.unwrap();
-    bus.publish(&s.heartbeat(), garbage.clone()).await.unwrap();
+    bus.publish(&s.register(1), garbage.clone()).await.unwrap();
+    bus.publish(&s.heartbeat(1), garbage.clone()).await.unwrap();
     let route = Subjects::new("kvrouter").unwrap().route();
     let answer = bus
         .request(&route, garbage.clone(), Duration::from_secs(2))
@@ -293,7 +355,8 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         reply.into_result().unwrap();
     }
 
-    // A worker still on the previous version registers in its bytes.
+    // A worker still on the previous version registers in its bytes, on the model-wide
+    // subject of its release.
     let old = Registration {
         worker_id: 77,
         instance_id: Uuid::new_v4(),
@@ -311,9 +374,8 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
     };
     let bytes = encode_as(&old, MIN_READ_VERSION).unwrap();
     assert_eq!(bytes[0], MIN_READ_VERSION);
-    bus.publish(&subjects().register(), Bytes::from(bytes))
-        .await
-        .unwrap();
+    let legacy = subjects().legacy(WorkerSubject::Register).unwrap();
+    bus.publish(&legacy, Bytes::from(bytes)).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while metric(&replica, "kvrouter_workers{") != Some(3) {
         assert!(

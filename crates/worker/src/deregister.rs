@@ -27,7 +27,11 @@ pub async fn deregister_within(
         let left = deadline.saturating_duration_since(Instant::now());
         let sent = match kvrouter_protocol::encode(&msg) {
             Ok(b) => bus
-                .publish_within(&subjects.deregister(), bytes::Bytes::from(b), left)
+                .publish_within(
+                    &subjects.deregister(w.worker_id),
+                    bytes::Bytes::from(b),
+                    left,
+                )
                 .await
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),

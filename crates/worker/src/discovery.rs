@@ -12,8 +12,13 @@ use tokio::sync::watch;
 
 /// Publishes a worker's registration and a heartbeat (its live ranks) at once.
 pub async fn announce(bus: &Bus, subjects: &ModelSubjects, info: &WorkerInfo) {
-    publish_msg(bus, &subjects.register(), &info.registration()).await;
-    publish_msg(bus, &subjects.heartbeat(), &info.heartbeat()).await;
+    publish_msg(
+        bus,
+        &subjects.register(info.worker_id),
+        &info.registration(),
+    )
+    .await;
+    publish_msg(bus, &subjects.heartbeat(info.worker_id), &info.heartbeat()).await;
 }
 
 /// Takes rank `index` of a worker in or out of service and, if that changed it, announces it
@@ -47,8 +52,6 @@ pub async fn discovery_task(
     heartbeat_interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let register = subjects.register();
-    let heartbeat = subjects.heartbeat();
     let mut tick = tokio::time::interval_at(
         tokio::time::Instant::now() + heartbeat_interval,
         heartbeat_interval,
@@ -65,12 +68,12 @@ pub async fn discovery_task(
                     tracing::debug!(error = %e, "malformed WhoIsThere; answering anyway");
                 }
                 for w in &workers {
-                    publish_msg(&bus, &register, &w.registration()).await;
+                    publish_msg(&bus, &subjects.register(w.worker_id), &w.registration()).await;
                 }
             }
             _ = tick.tick() => {
                 for w in &workers {
-                    publish_msg(&bus, &heartbeat, &w.heartbeat()).await;
+                    publish_msg(&bus, &subjects.heartbeat(w.worker_id), &w.heartbeat()).await;
                 }
             }
         }

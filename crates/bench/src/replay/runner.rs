@@ -15,7 +15,7 @@ use super::{ClusterCounters, LoadSample, RequestResult, RunOutcome};
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
-use kvrouter_protocol::{decode, LoadReport, Subjects, WorkerKey};
+use kvrouter_protocol::{decode, LoadReport, Subjects, WorkerKey, WorkerSubject};
 use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use rustc_hash::FxHashMap;
@@ -272,7 +272,9 @@ pub async fn run_policy(
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
-    let mut load_sub = bus.subscribe(&subjects.load()).await?;
+    let mut load_sub = bus
+        .subscribe(&subjects.every_worker(WorkerSubject::Load))
+        .await?;
     let loads: Arc<parking_lot::Mutex<FxHashMap<WorkerKey, u64>>> = Arc::default();
     let loads_w = loads.clone();
     let load_task = tokio::spawn(async move {

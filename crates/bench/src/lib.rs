@@ -3,6 +3,7 @@
 //! running replicas, the bridge, and what the frontend adds over calling an engine directly.
 
 pub mod bridge_bench;
+pub mod chaos;
 pub mod frontend_bench;
 pub mod indexer_bench;
 pub mod indexer_scale;

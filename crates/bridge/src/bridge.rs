@@ -112,6 +112,7 @@ impl Bridge {
             info: info.clone(),
             kv_events_subject: subjects.kv_events(worker_id),
             load_subject: subjects.load(worker_id),
+            event_marks_subject: subjects.event_marks(worker_id),
             batch_interval: c.event_batch_interval,
             load_interval: c.metrics_interval,
         };

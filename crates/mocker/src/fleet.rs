@@ -361,6 +361,7 @@ impl MockerFleet {
             info: info.worker.clone(),
             kv_events_subject: self.subjects.kv_events(worker_id),
             load_subject: self.subjects.load(worker_id),
+            event_marks_subject: self.subjects.event_marks(worker_id),
             batch_interval: c.event_batch_interval,
             load_interval: c.load_report_interval,
         };

@@ -110,7 +110,8 @@ from_worker!(
     Deregistration,
     KvEventBatch,
     LoadReport,
-    TransferReport
+    TransferReport,
+    EventMarks
 );
 
 /// A worker announcing itself: on start, on every "who is there", and again when asked.
@@ -202,6 +203,24 @@ pub struct LoadReport {
     pub worker_id: WorkerId,
     pub instance_id: Uuid,
     pub ranks: Vec<RankLoad>,
+}
+
+/// The last event id a worker instance gave each of its ranks (those with any event),
+/// published about once a second: a replica whose index of a rank is behind it lost the
+/// rank's latest events, which no later event shows while the rank is quiet, and fetches the
+/// rank's state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventMarks {
+    pub worker_id: WorkerId,
+    pub instance_id: Uuid,
+    pub ranks: Vec<RankMark>,
+}
+
+/// The last event id of one rank.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankMark {
+    pub dp_rank: DpRank,
+    pub last_event_id: EventId,
 }
 
 /// Asks a worker for one rank's current cache (answered as a stream of [`StateChunk`]).

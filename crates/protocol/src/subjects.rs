@@ -137,6 +137,8 @@ pub enum WorkerSubject {
     KvEvents,
     /// `LoadReport`.
     Load,
+    /// `EventMarks`, published about once a second.
+    EventMarks,
     /// `TransferReport`, published by each tensor-parallel rank of prefill and decode
     /// workers when KV transfers finish.
     KvTransfer,
@@ -152,12 +154,13 @@ pub enum WorkerSubject {
 
 impl WorkerSubject {
     /// What a worker publishes (the rest it serves or obeys).
-    pub const PUBLISHED: [WorkerSubject; 6] = [
+    pub const PUBLISHED: [WorkerSubject; 7] = [
         Self::Register,
         Self::Heartbeat,
         Self::Deregister,
         Self::KvEvents,
         Self::Load,
+        Self::EventMarks,
         Self::KvTransfer,
     ];
 
@@ -169,6 +172,7 @@ impl WorkerSubject {
             Self::Deregister => "deregister",
             Self::KvEvents => "kv_events",
             Self::Load => "load",
+            Self::EventMarks => "event_marks",
             Self::KvTransfer => "kv_transfer",
             Self::Generate => "generate",
             Self::State => "state",
@@ -245,6 +249,11 @@ impl ModelSubjects {
     /// `LoadReport` of worker `worker_id`.
     pub fn load(&self, worker_id: u64) -> String {
         self.worker(worker_id, WorkerSubject::Load)
+    }
+
+    /// `EventMarks` of worker `worker_id`.
+    pub fn event_marks(&self, worker_id: u64) -> String {
+        self.worker(worker_id, WorkerSubject::EventMarks)
     }
 
     /// `TransferReport` of worker `worker_id` (each of its tensor-parallel ranks).
@@ -397,7 +406,11 @@ mod tests {
             let own = m.worker(42, what);
             assert!(own.starts_with("ns.model.a~2Eb.worker.42."), "{own}");
             assert_eq!(m.worker_of(&own), Some(42));
-            let legacy = m.legacy(what).unwrap();
+            // Marks are new: they never had a model-wide subject.
+            let Some(legacy) = m.legacy(what) else {
+                assert_eq!(what, WorkerSubject::EventMarks);
+                continue;
+            };
             assert_eq!(m.worker_of(&legacy), None, "{legacy}");
             assert_ne!(legacy, own);
         }

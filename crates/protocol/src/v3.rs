@@ -344,8 +344,10 @@ impl Wire for crate::messages::GenerateEvent {
     }
 }
 
-// Every message encoded the same in versions 3 and 4.
+// Every message encoded the same in versions 3 and 4 (`EventMarks` is new in 4: a version-3
+// peer never sends it and never subscribes to it).
 unchanged_since_previous!(
+    EventMarks,
     Registration,
     RankLiveness,
     Heartbeat,

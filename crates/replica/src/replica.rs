@@ -300,6 +300,8 @@ async fn subscribe_workers(
             back,
         )
         .await?;
+        let marks = TrackerMsg::Marks;
+        follow(bus, m, metrics, W::EventMarks, "event_marks", marks, back).await?;
     }
     follow(bus, m, metrics, W::Load, "load", TrackerMsg::Load, back).await?;
     let s = &m.subjects;

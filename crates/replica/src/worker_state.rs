@@ -100,6 +100,8 @@ struct Rank {
     routable: bool,
     /// Failed fetches in a row.
     failures: u32,
+    /// A worker's mark said the rank had events up to this id that had not arrived yet.
+    suspect: Option<EventId>,
 }
 
 /// What happened to one live event.
@@ -161,6 +163,7 @@ impl WorkerStateSync {
                 joined: now,
                 routable: false,
                 failures: 0,
+                suspect: None,
             },
         );
     }
@@ -361,6 +364,34 @@ impl WorkerStateSync {
         }
     }
 
+    /// The worker says the last event it gave `key` is `last` (its `EventMarks`). Returns
+    /// how many events were lost if the rank now fetches its state: a mark ahead of what
+    /// arrived is a suspicion, and the next mark (a second later) still finding those events
+    /// missing confirms it. Marks travel apart from events, so one mark may overtake the
+    /// last batch; two cannot.
+    pub fn on_mark(&mut self, key: WorkerKey, last: EventId) -> Option<u64> {
+        let rank = self.ranks.get_mut(&key)?;
+        let RankState::Synced { next } = rank.state else {
+            rank.suspect = None; // a fetch is wanted or under way anyway
+            return None;
+        };
+        if last < next {
+            rank.suspect = None;
+            return None;
+        }
+        match rank.suspect {
+            Some(s) if s >= next => {
+                rank.suspect = None;
+                rank.state = RankState::fetching();
+                Some(s - next + 1)
+            }
+            _ => {
+                rank.suspect = Some(last);
+                None
+            }
+        }
+    }
+
     /// The snapshot for `key` arrived; returns the buffered events to apply after it.
     /// `None` when the rank is no longer fetching (removed meanwhile): discard the snapshot.
     pub fn on_snapshot(
@@ -454,6 +485,34 @@ mod tests {
         assert_eq!(s.on_event(&ev(7)), EventOutcome::Apply);
         assert_eq!(s.on_event(&ev(9)), EventOutcome::Gap { missing: 1 });
         assert!(!s.is_synced(K));
+    }
+
+    #[test]
+    fn a_mark_twice_ahead_of_the_events_starts_a_fetch() {
+        let mut s = WorkerStateSync::default();
+        s.add(K, Instant::now());
+        s.on_snapshot(K, Some(4)).unwrap();
+        // In step with the events: nothing to do.
+        assert_eq!(s.on_mark(K, 4), None);
+        assert_eq!(s.on_mark(K, 4), None);
+        // Ahead once (the mark may have overtaken batch 5), then the batch arrives.
+        assert_eq!(s.on_mark(K, 5), None);
+        assert_eq!(s.on_event(&ev(5)), EventOutcome::Apply);
+        assert_eq!(s.on_mark(K, 5), None);
+        assert!(s.is_synced(K));
+        // Ahead twice with no progress: events 6 and 7 were lost.
+        assert_eq!(s.on_mark(K, 7), None);
+        assert_eq!(s.on_mark(K, 7), Some(2));
+        assert!(!s.is_synced(K));
+        assert_eq!(s.due_fetches(Instant::now()), vec![K]);
+        // While fetching, marks change nothing; the snapshot syncs the rank.
+        assert_eq!(s.on_mark(K, 9), None);
+        s.on_snapshot(K, Some(9)).unwrap();
+        assert_eq!(s.on_mark(K, 9), None);
+        assert_eq!(s.on_mark(K, 9), None);
+        assert!(s.is_synced(K));
+        // Untracked ranks are ignored.
+        assert_eq!(s.on_mark(WorkerKey::new(9, 9), 1), None);
     }
 
     #[test]

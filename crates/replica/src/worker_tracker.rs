@@ -16,8 +16,8 @@ use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_indexer::{block_limit_for_capacity, RankDump, ShardedIndex};
 use kvrouter_protocol::{
-    decode, encode, Deregistration, EventId, Heartbeat, KvEvent, KvEventBatch, LoadReport,
-    ModelSubjects, Registration, Reply, StateChunk, StateQuery, WhoIsThere, WorkerKey,
+    decode, encode, Deregistration, EventId, EventMarks, Heartbeat, KvEvent, KvEventBatch,
+    LoadReport, ModelSubjects, Registration, Reply, StateChunk, StateQuery, WhoIsThere, WorkerKey,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rustc_hash::FxHashMap;
@@ -36,6 +36,7 @@ pub enum TrackerMsg {
     Heartbeat(Heartbeat),
     Deregistration(Deregistration),
     Events(KvEventBatch),
+    Marks(EventMarks),
     Load(LoadReport),
     /// A state fetch finished.
     Snapshot {
@@ -277,6 +278,25 @@ impl TrackerState {
         }
     }
 
+    fn on_marks(&mut self, marks: EventMarks, myself: &ActorRef<TrackerMsg>) {
+        if self.discovery.instance(marks.worker_id) != Some(marks.instance_id) {
+            return; // an instance we do not follow (yet): its registration comes first
+        }
+        let mut gaps = 0u64;
+        for m in marks.ranks {
+            let key = WorkerKey::new(marks.worker_id, m.dp_rank);
+            if let Some(missing) = self.sync.on_mark(key, m.last_event_id) {
+                tracing::warn!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, missing, "KV events lost (the worker's mark is ahead of what arrived); fetching the rank's state");
+                gaps += 1;
+            }
+        }
+        if gaps > 0 {
+            self.metrics(|m| m.event_gaps.get_or_create(&self.labels).inc_by(gaps));
+            self.start_due_fetches(myself);
+            self.publish_status();
+        }
+    }
+
     fn on_snapshot(
         &mut self,
         key: WorkerKey,
@@ -431,6 +451,7 @@ impl Actor for WorkerTracker {
                 state.apply_changes(changes, &myself).await;
             }
             TrackerMsg::Events(batch) => state.on_events(batch, &myself).await,
+            TrackerMsg::Marks(marks) => state.on_marks(marks, &myself),
             TrackerMsg::Load(report) => {
                 if state.discovery.instance(report.worker_id) == Some(report.instance_id) {
                     let _ = state

@@ -129,9 +129,9 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
         .unwrap();
     traffic.await.unwrap();
     assert!(late.wait_ready(Duration::from_secs(5)).await);
-    // Requests on every rank after the loss, so the gap shows: a lost batch is noticed by
-    // the next event id. Routing may have left worker 11 idle, and then the dropped batches
-    // are these requests' own, so rounds go on (each its own batch) until the gap shows.
+    // Requests on every rank after the loss, so the gap shows by the next event id (or, if
+    // routing left worker 11 idle and the dropped batches are these requests' own, by the
+    // worker's event marks a second or two later; rounds go on until the gap shows).
     let no_gap_seen = |r: &Replica| {
         r.shared()
             .metrics
@@ -189,6 +189,76 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
     assert!(!no_gap_seen(&early), "the early replica saw the loss");
     early.shutdown().await;
     late.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}
+
+// A worker's last batch before it goes quiet is lost: no later event id shows the gap, the
+// worker's event marks do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_last_batch_is_found_by_the_workers_marks() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 64))
+        .await
+        .unwrap();
+    let replica = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
+        .await
+        .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let key = WorkerKey::new(10, 0);
+    let index_matches = || async {
+        let truth = prefixes(&worker_state(&bus, key).await);
+        let dump = replica.dump_rank(MODEL, key).await;
+        (
+            dump.map(|d| prefixes(&d.events)).unwrap_or_default() == truth,
+            truth.len(),
+        )
+    };
+    client
+        .generate(&GenerateParams::new(MODEL, prompt(1, 1, 4), 1))
+        .await
+        .unwrap();
+    let drop = Subjects::new("kvrouter")
+        .unwrap()
+        .model(MODEL)
+        .unwrap()
+        .drop_events(10);
+    let ack = bus
+        .request(
+            &drop,
+            Bytes::from(encode(&1u64).unwrap()),
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+    assert!(decode::<Reply<()>>(&ack.payload)
+        .unwrap()
+        .into_result()
+        .is_ok());
+    // The last request: its batch is dropped, and nothing follows it.
+    client
+        .generate(&GenerateParams::new(MODEL, prompt(2, 2, 4), 1))
+        .await
+        .unwrap();
+    let mut last = (false, 0);
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last = index_matches().await;
+        if last.0 && last.1 == 8 {
+            break;
+        }
+    }
+    assert_eq!(
+        last,
+        (true, 8),
+        "the index never caught up with the worker's 8 blocks"
+    );
+    let metrics = replica.shared().metrics.render();
+    assert!(
+        !metrics.contains("kvrouter_kv_event_gaps_total{model=\"m\"} 0\n"),
+        "the loss was counted: {metrics}"
+    );
+    replica.shutdown().await;
     fleet.shutdown().await.unwrap();
 }
 

@@ -14,6 +14,10 @@ use tracing::Instrument;
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a generate stream may stay silent, unless configured otherwise.
 pub const DEFAULT_GENERATE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many more times a request any replica may answer is sent, unless configured otherwise.
+pub const DEFAULT_RETRIES: u32 = 2;
+/// Wait before asking again when no replica was there, times the retries so far.
+const NO_ROUTER_BACKOFF: Duration = Duration::from_millis(100);
 
 /// A fresh request id (a uuid v4), for callers that have none.
 pub fn new_request_id() -> String {
@@ -44,6 +48,7 @@ pub struct KvRouterClient {
     pub(crate) subjects: Subjects,
     pub(crate) timeout: Duration,
     pub(crate) generate_idle_timeout: Duration,
+    pub(crate) retries: u32,
 }
 
 impl KvRouterClient {
@@ -54,7 +59,16 @@ impl KvRouterClient {
             subjects: Subjects::new(namespace)?,
             timeout: DEFAULT_REQUEST_TIMEOUT,
             generate_idle_timeout: DEFAULT_GENERATE_IDLE_TIMEOUT,
+            retries: DEFAULT_RETRIES,
         })
+    }
+
+    /// Sets how many more times a request any replica may answer (route, overlap lookups)
+    /// is sent when none answers in time, or none is there (default 2): a replica killed or
+    /// paused with the request costs one timeout, not the request.
+    pub fn with_retries(mut self, retries: u32) -> Self {
+        self.retries = retries;
+        self
     }
 
     /// Sets how long each router endpoint call may take (default 2 s).
@@ -107,7 +121,7 @@ impl KvRouterClient {
             update_states = req.update_states,
         );
         let subject = self.subjects.route();
-        self.call(&subject, req, req.tokens.len())
+        self.call_any(&subject, req, req.tokens.len())
             .instrument(span)
             .await
     }
@@ -120,7 +134,7 @@ impl KvRouterClient {
         let span =
             tracing::debug_span!("overlap_scores", model = %req.model, tokens = req.tokens.len());
         let subject = self.subjects.overlap_scores();
-        self.call(&subject, req, req.tokens.len())
+        self.call_any(&subject, req, req.tokens.len())
             .instrument(span)
             .await
     }
@@ -133,7 +147,7 @@ impl KvRouterClient {
         let span =
             tracing::debug_span!("potential_loads", model = %req.model, tokens = req.tokens.len());
         let subject = self.subjects.potential_loads();
-        self.call(&subject, req, req.tokens.len())
+        self.call_any(&subject, req, req.tokens.len())
             .instrument(span)
             .await
     }
@@ -168,6 +182,35 @@ impl KvRouterClient {
             request_id: request_id.to_string(),
         };
         self.call(&subject, &update, 0).instrument(span).await
+    }
+
+    /// [`Self::call`] on an endpoint any replica answers (a queue group): when the replica
+    /// that got the request never answers (killed, paused, partitioned) or no replica is
+    /// there (a restart), the request goes out again, up to `retries` more times; another
+    /// replica takes it. A route a stalled replica recorded without answering is freed by
+    /// that replica's request lease.
+    pub(crate) async fn call_any<Req: Wire, T: Wire>(
+        &self,
+        subject: &str,
+        req: &Req,
+        tokens: usize,
+    ) -> Result<T, ClientError> {
+        let mut retried = 0;
+        loop {
+            match self.call(subject, req, tokens).await {
+                Err(e @ (ClientError::Timeout { .. } | ClientError::NoRouter { .. }))
+                    if retried < self.retries =>
+                {
+                    retried += 1;
+                    tracing::debug!(error = %e, retried, "no replica answered; asking again");
+                    if matches!(e, ClientError::NoRouter { .. }) {
+                        // Nobody there: give a restarting replica a moment.
+                        tokio::time::sleep(NO_ROUTER_BACKOFF * retried).await;
+                    }
+                }
+                result => return result,
+            }
+        }
     }
 
     /// Encodes `req`, checks it fits one bus message, sends it and decodes the `Reply<T>`.

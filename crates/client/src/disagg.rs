@@ -63,7 +63,7 @@ impl KvRouterClient {
             tokens = req.tokens.len(),
         );
         let subject = self.subjects.route_disagg();
-        self.call(&subject, req, req.tokens.len())
+        self.call_any(&subject, req, req.tokens.len())
             .instrument(span)
             .await
     }

@@ -29,7 +29,7 @@ mod generate;
 
 pub use client::{
     new_request_id, route_request, KvRouterClient, DEFAULT_GENERATE_IDLE_TIMEOUT,
-    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT, DEFAULT_RETRIES,
 };
 pub use disagg::{DisaggOutcome, StageOutcome};
 pub use error::{ClientError, WorkerFailure};

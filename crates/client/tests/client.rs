@@ -233,6 +233,72 @@ async fn silent_replicas_time_out() {
 }
 
 #[tokio::test]
+async fn a_replica_that_never_answers_costs_a_timeout_not_the_route() {
+    let bus = Bus::local();
+    let subjects = Subjects::new(NS).unwrap();
+    // A replica that takes the first route request and dies with it, then a live one.
+    let mut stalled = bus
+        .queue_subscribe(&subjects.route(), "kvrouter-replicas")
+        .await
+        .unwrap();
+    let taken = tokio::spawn(async move { stalled.next().await.map(|m| m.payload) });
+    let c = client(&bus).with_timeout(Duration::from_millis(100));
+    let req = route_request(MODEL, vec![1, 2]);
+    let route = {
+        let c = c.clone();
+        let req = req.clone();
+        tokio::spawn(async move { c.route(&req).await })
+    };
+    let first: RouteRequest = decode(&taken.await.unwrap().unwrap()).unwrap();
+    assert_eq!(first.request_id, req.request_id);
+    let seen = responder(&bus, &subjects.route(), |_| enc(&Reply::Ok(decision("r2")))).await;
+    assert_eq!(route.await.unwrap().unwrap(), decision("r2"));
+    let again: RouteRequest = decode(&seen.lock().unwrap()[0]).unwrap();
+    assert_eq!(
+        again.request_id, req.request_id,
+        "the same request, asked again"
+    );
+}
+
+/// Routes through `c` against a silent replica listening on `sub`: how often it was asked.
+async fn times_asked(c: &KvRouterClient, sub: &mut kvrouter_bus::Subscription) -> u32 {
+    let err = c.route(&route_request(MODEL, vec![1])).await.unwrap_err();
+    assert!(matches!(err, ClientError::Timeout { .. }), "{err:?}");
+    let mut n = 0;
+    while let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(5), sub.next()).await {
+        n += 1;
+    }
+    n
+}
+
+#[tokio::test]
+async fn retries_are_bounded_and_error_replies_not_retried() {
+    let bus = Bus::local();
+    let subjects = Subjects::new(NS).unwrap();
+    let mut silent = bus.subscribe(&subjects.route()).await.unwrap();
+    let c = client(&bus).with_timeout(Duration::from_millis(30));
+    assert_eq!(
+        times_asked(&c.clone().with_retries(0), &mut silent).await,
+        1
+    );
+    assert_eq!(
+        times_asked(&c, &mut silent).await,
+        1 + kvrouter_client::DEFAULT_RETRIES
+    );
+    drop(silent);
+    let seen = responder(&bus, &subjects.route(), |_| {
+        enc(&Reply::<RouteDecision>::Err(ErrorReply::new(
+            ErrorKind::Overloaded,
+            "every worker is busy",
+        )))
+    })
+    .await;
+    let err = c.route(&route_request(MODEL, vec![1])).await.unwrap_err();
+    assert!(matches!(err, ClientError::Router(_)), "{err:?}");
+    assert_eq!(seen.lock().unwrap().len(), 1, "an answer is final");
+}
+
+#[tokio::test]
 async fn oversized_prompts_fail_before_sending() {
     let max_payload = (64 << 10) + 4000;
     let bus = Bus::Local(LocalBus::with_max_payload(max_payload));

@@ -421,6 +421,28 @@ fn drain_secs(env: &BTreeMap<String, String>, who: &str) -> i64 {
         .expect("a number of seconds")
 }
 
+/// Readiness on /readyz and liveness on /healthz at the port KVROUTER_ADMIN_ADDR opens, and a
+/// grace period above KVROUTER_DRAIN_TIMEOUT_SECS.
+fn admin_probes_and_grace(w: &Value, c: &Value, env: &BTreeMap<String, String>, who: &str) {
+    let (_, admin) = host_port(&env["KVROUTER_ADMIN_ADDR"]);
+    assert_eq!(
+        http_probe(c, "readinessProbe"),
+        ("/readyz".into(), admin),
+        "{who}"
+    );
+    assert_eq!(
+        http_probe(c, "livenessProbe"),
+        ("/healthz".into(), admin),
+        "{who}"
+    );
+    let grace = int(w, "/spec/template/spec/terminationGracePeriodSeconds");
+    let drain = drain_secs(env, who);
+    assert!(
+        grace > drain,
+        "{who}: grace {grace} s must exceed the drain timeout {drain} s"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Schemas
 
@@ -470,23 +492,7 @@ fn serve_replicas_probe_the_admin_port_drain_in_time_and_keep_a_budget() {
         assert_eq!(w["kind"], "Deployment", "{who}");
         assert_eq!(int(w, "/spec/replicas"), 3, "{who}: three replicas");
         let env = m.env(c);
-        let (_, admin) = host_port(&env["KVROUTER_ADMIN_ADDR"]);
-        assert_eq!(
-            http_probe(c, "readinessProbe"),
-            ("/readyz".into(), admin),
-            "{who}"
-        );
-        assert_eq!(
-            http_probe(c, "livenessProbe"),
-            ("/healthz".into(), admin),
-            "{who}"
-        );
-        let grace = int(w, "/spec/template/spec/terminationGracePeriodSeconds");
-        let drain = drain_secs(&env, &who);
-        assert!(
-            grace > drain,
-            "{who}: grace {grace} s must exceed the drain timeout {drain} s"
-        );
+        admin_probes_and_grace(w, c, &env, &who);
         assert!(
             c["lifecycle"].is_null(),
             "{who}: a preStop would eat the grace period"
@@ -570,23 +576,7 @@ fn frontends_and_bridges_probe_the_ports_their_settings_open() {
         let (w, c) = m.kvrouter("bridge");
         let who = format!("{}: {}", m.dir, short(w));
         let env = m.env(c);
-        let (_, admin) = host_port(&env["KVROUTER_ADMIN_ADDR"]);
-        assert_eq!(
-            http_probe(c, "readinessProbe"),
-            ("/readyz".into(), admin),
-            "{who}"
-        );
-        assert_eq!(
-            http_probe(c, "livenessProbe"),
-            ("/healthz".into(), admin),
-            "{who}"
-        );
-        let grace = int(w, "/spec/template/spec/terminationGracePeriodSeconds");
-        let drain = drain_secs(&env, &who);
-        assert!(
-            grace > drain,
-            "{who}: grace {grace} s must exceed the bridge's drain {drain} s"
-        );
+        admin_probes_and_grace(w, c, &env, &who);
     }
 }
 

@@ -87,6 +87,18 @@ pub struct ServeArgs {
     /// This replica's id in route answers (default: a fresh uuid).
     #[arg(long, env = "KVROUTER_REPLICA_ID")]
     replica_id: Option<String>,
+    /// Take no routes until this many workers of each model are known (or the timeout
+    /// below passes, with a warning): the first routes of a fleet starting up are not all
+    /// piled on its first worker. 0: no wait.
+    #[arg(long, env = "KVROUTER_MIN_INITIAL_WORKERS", default_value_t = 0)]
+    min_initial_workers: usize,
+    /// How long --min-initial-workers waits at most.
+    #[arg(
+        long,
+        env = "KVROUTER_MIN_INITIAL_WORKERS_TIMEOUT_SECS",
+        default_value_t = 60.0
+    )]
+    min_initial_workers_timeout_secs: f64,
     /// How long a rank's state fetch may stay silent before it is retried.
     #[arg(long, env = "KVROUTER_STATE_FETCH_TIMEOUT_MS", default_value_t = 2000)]
     state_fetch_timeout_ms: u64,
@@ -210,6 +222,11 @@ impl ServeArgs {
             block_sizes,
             worker_lease: secs("worker-lease-secs", self.worker_lease_secs)?,
             state_fetch_timeout: Duration::from_millis(self.state_fetch_timeout_ms),
+            min_initial_workers: self.min_initial_workers,
+            min_initial_workers_timeout: secs(
+                "min-initial-workers-timeout-secs",
+                self.min_initial_workers_timeout_secs,
+            )?,
             max_prompt_tokens: self.max_prompt_tokens,
             scheduler,
             index_shards: self.index_shards,

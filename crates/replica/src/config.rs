@@ -220,6 +220,10 @@ pub struct ReplicaConfig {
     pub index_shards: usize,
     /// Time the first "who is there" gets before the replica may turn ready.
     pub discovery_window: Duration,
+    /// Workers of each model to know before taking routes (`--min-initial-workers`), and
+    /// how long to wait for them at most (then routes are taken anyway, with a warning).
+    pub min_initial_workers: usize,
+    pub min_initial_workers_timeout: Duration,
     /// How long shutdown may take in all: draining in-flight requests, then stopping.
     pub drain_timeout: Duration,
     pub admin_addr: Option<SocketAddr>,
@@ -248,6 +252,8 @@ impl Default for ReplicaConfig {
             scheduler: SchedulerConfig::default(),
             index_shards: 1,
             discovery_window: Duration::from_millis(500),
+            min_initial_workers: 0,
+            min_initial_workers_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(10),
             admin_addr: None,
             http_addr: None,

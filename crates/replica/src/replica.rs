@@ -95,7 +95,9 @@ async fn start_model(
 ) -> Result<(ModelRuntime, Arc<ModelShared>), ReplicaError> {
     let model_subjects = subjects.model(name)?;
     let mut handles = Vec::new();
-    let status = Arc::new(ModelStatus::default());
+    let status = Arc::new(ModelStatus::with_min_initial_workers(
+        config.min_initial_workers,
+    ));
     let block_size = config.block_sizes.get(name).copied();
     if let Some(b) = block_size {
         status.block_size.store(b, Ordering::Relaxed);
@@ -431,10 +433,28 @@ async fn begin_discovery(
             m.status.discovered.store(true, Ordering::Relaxed);
         }
     }));
-    back.push(gate.spawn(
-        shared.clone(),
-        config.discovery_window + config.state_fetch_timeout,
-    ));
+    if config.min_initial_workers > 0 {
+        let (s, wait, min) = (
+            shared.clone(),
+            config.min_initial_workers_timeout,
+            config.min_initial_workers,
+        );
+        back.push(tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            for m in s.models.values() {
+                if let Some(known) = m.status.waive_min_workers() {
+                    tracing::warn!(model = %m.name, known, min_initial_workers = min, waited_secs = wait.as_secs_f64(), "taking routes with fewer workers than --min-initial-workers: the wait timed out");
+                }
+            }
+        }));
+    }
+    // The gate waits as long as readiness may: for the first syncs, and for the initial
+    // workers if asked to.
+    let mut bound = config.discovery_window + config.state_fetch_timeout;
+    if config.min_initial_workers > 0 {
+        bound = bound.max(config.min_initial_workers_timeout + Duration::from_secs(1));
+    }
+    back.push(gate.spawn(shared.clone(), bound));
 }
 
 impl Replica {

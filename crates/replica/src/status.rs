@@ -25,6 +25,12 @@ pub struct ModelStatus {
     pub index_catching_up: AtomicBool,
     /// Each registered worker's role and data-parallel layout (disaggregation).
     pub layouts: Layouts,
+    /// Workers registered (published by the worker tracker).
+    pub workers: AtomicUsize,
+    /// `--min-initial-workers`: the model is not ready before that many workers are known,
+    /// until that happens once or the wait times out ([`ModelStatus::waive_min_workers`]).
+    pub min_initial_workers: usize,
+    pub min_workers_met: AtomicBool,
 }
 
 impl ModelStatus {
@@ -35,12 +41,40 @@ impl ModelStatus {
         }
     }
 
+    /// A status that waits for `min_initial_workers` workers before its first readiness.
+    pub fn with_min_initial_workers(min_initial_workers: usize) -> Self {
+        Self {
+            min_initial_workers,
+            ..Self::default()
+        }
+    }
+
+    /// The `--min-initial-workers` timeout passed: ready without them. Returns how many
+    /// workers were known if the wait was still on (for the warning).
+    pub fn waive_min_workers(&self) -> Option<usize> {
+        let was_met = self.min_workers_met.swap(true, Ordering::Relaxed);
+        let known = self.workers.load(Ordering::Relaxed);
+        (!was_met && known < self.min_initial_workers).then_some(known)
+    }
+
     /// Whether the model can route (and its index answer): the first roll call had its
-    /// window, no rank is in its first fetch, and any approximate index is loaded. A rank
+    /// window, at least `min_initial_workers` workers were known once (or the wait timed
+    /// out), no rank is in its first fetch, and any approximate index is loaded. A rank
     /// whose fetch failed does not count: it is left out of routing instead.
     pub fn ready(&self) -> Result<(), String> {
         if !self.discovered.load(Ordering::Relaxed) {
             return Err("discovering workers".into());
+        }
+        if !self.min_workers_met.load(Ordering::Relaxed) {
+            let known = self.workers.load(Ordering::Relaxed);
+            if known < self.min_initial_workers {
+                return Err(format!(
+                    "{known} of {} workers known (--min-initial-workers)",
+                    self.min_initial_workers
+                ));
+            }
+            // Initial only: losing workers later does not take the replica out of service.
+            self.min_workers_met.store(true, Ordering::Relaxed);
         }
         if self.index_catching_up.load(Ordering::Relaxed) {
             return Err("loading the approximate index from a peer".into());
@@ -97,5 +131,33 @@ mod tests {
         assert!(st.unroutable_summary(5).unwrap().contains("1 rank(s)"));
         st.index_catching_up.store(true, Ordering::Relaxed);
         assert!(st.ready().unwrap_err().contains("approximate index"));
+    }
+
+    #[test]
+    fn min_initial_workers_holds_readiness_once() {
+        let st = ModelStatus::with_min_initial_workers(2);
+        st.discovered.store(true, Ordering::Relaxed);
+        st.workers.store(1, Ordering::Relaxed);
+        assert_eq!(
+            st.ready().unwrap_err(),
+            "1 of 2 workers known (--min-initial-workers)"
+        );
+        st.workers.store(2, Ordering::Relaxed);
+        assert!(st.ready().is_ok());
+        st.workers.store(0, Ordering::Relaxed);
+        assert!(st.ready().is_ok(), "only the initial count holds it");
+        assert_eq!(
+            st.waive_min_workers(),
+            None,
+            "met already: nothing to warn of"
+        );
+
+        let timed_out = ModelStatus::with_min_initial_workers(3);
+        timed_out.discovered.store(true, Ordering::Relaxed);
+        timed_out.workers.store(1, Ordering::Relaxed);
+        assert!(timed_out.ready().is_err());
+        assert_eq!(timed_out.waive_min_workers(), Some(1));
+        assert!(timed_out.ready().is_ok());
+        assert_eq!(timed_out.waive_min_workers(), None, "warned once");
     }
 }

@@ -192,6 +192,64 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
     fleet.shutdown().await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_initial_workers_holds_routes_until_enough_workers_are_known() {
+    let bus = Bus::local();
+    let first = MockerFleet::start(bus.clone(), fleet_config(1, 1, 64))
+        .await
+        .unwrap();
+    let config = ReplicaConfig {
+        min_initial_workers: 2,
+        min_initial_workers_timeout: Duration::from_secs(60),
+        ..replica_config(SchedulerConfig::default())
+    };
+    let replica = Replica::start(config, bus.clone()).await.unwrap();
+    // Past the discovery window with one worker synced: still not taking routes.
+    assert!(!replica.wait_ready(Duration::from_millis(600)).await);
+    let (ready, why) = replica.shared().readiness();
+    assert!(!ready && why.contains("1 of 2 workers known"), "{why}");
+    let client = KvRouterClient::new(bus.clone(), "kvrouter")
+        .unwrap()
+        .with_retries(0);
+    let req = kvrouter_client::route_request(MODEL, prompt(1, 1, 2));
+    let err = client.route(&req).await.unwrap_err();
+    assert!(matches!(err, ClientError::NoRouter { .. }), "{err:?}");
+    let second = MockerFleet::start(
+        bus.clone(),
+        FleetConfig {
+            worker_id_start: 20,
+            ..fleet_config(1, 1, 64)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    client.route(&req).await.unwrap();
+    replica.shutdown().await;
+    first.shutdown().await.unwrap();
+    second.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_initial_workers_gives_up_waiting_after_its_timeout() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 64))
+        .await
+        .unwrap();
+    let config = ReplicaConfig {
+        min_initial_workers: 3,
+        min_initial_workers_timeout: Duration::from_millis(800),
+        ..replica_config(SchedulerConfig::default())
+    };
+    let replica = Replica::start(config, bus.clone()).await.unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(10)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let req = kvrouter_client::route_request(MODEL, prompt(1, 1, 2));
+    assert_eq!(client.route(&req).await.unwrap().worker_id, 10);
+    replica.shutdown().await;
+    fleet.shutdown().await.unwrap();
+}
+
 // A worker's last batch before it goes quiet is lost: no later event id shows the gap, the
 // worker's event marks do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

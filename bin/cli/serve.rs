@@ -5,7 +5,7 @@ use super::nats_args::NatsArgs;
 use anyhow::Context;
 use clap::Args;
 use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
-use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
+use kvrouter_scheduler::{QueuePolicy, RoutingPolicy, SchedulerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -111,6 +111,10 @@ pub struct ServeArgs {
     /// round-robin, random, least-loaded.
     #[arg(long, env = "KVROUTER_POLICY", default_value = "kv")]
     policy: RoutingPolicy,
+    /// In which order requests queued because every worker was busy are retried: fcfs
+    /// (first come, first served) or wspt (fewest uncached prompt tokens first).
+    #[arg(long, env = "KVROUTER_QUEUE_POLICY", default_value = "fcfs")]
+    queue_policy: QueuePolicy,
     /// Share active-sequence changes with the other replicas (and apply theirs), so every
     /// replica routes on the whole fleet's load; a late replica catches up from a peer.
     #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
@@ -202,6 +206,7 @@ impl ServeArgs {
             queue_timeout: Duration::from_millis(self.max_queue_wait_ms),
             seed: self.seed.unwrap_or_else(fastrand_seed),
             policy: self.policy,
+            queue_policy: self.queue_policy,
             ..SchedulerConfig::default()
         };
         let block_sizes: HashMap<String, u32> = self.block_sizes.iter().cloned().collect();

@@ -61,6 +61,7 @@ pub fn route_job(
         shared_blocks: overlaps.shared_blocks,
         update_states,
         enqueued_at: crate::clock::now(),
+        order: 0.0, // set by the scheduler's queue policy if it is queued
         token: RouteToken {
             reply: tx,
             request_id: String::new(),

@@ -49,6 +49,47 @@ impl std::str::FromStr for RoutingPolicy {
     }
 }
 
+/// In which order queued requests (those that found every candidate busy) are retried.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum QueuePolicy {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// Weighted shortest processing time: fewest uncached prompt tokens (on the rank that
+    /// caches most of the prompt, as seen when queued) first, so short prefills do not wait
+    /// behind long ones; ties first come, first served. Mean waiting time is lowest; a long
+    /// prompt may wait until the queue timeout under sustained overload.
+    Wspt,
+}
+
+impl QueuePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fcfs => "fcfs",
+            Self::Wspt => "wspt",
+        }
+    }
+}
+
+impl std::fmt::Display for QueuePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for QueuePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fcfs" => Ok(Self::Fcfs),
+            "wspt" => Ok(Self::Wspt),
+            other => Err(format!(
+                "unknown queue policy {other:?}: expected fcfs or wspt"
+            )),
+        }
+    }
+}
+
 /// Tunables of one model's scheduler. See the crate docs for the cost formula.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
@@ -85,6 +126,8 @@ pub struct SchedulerConfig {
     pub seed: u64,
     /// How the candidate is chosen (baselines other than `Kv` exist for comparisons).
     pub policy: RoutingPolicy,
+    /// In which order queued requests are retried.
+    pub queue_policy: QueuePolicy,
 }
 
 /// Default credit of a host-memory hit: a transfer over PCIe, far cheaper than a prefill
@@ -117,6 +160,7 @@ impl Default for SchedulerConfig {
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
             seed: 0,
             policy: RoutingPolicy::Kv,
+            queue_policy: QueuePolicy::Fcfs,
         }
     }
 }

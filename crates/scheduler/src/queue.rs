@@ -1,4 +1,4 @@
-//! The bounded FIFO of requests that found every candidate busy.
+//! The bounded queue of requests that found every candidate busy, in retry order.
 
 use crate::active::RequestId;
 use crate::error::ScheduleError;
@@ -27,6 +27,8 @@ pub struct Queued<P> {
     pub shared_blocks: u32,
     pub update_states: bool,
     pub enqueued_at: Instant,
+    /// Retry order: lower first, ties in arrival order (set by the scheduler's queue policy).
+    pub order: f64,
     pub token: P,
 }
 
@@ -55,6 +57,7 @@ impl<P> Queued<P> {
             shared_blocks: query.shared_blocks,
             update_states,
             enqueued_at,
+            order: 0.0,
             token,
         }
     }
@@ -102,7 +105,7 @@ impl<P> Overloaded<P> {
     }
 }
 
-/// Bounded FIFO.
+/// Bounded, kept in retry order ([`Queued::order`], then arrival).
 #[derive(Debug)]
 pub(crate) struct RequestQueue<P> {
     items: VecDeque<Queued<P>>,
@@ -121,7 +124,8 @@ impl<P> RequestQueue<P> {
         self.items.len()
     }
 
-    /// Appends a request unless the queue holds `max` already.
+    /// Inserts a request after every one of lower or equal order, unless the queue holds
+    /// `max` already.
     pub fn push(&mut self, request: Queued<P>) -> Result<(), Overloaded<P>> {
         if self.items.len() >= self.max {
             return Err(Overloaded {
@@ -130,7 +134,8 @@ impl<P> RequestQueue<P> {
                 max: self.max,
             });
         }
-        self.items.push_back(request);
+        let at = self.items.partition_point(|q| q.order <= request.order);
+        self.items.insert(at, request);
         Ok(())
     }
 
@@ -139,8 +144,8 @@ impl<P> RequestQueue<P> {
     }
 
     /// Puts a request popped during a retry pass back at the end (a pass over `len()`
-    /// requests that requeues the busy ones keeps their FIFO order). Not bounded: the
-    /// request was already counted.
+    /// requests that requeues the busy ones keeps their order). Not bounded: the request
+    /// was already counted.
     pub fn requeue(&mut self, request: Queued<P>) {
         self.items.push_back(request);
     }
@@ -188,6 +193,19 @@ mod tests {
         let order: Vec<_> = queue.drain().map(|r| r.request_id).collect();
         assert_eq!(order, ["b", "d"]);
         assert_eq!(queue.len(), 0);
+    }
+
+    #[test]
+    fn lower_order_first_then_arrival() {
+        let now = Instant::now();
+        let mut queue = RequestQueue::new(8);
+        for (id, order) in [("a", 5.0), ("b", 1.0), ("c", 5.0), ("d", 0.0), ("e", 1.0)] {
+            let mut r = q(id, now);
+            r.order = order;
+            queue.push(r).unwrap();
+        }
+        let order: Vec<_> = queue.drain().map(|r| r.request_id).collect();
+        assert_eq!(order, ["d", "b", "e", "a", "c"]);
     }
 
     #[test]

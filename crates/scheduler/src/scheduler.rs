@@ -1,7 +1,7 @@
 //! The scheduler: filters, busy thresholds, cost-based choice, active sequences, queue.
 
 use crate::active::{ActiveSequences, KeyLoad, ReportedLoad, RequestId, Slot};
-use crate::config::{RoutingPolicy, SchedulerConfig};
+use crate::config::{QueuePolicy, RoutingPolicy, SchedulerConfig};
 use crate::cost::{self, CostParams, KeyCost};
 use crate::echo::{EchoLoad, PeerEcho};
 use crate::error::ScheduleError;
@@ -344,7 +344,16 @@ impl<P> Scheduler<P> {
 
     /// Queues a request that found every candidate busy; gives it back when the queue
     /// is full.
-    pub fn enqueue(&mut self, pending: Queued<P>) -> Result<(), Overloaded<P>> {
+    /// Queues a request that found every candidate busy, in the order of the queue policy.
+    pub fn enqueue(&mut self, mut pending: Queued<P>) -> Result<(), Overloaded<P>> {
+        pending.order = match self.config.queue_policy {
+            QueuePolicy::Fcfs => 0.0,
+            QueuePolicy::Wspt => {
+                let best = pending.overlaps.iter().map(|&(_, o)| o).max().unwrap_or(0);
+                let cached = best as usize * self.config.block_size as usize;
+                pending.prompt_tokens.saturating_sub(cached) as f64
+            }
+        };
         self.queue.push(pending)
     }
 
@@ -357,7 +366,7 @@ impl<P> Scheduler<P> {
         self.queue.drain().collect()
     }
 
-    /// Retries queued requests in FIFO order (call after any state change). Returns, in
+    /// Retries queued requests in queue order (call after any state change). Returns, in
     /// queue order, those placed now, those that now fail for a reason other than
     /// busy (e.g. their pinned worker left), and those queued `queue_timeout` or longer
     /// (`QueueTimeout`); the still-busy ones stay queued in order.
@@ -1303,6 +1312,62 @@ mod tests {
         let out = s.drain_ready(t(12));
         assert_eq!(out, vec![(3, Err(ScheduleError::QueueTimeout))]);
         assert_eq!(s.queue_len(), 0);
+    }
+
+    #[test]
+    fn wspt_retries_the_shortest_uncached_prompt_first() {
+        let order_placed = |policy| {
+            let mut s = sched(|c| {
+                c.block_size = 4;
+                c.busy_prefill_tokens = Some(1);
+                c.max_queued_requests = 8;
+                c.queue_timeout = Duration::from_secs(10);
+                c.queue_policy = policy;
+            });
+            let t0 = Instant::now();
+            s.add_worker_key(k(1, 0), 100);
+            let h = hs(&[1, 2, 3, 4]);
+            let busy = s.route(&RouteQuery::new(4, &h), &[], "busy".into(), true, t0);
+            let on = busy.unwrap().key;
+            // Uncached tokens: 16 (long), 4 (short), 8 (a 16-token prompt with 2 of its 4
+            // blocks cached on the key), then another 4 after the first.
+            let long = RouteQuery::new(16, &h);
+            let short = RouteQuery::new(4, &h);
+            let cached = [(on, 2)];
+            let names = ["long", "short", "half-cached", "short-2"];
+            for (token, (q, overlaps)) in [
+                (&long, &[][..]),
+                (&short, &[][..]),
+                (&long, &cached[..]),
+                (&short, &[][..]),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let id = names[token].to_string();
+                s.enqueue(Queued::new(q, overlaps, id, true, t0, token as u32))
+                    .unwrap();
+            }
+            // Each freed prefill lets exactly one queued request in (and makes the key busy).
+            let mut placed = Vec::new();
+            let mut prev = "busy";
+            while s.queue_len() > 0 {
+                assert!(s.mark_prefill(prev));
+                let out = s.drain_ready(t0);
+                assert_eq!(out.len(), 1, "{out:?}");
+                prev = names[out[0].0 as usize];
+                placed.push(prev);
+            }
+            placed
+        };
+        assert_eq!(
+            order_placed(QueuePolicy::Fcfs),
+            ["long", "short", "half-cached", "short-2"]
+        );
+        assert_eq!(
+            order_placed(QueuePolicy::Wspt),
+            ["short", "short-2", "half-cached", "long"]
+        );
     }
 
     #[test]

@@ -10,8 +10,8 @@
 
 use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use kvrouter_scheduler::{
-    Queued, ReportedLoad, RouteQuery, RoutingPolicy, ScheduleError, Scheduler, SchedulerConfig,
-    Selection,
+    QueuePolicy, Queued, ReportedLoad, RouteQuery, RoutingPolicy, ScheduleError, Scheduler,
+    SchedulerConfig, Selection,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -166,6 +166,8 @@ struct Cfg {
     busy_frac: Option<f64>,
     busy_prefill: Option<u64>,
     max_queued: usize,
+    /// Queue policy WSPT (else FCFS).
+    wspt: bool,
     seed: u64,
 }
 
@@ -176,16 +178,28 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         prop::option::of(prop::sample::select(vec![0.3, 0.5, 1.0])),
         prop::option::of(prop::sample::select(vec![6u64, 20])),
         0usize..4,
+        any::<bool>(),
         any::<u64>(),
     )
         .prop_map(
-            |(overlap_credit, prefill_load_scale, busy_frac, busy_prefill, max_queued, seed)| Cfg {
+            |(
                 overlap_credit,
                 prefill_load_scale,
                 busy_frac,
                 busy_prefill,
                 max_queued,
+                wspt,
                 seed,
+            )| {
+                Cfg {
+                    overlap_credit,
+                    prefill_load_scale,
+                    busy_frac,
+                    busy_prefill,
+                    max_queued,
+                    wspt,
+                    seed,
+                }
             },
         )
 }
@@ -216,6 +230,8 @@ struct RefQueued {
     filter: Filter,
     update: bool,
     at: Instant,
+    /// Retry order: WSPT's uncached prompt tokens on the best-cached key, else 0 (FCFS).
+    order: usize,
 }
 
 struct Model {
@@ -540,6 +556,11 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         queue_timeout: QUEUE_TIMEOUT,
         seed: cfg.seed,
         policy: RoutingPolicy::Kv,
+        queue_policy: if cfg.wspt {
+            QueuePolicy::Wspt
+        } else {
+            QueuePolicy::Fcfs
+        },
     };
     let mut s: Scheduler<u64> = Scheduler::new(config).unwrap();
     let mut m = Model {
@@ -649,16 +670,31 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                             match s.enqueue(r) {
                                 Ok(()) => {
                                     assert!(m.queue.len() < m.cfg.max_queued);
-                                    m.queue.push(RefQueued {
-                                        token,
-                                        id,
-                                        prompt_tokens,
-                                        hashes,
-                                        cached,
-                                        filter,
-                                        update,
-                                        at: now,
-                                    });
+                                    let order = if m.cfg.wspt {
+                                        let best = cached.overlaps.iter().map(|o| o.1).max();
+                                        let cached_tokens =
+                                            best.unwrap_or(0) as usize * BS as usize;
+                                        prompt_tokens.saturating_sub(cached_tokens)
+                                    } else {
+                                        0
+                                    };
+                                    // After every request of lower or equal order.
+                                    let at =
+                                        m.queue.iter().take_while(|r| r.order <= order).count();
+                                    m.queue.insert(
+                                        at,
+                                        RefQueued {
+                                            token,
+                                            id,
+                                            prompt_tokens,
+                                            hashes,
+                                            cached,
+                                            filter,
+                                            update,
+                                            at: now,
+                                            order,
+                                        },
+                                    );
                                 }
                                 Err(over) => {
                                     assert_eq!(m.queue.len(), m.cfg.max_queued);

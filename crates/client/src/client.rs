@@ -4,8 +4,8 @@ use crate::error::ClientError;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
-    decode, encode, max_prompt_tokens_for, OverlapRequest, OverlapScoresReply, PotentialLoad,
-    Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects, Wire,
+    decode, encode, max_prompt_tokens_for, ErrorKind, OverlapRequest, OverlapScoresReply,
+    PotentialLoad, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects, Wire,
 };
 use std::time::Duration;
 use tracing::Instrument;
@@ -64,8 +64,9 @@ impl KvRouterClient {
     }
 
     /// Sets how many more times a request any replica may answer (route, overlap lookups)
-    /// is sent when none answers in time, or none is there (default 2): a replica killed or
-    /// paused with the request costs one timeout, not the request.
+    /// is sent when none answers in time, none is there, or the one that got it is
+    /// unavailable (default 2): a replica killed or paused with the request costs one
+    /// timeout, not the request.
     pub fn with_retries(mut self, retries: u32) -> Self {
         self.retries = retries;
         self
@@ -185,10 +186,11 @@ impl KvRouterClient {
     }
 
     /// [`Self::call`] on an endpoint any replica answers (a queue group): when the replica
-    /// that got the request never answers (killed, paused, partitioned) or no replica is
-    /// there (a restart), the request goes out again, up to `retries` more times; another
-    /// replica takes it. A route a stalled replica recorded without answering is freed by
-    /// that replica's request lease.
+    /// that got the request never answers (killed, paused, partitioned), no replica is there
+    /// (a restart), or the one that got it is unavailable (draining, just woken from a
+    /// stall), the request goes out again, up to `retries` more times; another replica takes
+    /// it. Nothing is sent while the bus is disconnected: NATS would hold the request and
+    /// deliver it after the reconnect, long after this caller gave up on it.
     pub(crate) async fn call_any<Req: Wire, T: Wire>(
         &self,
         subject: &str,
@@ -197,20 +199,45 @@ impl KvRouterClient {
     ) -> Result<T, ClientError> {
         let mut retried = 0;
         loop {
-            match self.call(subject, req, tokens).await {
-                Err(e @ (ClientError::Timeout { .. } | ClientError::NoRouter { .. }))
-                    if retried < self.retries =>
-                {
-                    retried += 1;
-                    tracing::debug!(error = %e, retried, "no replica answered; asking again");
-                    if matches!(e, ClientError::NoRouter { .. }) {
-                        // Nobody there: give a restarting replica a moment.
-                        tokio::time::sleep(NO_ROUTER_BACKOFF * retried).await;
-                    }
+            if !self.connected().await {
+                return Err(ClientError::Bus(BusError::Stalled {
+                    what: format!("request on '{subject}' (not connected to NATS)"),
+                    after: self.timeout,
+                }));
+            }
+            let result = self.call(subject, req, tokens).await;
+            let again = match &result {
+                Err(ClientError::Timeout { .. }) => Some(Duration::ZERO),
+                // Nobody there: give a restarting replica a moment.
+                Err(ClientError::NoRouter { .. }) => Some(NO_ROUTER_BACKOFF * (retried + 1)),
+                Err(ClientError::Router(e)) if e.kind == ErrorKind::Unavailable => {
+                    Some(Duration::ZERO)
                 }
-                result => return result,
+                _ => None,
+            };
+            match again {
+                Some(wait) if retried < self.retries => {
+                    retried += 1;
+                    if let Err(e) = &result {
+                        tracing::debug!(error = %e, retried, "no replica answered; asking again");
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+                _ => return result,
             }
         }
+    }
+
+    /// Waits, at most the request timeout, until the bus is connected.
+    async fn connected(&self) -> bool {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        while !self.bus.is_connected() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
     }
 
     /// Encodes `req`, checks it fits one bus message, sends it and decodes the `Reply<T>`.

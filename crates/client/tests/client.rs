@@ -299,6 +299,29 @@ async fn retries_are_bounded_and_error_replies_not_retried() {
 }
 
 #[tokio::test]
+async fn an_unavailable_replica_is_asked_past() {
+    let bus = Bus::local();
+    let subjects = Subjects::new(NS).unwrap();
+    // The first to answer has just woken from a stall (or is draining); then a good one.
+    let answered = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let n = answered.clone();
+    responder(&bus, &subjects.route(), move |_| {
+        if n.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            enc(&Reply::<RouteDecision>::Err(ErrorReply::new(
+                ErrorKind::Unavailable,
+                "stalled",
+            )))
+        } else {
+            enc(&Reply::Ok(decision("r2")))
+        }
+    })
+    .await;
+    let d = client(&bus).route(&route_request(MODEL, vec![1])).await;
+    assert_eq!(d.unwrap(), decision("r2"));
+    assert_eq!(answered.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
 async fn oversized_prompts_fail_before_sending() {
     let max_payload = (64 << 10) + 4000;
     let bus = Bus::Local(LocalBus::with_max_payload(max_payload));

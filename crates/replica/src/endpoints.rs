@@ -214,6 +214,22 @@ pub(crate) async fn route(
 ) -> Result<(String, RouteDecision), ErrorReply> {
     // Not entered: the overlap query may await (an entered span is not Send).
     let _span = tracing::debug_span!("route", model = %req.model, request_id = %req.request_id);
+    if let Some(stalled) = shared.stall.stalled(crate::clock::now()) {
+        // Its caller has likely given up and asked another replica: booking it would be
+        // load nobody frees.
+        return Err(error(
+            shared,
+            &req.model,
+            ErrorReply::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "replica {} was stalled for {} ms (stopped or starved of CPU) and turns away the requests that waited through it: ask another replica",
+                    shared.replica_id,
+                    stalled.as_millis()
+                ),
+            ),
+        ));
+    }
     let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
     let (local, seq) = hash_prompt(
         m,

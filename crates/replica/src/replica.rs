@@ -457,6 +457,20 @@ async fn begin_discovery(
     back.push(gate.spawn(shared.clone(), bound));
 }
 
+/// Ticks the stall watch; a stall past the threshold is logged once it ends.
+fn watch_stalls(shared: Arc<ReplicaShared>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(100));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            if let Some(stalled) = shared.stall.tick(crate::clock::now()) {
+                tracing::warn!(stalled_ms = stalled.as_millis() as u64, "this process was stalled (stopped, frozen or starved of CPU); turning away the routes that waited through it");
+            }
+        }
+    })
+}
+
 impl Replica {
     pub async fn start(config: ReplicaConfig, bus: Bus) -> Result<Self, ReplicaError> {
         config.validate()?;
@@ -488,13 +502,17 @@ impl Replica {
             replica_sync: config.sync.is_some(),
             sync_caught_up: Default::default(),
             routes_open: Default::default(),
+            stall: crate::stall::StallWatch::new(crate::clock::now()),
         });
         let server = Server {
             bus: bus.clone(),
             inflight: inflight.clone(),
             metrics: metrics.clone(),
         };
-        let (mut front, mut back) = (Vec::new(), vec![watch_bus(shared.clone())]);
+        let (mut front, mut back) = (
+            Vec::new(),
+            vec![watch_bus(shared.clone()), watch_stalls(shared.clone())],
+        );
         if config.sync.is_some() {
             let sub = subscribe(&bus, subjects.sync(), None).await?;
             back.push(replica_sync_bus::spawn_peer_listener(shared.clone(), sub));

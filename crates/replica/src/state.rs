@@ -65,6 +65,8 @@ pub struct ReplicaShared {
     pub sync_caught_up: AtomicBool,
     /// The router queue-group endpoints are subscribed (the route gate).
     pub routes_open: AtomicBool,
+    /// Whether the process just woke from a stall (routes read then are turned away).
+    pub stall: crate::stall::StallWatch,
 }
 
 impl ReplicaShared {

@@ -36,6 +36,11 @@ pub enum BenchCommand {
     /// The frontend's added latency over calling the engine directly (open-loop streaming
     /// requests with token-id prompts, p50/p99 per rate) and the tokenizer's time per 1k tokens.
     Frontend(super::bench_frontend::FrontendBenchArgs),
+    /// A real fleet (nats-server, replicas, mocker workers) under traffic while a seeded
+    /// schedule kills, pauses and restarts processes, drops KV events and publishes garbage;
+    /// every replica is checked against the workers' true caches. Exits non-zero when the
+    /// fleet diverged after converging, or never converged.
+    Chaos(super::bench_chaos::ChaosArgs),
 }
 
 #[derive(Args)]
@@ -149,6 +154,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Frontend(args) => {
             super::runtime()?.block_on(super::bench_frontend::run(args))
         }
+        BenchCommand::Chaos(args) => super::runtime()?.block_on(super::bench_chaos::run(args)),
         BenchCommand::GenTrace(args) => gen_trace(args),
         BenchCommand::TraceStats(args) => trace_stats(args),
         BenchCommand::IndexerRss(args) => {

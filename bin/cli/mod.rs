@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_bridge;
+pub mod bench_chaos;
 pub mod bench_frontend;
 pub mod bench_route;
 pub mod bridge;

@@ -29,6 +29,8 @@ pub struct FaultResult {
     /// The workers' prefixes compared with the indexes at convergence (or when giving up),
     /// summed over the indexing replicas.
     pub prefixes_checked: usize,
+    /// What differed at the checkpoint's first comparison ("none" when nothing did).
+    pub initial_detail: String,
 }
 
 /// min / median / max, in milliseconds.
@@ -126,6 +128,7 @@ impl ChaosReport {
                 "speedup": cfg.speedup,
                 "concurrency": cfg.concurrency,
                 "max_retries": cfg.max_retries,
+                "request_timeout_secs": cfg.request_timeout_secs,
             }),
             faults_injected,
             routes,

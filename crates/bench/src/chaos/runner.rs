@@ -42,6 +42,10 @@ pub struct ChaosConfig {
     pub speedup: f64,
     pub concurrency: usize,
     pub max_retries: u32,
+    /// The replicas' `--request-timeout-secs`: an active sequence whose free was lost (a
+    /// client that could not reach the deciding replica, a sync message lost in a NATS
+    /// restart) is swept after it.
+    pub request_timeout_secs: u64,
     /// How long a checkpoint polls for convergence.
     pub converge_timeout: Duration,
     /// After convergence, how long before the second comparison.
@@ -70,6 +74,7 @@ impl ChaosConfig {
             speedup: 100.0,
             concurrency: 4,
             max_retries: 3,
+            request_timeout_secs: 5,
             converge_timeout: Duration::from_secs(30),
             stability: Duration::from_secs(1),
             quiet: Duration::from_secs(2),
@@ -167,6 +172,8 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
             s("--admin-addr"),
             format!("127.0.0.1:{port}"),
             s("--replica-sync"),
+            s("--request-timeout-secs"),
+            cfg.request_timeout_secs.to_string(),
             s("--seed"),
             (cfg.seed + i as u64).to_string(),
         ];
@@ -488,8 +495,10 @@ impl Run {
         let deadline = Instant::now() + self.cfg.converge_timeout;
         let mut converged = None;
         let mut last;
+        let mut initial = None;
         loop {
             last = self.compare().await;
+            initial.get_or_insert_with(|| last.describe());
             if last.is_zero() {
                 converged = Some(since.elapsed());
                 break;
@@ -520,6 +529,7 @@ impl Run {
             detail,
             notes,
             prefixes_checked,
+            initial_detail: initial.unwrap_or_default(),
         }
     }
 

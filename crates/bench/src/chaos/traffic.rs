@@ -114,12 +114,11 @@ impl Traffic {
             let mut tokens = p.clone();
             let suffix = rng.usize(1..=self.cfg.max_suffix_blocks.max(1)) * self.cfg.block_size;
             tokens.extend((0..suffix).map(|_| rng.u32(1..50_000)));
-            let mut params = GenerateParams::new(
+            let params = GenerateParams::new(
                 self.cfg.model.clone(),
                 tokens,
                 rng.u32(1..=self.cfg.max_tokens.max(1)),
             );
-            params.request_id = None;
             self.run(&params).await;
             self.in_flight.fetch_sub(1, SeqCst);
             tokio::time::sleep(self.cfg.think).await;

@@ -1,0 +1,104 @@
+//! `kvrouter bench chaos`: a real fleet over a real nats-server under seeded faults; every
+//! replica is checked against the workers' true caches. The run lives in
+//! `kvrouter_bench::chaos`.
+
+use anyhow::{bail, Context};
+use clap::Args;
+use kvrouter_bench::chaos::{run_chaos, ChaosConfig, Timing};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ChaosArgs {
+    /// Seconds of traffic and faults (checkpoints add to the wall time).
+    #[arg(long, env = "KVROUTER_DURATION", default_value_t = 60.0)]
+    pub duration: f64,
+    /// Seed of the fault schedule and the traffic: the same seed injects the same faults.
+    #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Router replicas: all but the last keep an index (--serve-indexer), the last uses
+    /// theirs (--use-remote-indexer); all with --replica-sync.
+    #[arg(long, env = "KVROUTER_REPLICAS", default_value_t = 3)]
+    pub replicas: usize,
+    /// `kvrouter mocker` processes (each killed and restarted as a whole).
+    #[arg(long, env = "KVROUTER_MOCKERS", default_value_t = 2)]
+    pub mockers: usize,
+    /// Workers in each mocker process.
+    #[arg(long, env = "KVROUTER_WORKERS", default_value_t = 2)]
+    pub workers: u32,
+    /// Data-parallel ranks per worker.
+    #[arg(long, env = "KVROUTER_DP_SIZE", default_value_t = 2)]
+    pub dp_size: u32,
+    /// KV cache capacity of each rank, in blocks (small, so blocks are evicted too).
+    #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS", default_value_t = 256)]
+    pub capacity_blocks: u32,
+    /// The mockers' simulated time runs this many times faster than the wall clock.
+    #[arg(long, env = "KVROUTER_SPEEDUP", default_value_t = 100.0)]
+    pub speedup: f64,
+    /// Client tasks sending requests (each one at a time).
+    #[arg(long, env = "KVROUTER_CONCURRENCY", default_value_t = 4)]
+    pub concurrency: usize,
+    /// Retries of a failed request (route + generate) before it counts as failed.
+    #[arg(long, env = "KVROUTER_MAX_RETRIES", default_value_t = 3)]
+    pub max_retries: u32,
+    /// The replicas' --request-timeout-secs: active sequences whose free was lost in a fault
+    /// are swept after it (so the checkpoints can converge).
+    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 5)]
+    pub request_timeout_secs: u64,
+    /// Longest fault, in milliseconds (each lasts between an eighth of it and it).
+    #[arg(long, env = "KVROUTER_MAX_DOWN_MS", default_value_t = 4000)]
+    pub max_down_ms: u64,
+    /// How long a checkpoint waits for every replica to agree with the truth, in seconds.
+    #[arg(long, env = "KVROUTER_CONVERGE_TIMEOUT_SECS", default_value_t = 30)]
+    pub converge_timeout_secs: u64,
+    /// Write each child process's stderr to DIR/NAME.log.
+    #[arg(long, env = "KVROUTER_LOG_DIR")]
+    pub log_dir: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long, env = "KVROUTER_JSON")]
+    pub json: bool,
+}
+
+pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
+    if !(args.duration.is_finite() && args.duration > 0.0) {
+        bail!("--duration must be a positive number of seconds");
+    }
+    if args.max_down_ms < 100 {
+        bail!("--max-down-ms must be at least 100");
+    }
+    let exe = std::env::current_exe().context("cannot find the kvrouter executable")?;
+    let mut cfg = ChaosConfig::new(exe, Duration::from_secs_f64(args.duration), args.seed);
+    cfg.replicas = args.replicas;
+    cfg.mockers = args.mockers;
+    cfg.workers_per_mocker = args.workers;
+    cfg.dp_size = args.dp_size;
+    cfg.capacity_blocks = args.capacity_blocks;
+    cfg.speedup = args.speedup;
+    cfg.concurrency = args.concurrency;
+    cfg.max_retries = args.max_retries;
+    cfg.request_timeout_secs = args.request_timeout_secs;
+    cfg.converge_timeout = Duration::from_secs(args.converge_timeout_secs);
+    cfg.log_dir = args.log_dir;
+    cfg.timing = Timing {
+        down_ms: (args.max_down_ms / 8, args.max_down_ms),
+        ..Timing::default()
+    };
+    let report = run_chaos(cfg).await?;
+    if args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["git_revision"] = serde_json::json!(env!("KVROUTER_GIT_REV"));
+        v["passed"] = serde_json::json!(report.passed());
+        println!("{v}");
+    } else {
+        print!("{}", report.render());
+        println!("  (build {})", env!("KVROUTER_GIT_REV"));
+    }
+    if !report.passed() {
+        bail!(
+            "the fleet diverged: {} faults did not converge, {} differences after convergence",
+            report.faults_unconverged + usize::from(!report.end.converged),
+            report.divergence_after_convergence
+        );
+    }
+    Ok(())
+}

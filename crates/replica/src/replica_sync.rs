@@ -183,16 +183,32 @@ impl ReplicaSync {
     /// `Free` is in no buffer (our own changes never come back to us), so applying the
     /// peer's `Add` would bring the request back until the request-timeout sweep.
     ///
+    /// Requests under our id that our core does not hold (`ours_active` says which it
+    /// does) were left by a previous instance of this replica, restarted under the same id
+    /// before its peers noticed it was gone: nobody else would ever free them, so this
+    /// replica frees them (their `Free`s go out with its next batch).
+    ///
     /// The origins of its requests that are no live peer are remembered from `now`: if they
     /// stay silent for the lease, their requests are dropped like a lost peer's.
-    pub fn on_snapshot(&mut self, snapshot: Vec<SeqChange>, now: Instant) -> Vec<SeqChange> {
+    pub fn on_snapshot(
+        &mut self,
+        snapshot: Vec<SeqChange>,
+        now: Instant,
+        ours_active: impl Fn(&str) -> bool,
+    ) -> Vec<SeqChange> {
         match self.buffer.take() {
             None => Vec::new(),
             Some(buf) => {
-                let mut out: Vec<SeqChange> = snapshot
+                let (ours, mut out): (Vec<SeqChange>, Vec<SeqChange>) = snapshot
                     .into_iter()
-                    .filter(|c| !Self::is_from(change_id(c), &self.replica_id))
-                    .collect();
+                    .partition(|c| Self::is_from(change_id(c), &self.replica_id));
+                for c in ours {
+                    if let SeqChange::Add { request_id, .. } = c {
+                        if !ours_active(&request_id) {
+                            self.outbox.push(SeqChange::Free { request_id });
+                        }
+                    }
+                }
                 for c in &out {
                     if let Some((origin, _)) = change_id(c).split_once(':') {
                         if !self.peers.contains_key(origin) {
@@ -318,10 +334,10 @@ mod tests {
             request_id: "r1:x".into(),
         };
         assert!(s.on_peer_batch("r1", vec![free.clone()], now).0.is_empty());
-        let out = s.on_snapshot(vec![add("r1:x")], now);
+        let out = s.on_snapshot(vec![add("r1:x")], now, |_| false);
         assert_eq!(out, vec![add("r1:x"), add("r2:y"), free]);
         assert!(s.is_caught_up());
-        assert!(s.on_snapshot(vec![add("r9:z")], now).is_empty());
+        assert!(s.on_snapshot(vec![add("r9:z")], now, |_| false).is_empty());
     }
 
     #[test]
@@ -329,8 +345,23 @@ mod tests {
         // r3 routed r3:a while catching up and freed it; the peer answering had the add
         // but not yet the free.
         let mut s = ReplicaSync::new("r3", true);
-        let out = s.on_snapshot(vec![add("r3:a"), add("r1:x"), add("r31:b")], Instant::now());
+        let snapshot = vec![add("r3:a"), add("r1:x"), add("r31:b")];
+        let out = s.on_snapshot(snapshot, Instant::now(), |_| false);
         assert_eq!(out, vec![add("r1:x"), add("r31:b")]);
+    }
+
+    #[test]
+    fn a_restarted_replica_frees_what_its_previous_instance_left() {
+        // r3 was killed with r3:old active and restarted under its id before its peers
+        // noticed; since then it routed r3:new. Only r3:old goes.
+        let mut s = ReplicaSync::new("r3", true);
+        let snapshot = vec![add("r3:old"), add("r3:new"), add("r1:x")];
+        let out = s.on_snapshot(snapshot, Instant::now(), |id| id == "r3:new");
+        assert_eq!(out, vec![add("r1:x")]);
+        let free = SeqChange::Free {
+            request_id: "r3:old".into(),
+        };
+        assert_eq!(s.take_outgoing(Instant::now()), vec![free]);
     }
 
     #[test]
@@ -339,7 +370,7 @@ mod tests {
         let mut s = ReplicaSync::new("r3", true);
         s.on_peer_batch("r2", Vec::new(), t0);
         // r1 crashed before r3 joined; r2's snapshot still holds r1's request.
-        let out = s.on_snapshot(vec![add("r1:x"), add("r2:y")], t0);
+        let out = s.on_snapshot(vec![add("r1:x"), add("r2:y")], t0, |_| false);
         assert_eq!(out.len(), 2);
         assert_eq!(s.live_peers(), 1, "r1 is no live peer");
         let half = t0 + PEER_LEASE / 2;
@@ -348,7 +379,7 @@ mod tests {
         assert_eq!(s.expire_peers(t0 + PEER_LEASE), vec!["r1".to_string()]);
         // One heard from after the snapshot is a live peer like any other.
         let mut s = ReplicaSync::new("r3", true);
-        s.on_snapshot(vec![add("r1:x")], t0);
+        s.on_snapshot(vec![add("r1:x")], t0, |_| false);
         s.on_peer_batch("r1", Vec::new(), half);
         assert!(s.expire_peers(t0 + PEER_LEASE).is_empty());
         assert_eq!(s.live_peers(), 1);

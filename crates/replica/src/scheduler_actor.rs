@@ -469,7 +469,10 @@ impl Actor for SchedulerActor {
             // Applied above.
             SchedulerMsg::PeerBatches => {}
             SchedulerMsg::PeerSnapshot(snapshot) => {
-                let changes = state.ids.on_snapshot(snapshot, now);
+                let core = &state.core;
+                let changes = state
+                    .ids
+                    .on_snapshot(snapshot, now, |id| core.contains_request(id));
                 state.apply_peer(changes, now);
             }
             SchedulerMsg::ExportActive(reply) => {

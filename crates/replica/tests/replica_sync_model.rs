@@ -279,7 +279,10 @@ impl World {
         let snapshot = export_active(&self.replicas[src].core);
         let now = self.tick();
         let rep = &mut self.replicas[l];
-        let apply = rep.sync.on_snapshot(snapshot, now);
+        let core = &rep.core;
+        let apply = rep
+            .sync
+            .on_snapshot(snapshot, now, |id| core.contains_request(id));
         apply_changes(&mut rep.core, apply, now);
         assert!(rep.sync.is_caught_up());
     }

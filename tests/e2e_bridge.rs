@@ -135,6 +135,8 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
             extras: None,
             excluded_workers: Vec::new(),
             overrides: None,
+            priority_jump: 0.0,
+            expected_output_tokens: None,
         })
         .unwrap();
     assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));

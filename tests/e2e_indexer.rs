@@ -47,6 +47,8 @@ fn request(tokens: &[u32], request_id: &str) -> RouteRequest {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     }
 }
 

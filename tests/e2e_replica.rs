@@ -104,6 +104,8 @@ fn route_request(tokens: &[u32], pin: Option<Pin>) -> RouteRequest {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     }
 }
 

@@ -44,6 +44,8 @@ fn synced_replicas_share_requests_catch_up_and_drop_a_killed_peer() {
                 extras: None,
                 excluded_workers: Vec::new(),
                 overrides: None,
+                priority_jump: 0.0,
+                expected_output_tokens: None,
             })
             .expect("route");
         by_a += usize::from(d.replica_id == "a");

@@ -283,6 +283,8 @@ fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
         replica_id: "forged".into(),
         model: E2E_MODEL.into(),
         changes: Vec::new(),
+        instance_id: uuid::Uuid::nil(),
+        seq: 0,
     };
     w10.publish(&sync, encode(&forged_sync).unwrap());
     // Then as itself: allowed, and it arrives on every subscription it was published to.

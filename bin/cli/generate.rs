@@ -1,7 +1,7 @@
 //! `kvrouter generate`: route one request and run it on the chosen worker, as a frontend does.
 
 use super::nats_args::NatsArgs;
-use super::route::{json_line, parse_pin, parse_tokens, TokenList};
+use super::route::{json_line, parse_pin, parse_tokens, RouteHints, TokenList};
 use anyhow::Context;
 use clap::Args;
 use kvrouter_client::{GenerateParams, KvRouterClient};
@@ -34,6 +34,8 @@ pub struct GenerateArgs {
     /// Pin to a worker (WORKER) or to one rank of it (WORKER:RANK).
     #[arg(long, env = "KVROUTER_PIN", value_parser = parse_pin)]
     pub pin: Option<Pin>,
+    #[command(flatten)]
+    pub hints: RouteHints,
     /// How long to wait for a router endpoint's answer, in milliseconds.
     #[arg(long, env = "KVROUTER_TIMEOUT_MS", default_value_t = 2000)]
     pub timeout_ms: u64,
@@ -63,6 +65,8 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         lora: args.lora.filter(|l| !l.is_empty()),
         allowed_workers: args.allowed_workers,
         pin: args.pin,
+        priority_jump: args.hints.priority_jump,
+        expected_output_tokens: args.hints.expected_output_tokens,
     };
     if args.disagg {
         return run_disagg(&client, &params).await;

@@ -33,6 +33,8 @@ pub struct RouteArgs {
     /// Do not track the request as active load (no mark_prefill / free needed afterwards).
     #[arg(long, env = "KVROUTER_NO_UPDATE_STATES")]
     pub no_update_states: bool,
+    #[command(flatten)]
+    pub hints: RouteHints,
     /// How long to wait for the replica's answer, in milliseconds.
     #[arg(long, env = "KVROUTER_TIMEOUT_MS", default_value_t = 2000)]
     pub timeout_ms: u64,
@@ -67,6 +69,24 @@ pub fn parse_tokens(s: &str) -> Result<TokenList, String> {
 }
 
 /// Parses `WORKER` or `WORKER:RANK`.
+/// What a route request may tell the scheduler besides its prompt (`route`, `generate`).
+#[derive(Args, Clone, Debug)]
+pub struct RouteHints {
+    /// Seconds the request counts as having waited already if the replica must queue it.
+    #[arg(long, env = "KVROUTER_PRIORITY_JUMP", default_value_t = 0.0, value_parser = parse_priority_jump)]
+    pub priority_jump: f64,
+    /// Output tokens expected: their blocks count as the worker's decode load from the start.
+    #[arg(long, env = "KVROUTER_EXPECTED_OUTPUT_TOKENS")]
+    pub expected_output_tokens: Option<u32>,
+}
+
+fn parse_priority_jump(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds >= 0")),
+    }
+}
+
 pub fn parse_pin(s: &str) -> Result<Pin, String> {
     s.parse()
         .map_err(|e| format!("bad --pin {s:?}: expected WORKER or WORKER:RANK; {e}"))
@@ -110,6 +130,8 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: args.hints.priority_jump,
+        expected_output_tokens: args.hints.expected_output_tokens,
     };
     let d = client.route(&req).await?;
     let mut fields = vec![
@@ -188,6 +210,7 @@ mod tests {
             overlap_blocks: 2,
             replica_id: "x".into(),
             base_url: String::new(),
+            block_size: 16,
         };
         let s = disagg_json(
             "q",

@@ -473,6 +473,8 @@ pub fn plain_route(tokens: &[u32]) -> kvrouter_protocol::RouteRequest {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     }
 }
 

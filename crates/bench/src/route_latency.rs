@@ -285,6 +285,8 @@ pub async fn run_route_latency(
                     extras: None,
                     excluded_workers: Vec::new(),
                     overrides: None,
+                    priority_jump: 0.0,
+                    expected_output_tokens: None,
                 };
                 let now = Instant::now();
                 if intended > now {

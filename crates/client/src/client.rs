@@ -4,8 +4,9 @@ use crate::error::ClientError;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
-    decode, encode, max_prompt_tokens_for, ErrorKind, OverlapRequest, OverlapScoresReply,
-    PotentialLoad, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects, Wire,
+    decode, encode, max_prompt_tokens_for, ErrorKind, OutputBlock, OverlapRequest,
+    OverlapScoresReply, PotentialLoad, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects,
+    Wire,
 };
 use std::time::Duration;
 use tracing::Instrument;
@@ -38,6 +39,8 @@ pub fn route_request(model: impl Into<String>, tokens: Vec<u32>) -> RouteRequest
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     }
 }
 
@@ -167,6 +170,27 @@ impl KvRouterClient {
             request_id: request_id.to_string(),
         };
         self.call(&subject, &update, 0).instrument(span).await
+    }
+
+    /// Tells the replica that made the decision that the request generated another block of
+    /// output (one per `RouteDecision::block_size` tokens): its decode load grows with it.
+    /// `decay_fraction`: the share of its output load still to count (0 to 1), the caller's
+    /// estimate of how much of its decode is still ahead (`None`: all of it).
+    pub async fn add_output_block(
+        &self,
+        replica_id: &str,
+        model: &str,
+        request_id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), ClientError> {
+        let span = tracing::debug_span!("add_output_block", replica_id, model, request_id);
+        let subject = self.subjects.add_output_block(replica_id);
+        let block = OutputBlock {
+            model: model.to_string(),
+            request_id: request_id.to_string(),
+            decay_fraction,
+        };
+        self.call(&subject, &block, 0).instrument(span).await
     }
 
     /// Tells the replica that made the decision that the request is finished.

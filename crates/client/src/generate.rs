@@ -10,7 +10,7 @@ use std::time::Instant;
 use tracing::Instrument;
 
 /// One request to run: routed, then generated on the chosen worker rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct GenerateParams {
     pub model: String,
     pub tokens: Vec<u32>,
@@ -20,6 +20,10 @@ pub struct GenerateParams {
     pub lora: Option<String>,
     pub allowed_workers: Option<Vec<WorkerId>>,
     pub pin: Option<Pin>,
+    /// Seconds the request counts as having waited already if the replica must queue it.
+    pub priority_jump: f64,
+    /// Output tokens expected (counted as decode load from the start).
+    pub expected_output_tokens: Option<u32>,
 }
 
 impl GenerateParams {
@@ -40,6 +44,8 @@ impl GenerateParams {
             lora: None,
             allowed_workers: None,
             pin: None,
+            priority_jump: 0.0,
+            expected_output_tokens: None,
         }
     }
 }
@@ -89,6 +95,8 @@ struct Progress {
     itl_us: Vec<u32>,
     e2e_us: u64,
     prefill_marked: bool,
+    /// Output blocks reported to the replica (`add_output_block`).
+    output_blocks: u32,
 }
 
 impl KvRouterClient {
@@ -128,6 +136,8 @@ impl KvRouterClient {
             extras: None,
             excluded_workers: Vec::new(),
             overrides: None,
+            priority_jump: params.priority_jump,
+            expected_output_tokens: params.expected_output_tokens,
         };
         let decision = self.route(&route).await?;
         let route_wall_us = micros(t0);
@@ -232,7 +242,24 @@ impl KvRouterClient {
                         }
                     }
                 }
-                GenerateEvent::Tokens { itl_us } => progress.itl_us.extend(itl_us),
+                GenerateEvent::Tokens { itl_us } => {
+                    progress.itl_us.extend(itl_us);
+                    // One inter-token latency per token after the first.
+                    let generated = progress.itl_us.len() as u32 + 1;
+                    while decision.block_size > 0
+                        && generated >= (progress.output_blocks + 1) * decision.block_size
+                    {
+                        progress.output_blocks += 1;
+                        if let Err(e) = self
+                            .add_output_block(&decision.replica_id, &params.model, request_id, None)
+                            .await
+                        {
+                            tracing::debug!(error = %e, replica_id = %decision.replica_id, "add_output_block failed");
+                            bookkeeping_errors.push(e);
+                            break;
+                        }
+                    }
+                }
                 GenerateEvent::Done {
                     output_tokens,
                     e2e_us,

@@ -26,6 +26,7 @@ fn decision(replica: &str) -> RouteDecision {
         overlap_blocks: 3,
         replica_id: replica.to_string(),
         base_url: String::new(),
+        block_size: 0,
     }
 }
 

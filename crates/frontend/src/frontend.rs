@@ -226,6 +226,8 @@ impl Frontend {
             }),
             excluded_workers: Vec::new(),
             overrides: req.router.overrides,
+            priority_jump: req.router.priority_jump,
+            expected_output_tokens: req.router.expected_output_tokens,
         };
         let mut body = req.rest.clone();
         body.insert("model".into(), req.model.clone().into());

@@ -96,9 +96,13 @@ impl Relay {
         }
     }
 
-    /// A chunk with generated output: the first ends the prefill.
+    /// A chunk with generated output (one token in vLLM's and SGLang's streams): the first
+    /// ends the prefill; every block's worth is reported to the router.
     fn saw_output(&mut self) {
         let now = Instant::now();
+        if let Some(l) = &mut self.lease {
+            l.saw_output_tokens(1);
+        }
         let m = &self.frontend.metrics;
         match self.last_output.replace(now) {
             None => {

@@ -1,5 +1,5 @@
 //! A routed request's hold on router load: `mark_prefill` once the first token is out,
-//! `free` exactly once, whether the answer ends, fails, times out or the client leaves
+//! `add_output_block` per block of output, `free` exactly once, whether the answer ends, fails, times out or the client leaves
 //! (dropping the lease frees it).
 
 use kvrouter_client::{ClientError, KvRouterClient};
@@ -21,6 +21,9 @@ pub struct RouteLease {
     request_id: String,
     pub decision: RouteDecision,
     prefill_marked: bool,
+    /// Output tokens seen, and blocks of them reported.
+    output_tokens: u32,
+    output_blocks: u32,
     freed: bool,
     counts: Arc<LeaseCounts>,
 }
@@ -40,6 +43,8 @@ impl RouteLease {
             request_id,
             decision,
             prefill_marked: false,
+            output_tokens: 0,
+            output_blocks: 0,
             freed: false,
             counts,
         }
@@ -60,6 +65,26 @@ impl RouteLease {
                 tracing::debug!(request_id = %id, error = %e, "mark_prefill failed");
             }
         });
+    }
+
+    /// `tokens` more tokens of output came: each full block of them is reported to the
+    /// replica (`add_output_block`, in the background), so its decode load grows with it.
+    pub fn saw_output_tokens(&mut self, tokens: u32) {
+        let block = self.decision.block_size;
+        if self.freed || block == 0 {
+            return;
+        }
+        self.output_tokens = self.output_tokens.saturating_add(tokens);
+        let due = self.output_tokens / block;
+        while self.output_blocks < due {
+            self.output_blocks += 1;
+            let (client, replica, model, id) = self.parts();
+            spawn(async move {
+                if let Err(e) = client.add_output_block(&replica, &model, &id, None).await {
+                    tracing::debug!(request_id = %id, error = %e, "add_output_block failed");
+                }
+            });
+        }
     }
 
     /// The request is over; freed in the background.
@@ -118,19 +143,27 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use kvrouter_bus::Bus;
-    use kvrouter_protocol::{decode, encode, Reply, RequestUpdate, Subjects};
+    use kvrouter_protocol::{decode, encode, OutputBlock, Reply, RequestUpdate, Subjects};
     use std::time::Duration;
 
-    /// A fake replica that answers `mark_prefill` and `free` and records what came.
+    /// A fake replica that answers `mark_prefill`, `add_output_block` and `free` and records
+    /// what came.
     async fn replica(bus: &Bus, seen: Arc<parking_lot::Mutex<Vec<(String, String)>>>) {
         let s = Subjects::new("ns").unwrap();
-        for (kind, subject) in [("prefill", s.mark_prefill("r1")), ("free", s.free("r1"))] {
+        for (kind, subject) in [
+            ("prefill", s.mark_prefill("r1")),
+            ("free", s.free("r1")),
+            ("output", s.add_output_block("r1")),
+        ] {
             let mut sub = bus.subscribe(&subject).await.unwrap();
             let (bus, seen) = (bus.clone(), seen.clone());
             tokio::spawn(async move {
                 while let Some(msg) = sub.next().await {
-                    let u: RequestUpdate = decode(&msg.payload).unwrap();
-                    seen.lock().push((kind.to_string(), u.request_id));
+                    let id = match kind {
+                        "output" => decode::<OutputBlock>(&msg.payload).unwrap().request_id,
+                        _ => decode::<RequestUpdate>(&msg.payload).unwrap().request_id,
+                    };
+                    seen.lock().push((kind.to_string(), id));
                     if let Some(reply) = msg.reply {
                         let ok: Reply<()> = Reply::Ok(());
                         bus.publish(&reply, Bytes::from(encode(&ok).unwrap()))
@@ -150,6 +183,7 @@ mod tests {
             overlap_blocks: 0,
             replica_id: "r1".into(),
             base_url: String::new(),
+            block_size: 2,
         }
     }
 
@@ -172,10 +206,14 @@ mod tests {
         let mut a = lease("a");
         a.mark_prefill();
         a.mark_prefill();
+        // Blocks of 2 tokens: 5 tokens are 2 full blocks.
+        for _ in 0..5 {
+            a.saw_output_tokens(1);
+        }
         a.free();
         drop(lease("b")); // a client that left
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while seen.lock().len() < 3 && tokio::time::Instant::now() < deadline {
+        while seen.lock().len() < 5 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -186,6 +224,8 @@ mod tests {
             vec![
                 ("free".into(), "a".into()),
                 ("free".into(), "b".into()),
+                ("output".into(), "a".into()),
+                ("output".into(), "a".into()),
                 ("prefill".into(), "a".into()),
             ]
         );

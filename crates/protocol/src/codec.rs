@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 
 /// The format version this build writes.
-pub const FORMAT_VERSION: u8 = 4;
+pub const FORMAT_VERSION: u8 = 5;
 /// The oldest version this build still reads: the previous one, read through [`Wire`].
 pub const MIN_READ_VERSION: u8 = FORMAT_VERSION - 1;
 /// Upper bound on an encoded message and on what decoding may allocate for it.
@@ -177,7 +177,7 @@ mod tests {
     use super::*;
     use crate::messages::*;
     use crate::types::*;
-    use crate::v3;
+    use crate::v4;
     use crate::wire::Wire;
     use proptest::prelude::*;
     use uuid::Uuid;
@@ -263,26 +263,26 @@ mod tests {
     }
 
     proptest! {
-        /// A registration is unchanged since version 3: the same bytes behind either version
+        /// A registration is unchanged since version 4: the same bytes behind either version
         /// byte, read back whole from both.
         #[test]
         fn registrations_round_trip_in_both_versions(reg in arb_registration()) {
             let now = encode(&reg).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 4));
-            let old = encode_as(&reg, 3).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 3));
+            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 5));
+            let old = encode_as(&reg, 4).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 4));
             prop_assert_eq!(&old[1..], &now[1..]);
         }
 
         #[test]
-        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..5) {
+        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..7) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             let _ = decode::<Registration>(&bytes);
         }
 
         #[test]
-        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..6) {
+        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..7) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             let _ = decode::<RouteRequest>(&bytes);
@@ -311,39 +311,39 @@ mod tests {
         }
     }
 
-    /// Routes cross versions: a version-3 request takes the replica's tier weights, a
-    /// version-3 decision's overlap is all on the device; each reads exactly what version 3
-    /// wrote.
+    /// Routes cross versions: a version-4 request jumps no queue and expects no output; a
+    /// version-4 peer reads exactly what version 4 wrote.
     #[test]
-    fn route_messages_in_both_versions() {
-        let req = v4_route_request();
+    fn route_requests_in_both_versions() {
+        let req = v5_route_request();
         assert_eq!(
             decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
-            (req.clone(), 4)
+            (req.clone(), 5)
         );
-        let old = v3_codec_read::<v3::RouteRequest>(&encode_as(&req, 3).unwrap());
+        let old = v4_codec_read::<v4::RouteRequest>(&encode_as(&req, 4).unwrap());
         assert_eq!(old, req.to_previous());
         assert_eq!(old.overrides.unwrap().overlap_credit, Some(0.5));
-        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 3).unwrap()).unwrap();
-        let o = back.overrides.unwrap();
-        assert_eq!(v, 3);
+        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 4).unwrap()).unwrap();
+        assert_eq!(v, 4);
         assert_eq!(
-            (o.overlap_credit, o.host_cache_hit_weight),
-            (Some(0.5), None)
+            (back.priority_jump, back.expected_output_tokens),
+            (0.0, None)
         );
+        assert_eq!(back.overrides, req.overrides);
+        assert_eq!(back.tokens, req.tokens);
+    }
 
+    /// A version-4 decision has no block size (its caller reports no output blocks).
+    #[test]
+    fn decisions_in_both_versions() {
         let d = RouteDecision {
             worker_id: 7,
             dp_rank: 1,
             overlap_blocks: 3,
             replica_id: "r1".into(),
             base_url: "http://10.0.0.5:8000".into(),
-            tier_overlap_blocks: TierBlocks {
-                device: 3,
-                host: 2,
-                disk: 0,
-                shared: 1,
-            },
+            tier_overlap_blocks: TierBlocks::on_device(3),
+            block_size: 16,
         };
         let both = DisaggDecision {
             prefill: d.clone(),
@@ -351,55 +351,54 @@ mod tests {
             replica_id: "r1".into(),
         };
         assert_eq!(
-            decode_versioned::<DisaggDecision>(&encode(&both).unwrap()).unwrap(),
-            (both.clone(), 4)
+            decode_versioned::<Reply<DisaggDecision>>(&encode(&Reply::Ok(both.clone())).unwrap())
+                .unwrap(),
+            (Reply::Ok(both.clone()), 5)
         );
-        let (old, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 3).unwrap()).unwrap();
-        let device_only = TierBlocks {
-            device: 3,
-            ..TierBlocks::default()
-        };
-        assert_eq!(old.decode.tier_overlap_blocks, device_only);
-        assert_eq!(old.prefill.base_url, d.base_url);
+        let old: v4::DisaggDecision = v4_codec_read(&encode_as(&both, 4).unwrap());
+        assert_eq!(old.decode.tier_overlap_blocks, d.tier_overlap_blocks);
+        let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 4).unwrap()).unwrap();
+        assert_eq!(back.prefill.block_size, 0);
+        assert_eq!(
+            DisaggDecision {
+                prefill: RouteDecision {
+                    block_size: 16,
+                    ..back.prefill
+                },
+                decode: RouteDecision {
+                    block_size: 16,
+                    ..back.decode
+                },
+                ..back
+            },
+            both
+        );
     }
 
+    /// A version-4 peer hears no output blocks and sends unsequenced batches.
     #[test]
-    fn a_v3_engine_reports_reused_blocks_as_device_blocks() {
-        let done = GenerateEvent::PrefillDone {
-            ttft_us: 1200,
-            cached_blocks: 5,
-            prompt_blocks: 9,
-            tier_cached_blocks: TierBlocks {
-                host: 3,
-                disk: 1,
-                ..TierBlocks::on_device(1)
-            },
-        };
+    fn sync_batches_in_both_versions() {
+        let batch = v5_sync_batch();
         assert_eq!(
-            decode_versioned::<GenerateEvent>(&encode(&done).unwrap()).unwrap(),
-            (done.clone(), 4)
+            decode_versioned::<SyncBatch>(&encode(&batch).unwrap()).unwrap(),
+            (batch.clone(), 5)
         );
-        let old = v3_codec_read::<v3::GenerateEvent>(&encode_as(&done, 3).unwrap());
+        let old = v4_codec_read::<v4::SyncBatch>(&encode_as(&batch, 4).unwrap());
         assert_eq!(
-            old,
-            v3::GenerateEvent::PrefillDone {
-                ttft_us: 1200,
-                cached_blocks: 5,
-                prompt_blocks: 9
+            old.changes.len(),
+            3,
+            "the Output change is dropped: {old:?}"
+        );
+        assert_eq!(old, v4_sync_batch());
+        let (back, v) = decode_versioned::<SyncBatch>(&encode_as(&batch, 4).unwrap()).unwrap();
+        assert_eq!((v, back.seq, back.instance_id), (4, 0, Uuid::nil()));
+        assert!(matches!(
+            back.changes[0],
+            SeqChange::Add {
+                output_blocks: 0,
+                ..
             }
-        );
-        let (back, v) = decode_versioned::<GenerateEvent>(&encode_as(&done, 3).unwrap()).unwrap();
-        assert_eq!(v, 3);
-        let GenerateEvent::PrefillDone {
-            tier_cached_blocks, ..
-        } = back
-        else {
-            panic!("{back:?}")
-        };
-        assert_eq!(tier_cached_blocks, TierBlocks::on_device(5));
-        let tokens = GenerateEvent::Tokens { itl_us: vec![7, 8] };
-        let (back, _) = decode_versioned::<GenerateEvent>(&encode_as(&tokens, 3).unwrap()).unwrap();
-        assert_eq!(back, tokens);
+        ));
     }
 
     #[test]
@@ -461,24 +460,24 @@ mod tests {
         ));
     }
 
-    /// What the version-3 codec wrote: the version byte, then bincode of the v3 type.
-    fn v3_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
-        let mut out = vec![3u8];
+    /// What the version-4 codec wrote: the version byte, then bincode of the v4 type.
+    fn v4_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+        let mut out = vec![4u8];
         let config = config::standard().with_fixed_int_encoding();
         out.extend(bincode::serde::encode_to_vec(value, config).unwrap());
         out
     }
 
-    /// What a version-3 peer reads.
-    fn v3_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
-        assert_eq!(bytes[0], 3, "a version-3 peer reads only version 3");
+    /// What a version-4 peer reads.
+    fn v4_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
+        assert_eq!(bytes[0], 4, "a version-4 peer reads only version 4");
         let config = config::standard().with_fixed_int_encoding();
         let (v, n) = bincode::serde::decode_from_slice(&bytes[1..], config).unwrap();
         assert_eq!(n, bytes.len() - 1);
         v
     }
 
-    fn v4_route_request() -> RouteRequest {
+    fn v5_route_request() -> RouteRequest {
         RouteRequest {
             model: "llama".into(),
             request_id: "req-1".into(),
@@ -502,54 +501,71 @@ mod tests {
                 disk_cache_hit_weight: None,
                 shared_cache_hit_weight: None,
             }),
+            priority_jump: 2.5,
+            expected_output_tokens: Some(300),
         }
     }
 
-    fn v3_batch() -> v3::KvEventBatch {
-        let ev = |event_id, data| v3::KvEvent {
-            key: WorkerKey::new(3, 1),
-            event_id,
-            data,
-        };
-        v3::KvEventBatch {
-            worker_id: 9,
-            instance_id: Uuid::from_u128(7),
-            events: vec![
-                ev(
-                    5,
-                    KvEventData::Stored {
-                        parent: Some(EngineBlockHash(11)),
-                        blocks: vec![StoredBlock {
-                            engine_hash: EngineBlockHash(12),
-                            local_hash: LocalBlockHash(0xabcdef),
-                        }],
-                    },
-                ),
-                ev(
-                    6,
-                    KvEventData::Removed {
-                        engine_hashes: vec![EngineBlockHash(12)],
-                    },
-                ),
-                ev(7, KvEventData::Cleared),
+    fn v4_sync_batch() -> v4::SyncBatch {
+        let id = || "r1:a".to_string();
+        v4::SyncBatch {
+            replica_id: "r1".into(),
+            model: "m".into(),
+            changes: vec![
+                v4::SeqChange::Add {
+                    request_id: id(),
+                    key: WorkerKey::new(3, 1),
+                    sequence_hashes: vec![SequenceHash(5), SequenceHash(6)],
+                    prefill_tokens: 40,
+                },
+                v4::SeqChange::Prefilled { request_id: id() },
+                v4::SeqChange::Free { request_id: id() },
             ],
         }
     }
 
-    /// `v3_batch()` and a decision as the version-3 codec encoded them, captured by running
-    /// the code before version 4 existed. Never update these: a mismatch means v3 types
-    /// changed.
-    const V3_BATCH_HEX: &str = concat!(
-        "0309000000000000001000000000000000000000000000000000000000000000",
-        "0703000000000000000300000000000000010000000500000000000000000000",
-        "00010b0000000000000001000000000000000c00000000000000efcdab000000",
-        "0000030000000000000001000000060000000000000001000000010000000000",
-        "00000c0000000000000003000000000000000100000007000000000000000200",
-        "0000",
+    fn v5_sync_batch() -> SyncBatch {
+        let id = || "r1:a".to_string();
+        SyncBatch {
+            replica_id: "r1".into(),
+            model: "m".into(),
+            changes: vec![
+                SeqChange::Add {
+                    request_id: id(),
+                    key: WorkerKey::new(3, 1),
+                    sequence_hashes: vec![SequenceHash(5), SequenceHash(6)],
+                    prefill_tokens: 40,
+                    output_blocks: 4,
+                },
+                SeqChange::Prefilled { request_id: id() },
+                SeqChange::Output {
+                    request_id: id(),
+                    output_blocks: 5,
+                },
+                SeqChange::Free { request_id: id() },
+            ],
+            instance_id: Uuid::from_u128(7),
+            seq: 12,
+        }
+    }
+
+    /// `v5_route_request()` (less the version-5 fields) and `v4_sync_batch()` as the
+    /// version-4 codec encoded them, captured by running the code before version 5 existed.
+    /// Never update these: a mismatch means v4 types changed.
+    const V4_REQUEST_HEX: &str = concat!(
+        "0405000000000000006c6c616d6105000000000000007265712d310300000000",
+        "0000000100000002000000efbeadde0101000000000000006101020000000000",
+        "0000040000000000000008070605040302010109000000000000000103000000",
+        "0101020000000000000002000000000000000300000000000000696d67010000",
+        "0000000000320000000000000000010100000000000000730200000000000000",
+        "050000000000000006000000000000000101000000000000e03f0001cdcccccc",
+        "ccccec3f0000",
     );
-    const V3_DECISION_HEX: &str = concat!(
-        "0304000000000000000200000006000000020000000000000072310800000000",
-        "000000687474703a2f2f78",
+    const V4_SYNC_HEX: &str = concat!(
+        "040200000000000000723101000000000000006d030000000000000000000000",
+        "040000000000000072313a610300000000000000010000000200000000000000",
+        "0500000000000000060000000000000028000000000000000100000004000000",
+        "0000000072313a6102000000040000000000000072313a61",
     );
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -560,110 +576,67 @@ mod tests {
     }
 
     #[test]
-    fn version_3_bytes_are_frozen() {
-        let frozen = unhex(V3_BATCH_HEX);
-        assert_eq!(v3_codec_bytes(&v3_batch()), frozen);
-        // Read as version 4: device events, the same content...
-        let (batch, v) = decode_versioned::<KvEventBatch>(&frozen).unwrap();
-        assert_eq!(v, 3);
-        assert!(batch.events.iter().all(|e| e.tier == Tier::Device));
-        assert_eq!(batch.to_previous(), v3_batch());
-        // ...and written back for a version-3 peer, the same bytes.
-        assert_eq!(encode_as(&batch, 3).unwrap(), frozen);
+    fn version_4_bytes_are_frozen() {
+        let frozen = unhex(V4_REQUEST_HEX);
+        let req = v5_route_request();
+        assert_eq!(v4_codec_bytes(&req.to_previous()), frozen);
+        assert_eq!(encode_as(&req, 4).unwrap(), frozen);
+        let back = decode::<RouteRequest>(&frozen).unwrap();
+        assert_eq!(back.to_previous(), req.to_previous());
 
-        let decision = unhex(V3_DECISION_HEX);
-        let d = decode::<RouteDecision>(&decision).unwrap();
-        assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (4, 2, 6));
-        assert_eq!(d.tier_overlap_blocks.device, 6);
-        assert_eq!(d.tier_overlap_blocks.lower(), 0);
-        assert_eq!(encode_as(&d, 3).unwrap(), decision);
-    }
-
-    /// A lower-tier event reaches a version-3 peer as an empty removal with its id, so the
-    /// peer sees no gap and no change; `Cleared` clears there too.
-    #[test]
-    fn lower_tier_events_are_harmless_to_version_3_peers() {
-        let mut batch = KvEventBatch::from_previous(v3_batch());
-        for e in &mut batch.events {
-            e.tier = Tier::Host;
-        }
-        let seen: v3::KvEventBatch = v3_codec_read(&encode_as(&batch, 3).unwrap());
-        let ids: Vec<_> = seen.events.iter().map(|e| e.event_id).collect();
-        assert_eq!(ids, vec![5, 6, 7]);
-        let empty = KvEventData::Removed {
-            engine_hashes: vec![],
-        };
-        assert_eq!(seen.events[0].data, empty);
-        assert_eq!(seen.events[1].data, empty);
-        assert_eq!(seen.events[2].data, KvEventData::Cleared);
+        let frozen = unhex(V4_SYNC_HEX);
+        assert_eq!(v4_codec_bytes(&v4_sync_batch()), frozen);
+        let (batch, v) = decode_versioned::<SyncBatch>(&frozen).unwrap();
+        assert_eq!(v, 4);
+        assert_eq!(batch.to_previous(), v4_sync_batch());
+        // ...and written back for a version-4 peer, the same bytes.
+        assert_eq!(encode_as(&batch, 4).unwrap(), frozen);
     }
 
     #[test]
     fn containers_convert_their_items() {
-        let overlaps = OverlapScoresReply {
-            block_size: 16,
-            scores: vec![(WorkerKey::new(1, 0), 3)],
-            tier_overlap_blocks: vec![(
-                WorkerKey::new(2, 0),
-                TierBlocks {
-                    host: 4,
-                    ..TierBlocks::default()
-                },
-            )],
-            shared_blocks: 2,
-        };
         let replies = vec![
-            Reply::Ok(overlaps.clone()),
+            Reply::Ok(v5_sync_batch()),
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x")),
         ];
-        let seen: Vec<Reply<v3::OverlapScoresReply>> =
-            v3_codec_read(&encode_as(&replies, 3).unwrap());
-        assert_eq!(seen[0], Reply::Ok(overlaps.to_previous()));
+        let seen: Vec<Reply<v4::SyncBatch>> = v4_codec_read(&encode_as(&replies, 4).unwrap());
+        assert_eq!(seen[0], Reply::Ok(v5_sync_batch().to_previous()));
         assert_eq!(
             seen[1],
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x"))
         );
-        let back: Vec<Reply<OverlapScoresReply>> =
-            decode(&encode_as(&replies, 3).unwrap()).unwrap();
-        match &back[0] {
-            Reply::Ok(o) => assert_eq!(
-                (
-                    o.scores.clone(),
-                    o.tier_overlap_blocks.len(),
-                    o.shared_blocks
-                ),
-                (overlaps.scores.clone(), 0, 0)
-            ),
-            other => panic!("{other:?}"),
-        }
+        let back: Vec<Option<SyncBatch>> =
+            decode(&encode_as(&vec![Some(v5_sync_batch()), None], 4).unwrap()).unwrap();
+        assert_eq!(back[0].as_ref().map(|b| b.changes.len()), Some(3));
+        assert_eq!(back[1], None);
         // An unchanged message is the same bytes behind either version byte.
         let q = StateQuery { dp_rank: 4 };
-        assert_eq!(encode_as(&q, 3).unwrap()[1..], encode(&q).unwrap()[1..]);
+        assert_eq!(encode_as(&q, 4).unwrap()[1..], encode(&q).unwrap()[1..]);
         assert_eq!(encode(&q).unwrap()[0], FORMAT_VERSION);
     }
 
     #[test]
     fn only_the_current_and_previous_versions_are_read_and_written() {
-        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (3, 4));
-        let req = v4_route_request();
+        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (4, 5));
+        let req = v5_route_request();
         let bytes = encode(&req).unwrap();
-        for v in [0u8, 1, 2, 5, 255] {
+        for v in [0u8, 1, 2, 3, 6, 255] {
             let mut bad = bytes.clone();
             bad[0] = v;
             assert_eq!(
                 decode::<RouteRequest>(&bad),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 3,
-                    max: 4
+                    min: 4,
+                    max: 5
                 })
             );
             assert_eq!(
                 encode_as(&req, v),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 3,
-                    max: 4
+                    min: 4,
+                    max: 5
                 })
             );
         }
@@ -672,18 +645,18 @@ mod tests {
     #[test]
     fn replies_go_out_in_the_request_version() {
         let q = StateQuery { dp_rank: 1 };
-        assert_eq!(reply_version(&encode(&q).unwrap()), 4);
-        assert_eq!(reply_version(&encode_as(&q, 3).unwrap()), 3);
+        assert_eq!(reply_version(&encode(&q).unwrap()), 5);
+        assert_eq!(reply_version(&encode_as(&q, 4).unwrap()), 4);
         assert_eq!(reply_version(&[]), FORMAT_VERSION);
         assert_eq!(reply_version(&[0, 1, 2]), FORMAT_VERSION);
-        assert_eq!(reply_version(&[2]), FORMAT_VERSION);
-        // Even an undecodable request in version 3 is answered in version 3.
-        assert_eq!(reply_version(&[3, 0xff]), 3);
+        assert_eq!(reply_version(&[3]), FORMAT_VERSION);
+        // Even an undecodable request in version 4 is answered in version 4.
+        assert_eq!(reply_version(&[4, 0xff]), 4);
     }
 
     #[test]
     fn encoded_len_is_the_payload_size() {
-        let req = v4_route_request();
+        let req = v5_route_request();
         assert_eq!(encoded_len(&req).unwrap(), encode(&req).unwrap().len() - 1);
     }
 

@@ -5,7 +5,7 @@
 //! - [`subjects`]: where on the bus each message travels.
 //! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
 //! - [`wire`]: the [`Wire`] trait: a message's current and previous-version shapes.
-//! - [`v3`]: the frozen version-3 shapes of the types version 4 changed.
+//! - [`v4`]: the frozen version-4 shapes of the types version 5 changed.
 //! - [`chunk`]: splitting lists into messages under a byte budget.
 //! - [`hashing`]: Dynamo-compatible local block hashes and sequence hashes.
 
@@ -15,7 +15,7 @@ pub mod hashing;
 pub mod messages;
 pub mod subjects;
 pub mod types;
-pub mod v3;
+pub mod v4;
 pub mod wire;
 
 pub use chunk::chunk_by_budget;

@@ -271,7 +271,7 @@ impl std::str::FromStr for Pin {
 }
 
 /// Which worker rank should serve these tokens?
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
     pub model: String,
     pub request_id: String,
@@ -291,6 +291,20 @@ pub struct RouteRequest {
     /// This request's own cost settings, in place of the replica's (`None`: the replica's).
     /// New in format version 3.
     pub overrides: Option<RouteOverrides>,
+    /// Seconds this request counts as having waited already when it must queue (0: none;
+    /// finite, not negative). New in format version 5, as is the field below.
+    pub priority_jump: f64,
+    /// Output tokens the caller expects: their blocks count in the rank's decode load from
+    /// the start (`None`: only what `add_output_block` reports).
+    pub expected_output_tokens: Option<u32>,
+}
+
+impl RouteRequest {
+    /// Why `priority_jump` is unusable, if it is.
+    pub fn invalid_priority_jump(&self) -> Option<f64> {
+        let j = self.priority_jump;
+        (!j.is_finite() || j < 0.0).then_some(j)
+    }
 }
 
 /// Per-request cost settings (Dynamo's per-request router config override). Each `None`
@@ -338,6 +352,10 @@ pub struct RouteDecision {
     /// The chosen rank's overlap by tier (`device` equals `overlap_blocks`). New in format
     /// version 4.
     pub tier_overlap_blocks: TierBlocks,
+    /// Tokens per KV block of the model: a caller reports one `add_output_block` per this
+    /// many generated tokens (0 from a version-4 replica: report none). New in format
+    /// version 5.
+    pub block_size: u32,
 }
 
 impl RouteDecision {
@@ -432,6 +450,24 @@ pub struct RequestUpdate {
     pub request_id: String,
 }
 
+/// A running request generated another block of output (`add_output_block`), sent to the
+/// replica that routed it with `update_states`. New in format version 5.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OutputBlock {
+    pub model: String,
+    pub request_id: String,
+    /// The share of the request's output load still to count, in `[0, 1]`: the caller's
+    /// estimate of how much of its decode is still ahead (`None`: all of it).
+    pub decay_fraction: Option<f64>,
+}
+
+impl OutputBlock {
+    /// `decay_fraction` when it is not a number in `[0, 1]`.
+    pub fn invalid_decay_fraction(&self) -> Option<f64> {
+        self.decay_fraction.filter(|f| !(0.0..=1.0).contains(f))
+    }
+}
+
 /// One change to a replica's active sequences, shared with its peers (`--replica-sync`).
 /// Request ids are global: `"{origin replica id}:{request id}"`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -442,11 +478,18 @@ pub enum SeqChange {
         key: WorkerKey,
         sequence_hashes: Vec<crate::types::SequenceHash>,
         prefill_tokens: u64,
+        /// Output blocks counted in its decode load (new in format version 5).
+        output_blocks: u32,
     },
     /// Its prefill is done.
     Prefilled { request_id: String },
     /// It finished.
     Free { request_id: String },
+    /// Its output now counts this many blocks of decode load (new in format version 5).
+    Output {
+        request_id: String,
+        output_blocks: u32,
+    },
 }
 
 /// Active-sequence changes of one replica for one model, in the order it made them.
@@ -455,6 +498,11 @@ pub struct SyncBatch {
     pub replica_id: String,
     pub model: String,
     pub changes: Vec<SeqChange>,
+    /// The sending process (new on every start). New in format version 5, as is `seq`.
+    pub instance_id: Uuid,
+    /// 1, 2, ... per instance and model on the sync subject, so peers notice a lost batch;
+    /// 0 in a catch-up answer and from a version-4 peer (not sequenced).
+    pub seq: u64,
 }
 
 /// A joining replica asks a peer for every active sequence it knows of a model (answered as
@@ -740,6 +788,7 @@ mod tests {
                 disk: 2,
                 shared: 4,
             },
+            block_size: 0,
         });
         let back: Reply<RouteDecision> = decode(&encode(&ok).unwrap()).unwrap();
         assert_eq!(back, ok);
@@ -845,6 +894,7 @@ mod tests {
             replica_id: "r".into(),
             base_url: String::new(),
             tier_overlap_blocks: TierBlocks::default(),
+            block_size: 0,
         };
         let ok: Reply<DisaggDecision> = Reply::Ok(DisaggDecision {
             prefill: d(1, 2),

@@ -98,6 +98,17 @@ impl Subjects {
         format!("{}.router.replica.{replica_id}.free", self.ns)
     }
 
+    /// `OutputBlock` → `Reply<()>`, to the replica that made the decision.
+    pub fn add_output_block(&self, replica_id: &str) -> String {
+        format!("{}.router.replica.{replica_id}.add_output_block", self.ns)
+    }
+
+    /// `SyncStateRequest` → stream of `SyncBatch`: that replica's own active sequences (a
+    /// peer that missed one of its sync batches asks it).
+    pub fn sync_own(&self, replica_id: &str) -> String {
+        format!("{}.router.replica.{replica_id}.sync_state", self.ns)
+    }
+
     /// `SyncBatch`, published by every replica with `--replica-sync` to all the others.
     pub fn sync(&self) -> String {
         format!("{}.router.sync", self.ns)
@@ -323,8 +334,10 @@ pub fn fleet_subjects(
         ("potential_loads", s.potential_loads()),
         ("mark_prefill", s.mark_prefill("*")),
         ("free", s.free("*")),
+        ("add_output_block", s.add_output_block("*")),
         ("sync", s.sync()),
         ("sync_state", s.sync_state()),
+        ("sync_own", s.sync_own("*")),
         ("who_is_there", m.who_is_there()),
         ("indexer_find_matches", m.indexer_find_matches()),
         ("indexer_record", m.indexer_record()),

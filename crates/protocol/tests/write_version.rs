@@ -1,7 +1,7 @@
 //! The process-wide write version (its own test binary: it is global state).
 
 use kvrouter_protocol::{
-    decode, decode_versioned, encode, set_write_version, v3, write_version, RouteOverrides,
+    decode, decode_versioned, encode, set_write_version, v4, write_version, RouteOverrides,
     RouteRequest, FORMAT_VERSION,
 };
 
@@ -21,6 +21,8 @@ fn request() -> RouteRequest {
             host_cache_hit_weight: Some(0.5),
             ..RouteOverrides::default()
         }),
+        priority_jump: 1.5,
+        expected_output_tokens: Some(64),
     }
 }
 
@@ -34,7 +36,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     let old = encode(&request()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
-    let seen: v3::RouteRequest = bincode::serde::decode_from_slice(
+    let seen: v4::RouteRequest = bincode::serde::decode_from_slice(
         &old[1..],
         bincode::config::standard().with_fixed_int_encoding(),
     )
@@ -44,8 +46,11 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     // ...and this build reads it too, without the fields the previous version lacks.
     let (back, version): (RouteRequest, u8) = decode_versioned(&old).unwrap();
     assert_eq!(version, FORMAT_VERSION - 1);
-    let o = back.overrides.expect("overrides");
-    assert_eq!((o.temperature, o.host_cache_hit_weight), (Some(1.0), None));
+    assert_eq!(back.overrides, request().overrides);
+    assert_eq!(
+        (back.priority_jump, back.expected_output_tokens),
+        (0.0, None)
+    );
 
     assert!(set_write_version(FORMAT_VERSION + 1).is_err());
     assert!(set_write_version(0).is_err());

@@ -264,6 +264,7 @@ async fn route_disagg(
         overlap_blocks: sel.overlap_blocks,
         replica_id: shared.replica_id.clone(),
         base_url: m.status.layouts.base_url(sel.key.worker_id),
+        block_size: m.status.block_size().unwrap_or(0),
     };
     tracing::debug!(model = %req.model, request_id = %req.request_id, prefill = %pre.key, decode = %dec.key, "disaggregated route");
     Ok((

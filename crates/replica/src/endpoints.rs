@@ -9,9 +9,9 @@ use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    prompt_local_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OverlapRequest,
-    OverlapScoresReply, Pin, PotentialLoad, PromptExtras, RequestUpdate, RouteDecision,
-    RouteRequest, SequenceHash, Tier, WorkerKey,
+    prompt_local_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OutputBlock,
+    OverlapRequest, OverlapScoresReply, Pin, PotentialLoad, PromptExtras, RequestUpdate,
+    RouteDecision, RouteRequest, SequenceHash, Tier, WorkerKey,
 };
 use kvrouter_scheduler::Selection;
 use std::sync::Arc;
@@ -28,6 +28,7 @@ pub enum Endpoint {
     PotentialLoads,
     MarkPrefill,
     Free,
+    OutputBlock,
 }
 
 impl Endpoint {
@@ -39,6 +40,7 @@ impl Endpoint {
             Self::PotentialLoads => "potential_loads",
             Self::MarkPrefill => "mark_prefill",
             Self::Free => "free",
+            Self::OutputBlock => "add_output_block",
         }
     }
 }
@@ -109,6 +111,16 @@ pub fn serve(
             move |req| {
                 let shared = shared.clone();
                 async move { update(&shared, endpoint, req).await }
+            },
+        )),
+        Endpoint::OutputBlock => Box::pin(serve_requests(
+            sub,
+            server,
+            kind,
+            OneWay::Handle,
+            move |req| {
+                let shared = shared.clone();
+                async move { output_block(&shared, req).await }
             },
         )),
     }
@@ -260,6 +272,16 @@ pub(crate) async fn route(
             ),
         ));
     }
+    if let Some(jump) = req.invalid_priority_jump() {
+        return Err(error(
+            shared,
+            &req.model,
+            ErrorReply::new(
+                ErrorKind::InvalidRequest,
+                format!("priority_jump must be a finite number of seconds >= 0, got {jump}"),
+            ),
+        ));
+    }
     let overlaps = m.find_overlaps(&local).instrument(_span.clone()).await;
     // Approximate mode: a decision that updates state feeds the index once it is made.
     let record = match &m.recorder {
@@ -289,6 +311,8 @@ pub(crate) async fn route(
         aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
     (job.pinned, job.pinned_worker) = (pinned, pinned_worker);
     (job.excluded_workers, job.overrides) = (req.excluded_workers, overrides);
+    (job.priority_jump, job.expected_output_tokens) =
+        (req.priority_jump, req.expected_output_tokens);
     drop(_span);
     let sel = schedule(shared, m, job, rx).await?;
     if let Some((recorder, local, seq)) = record {
@@ -303,6 +327,7 @@ pub(crate) async fn route(
             overlap_blocks: sel.overlap_blocks,
             replica_id: shared.replica_id.clone(),
             base_url: m.status.layouts.base_url(sel.key.worker_id),
+            block_size: m.status.block_size().unwrap_or(0),
         },
     ))
 }
@@ -394,20 +419,57 @@ pub(crate) async fn update(
         Endpoint::MarkPrefill => SchedulerMsg::MarkPrefill(req.request_id.clone(), tx),
         _ => SchedulerMsg::Free(req.request_id.clone(), tx),
     };
+    ask_known(shared, m, msg, rx, &req.request_id).await
+}
+
+/// `add_output_block` of a request this replica routed.
+pub(crate) async fn output_block(
+    shared: &ReplicaShared,
+    req: OutputBlock,
+) -> Result<(), ErrorReply> {
+    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    if let Some(f) = req.invalid_decay_fraction() {
+        return Err(error(
+            shared,
+            &req.model,
+            ErrorReply::new(
+                ErrorKind::InvalidRequest,
+                format!("decay_fraction must be a number from 0 to 1, got {f}"),
+            ),
+        ));
+    }
+    let (tx, rx) = oneshot::channel();
+    let msg = SchedulerMsg::OutputBlock {
+        request_id: req.request_id.clone(),
+        decay_fraction: req.decay_fraction,
+        reply: tx,
+    };
+    ask_known(shared, m, msg, rx, &req.request_id).await
+}
+
+/// Sends an update about one request to the model's scheduler actor; `UnknownRequest` when
+/// the actor does not hold it.
+async fn ask_known(
+    shared: &ReplicaShared,
+    m: &ModelShared,
+    msg: SchedulerMsg,
+    known: oneshot::Receiver<bool>,
+    request_id: &str,
+) -> Result<(), ErrorReply> {
     m.scheduler
         .send_message(msg)
-        .map_err(|_| unavailable(shared, &req.model))?;
-    if rx.await.map_err(|_| unavailable(shared, &req.model))? {
+        .map_err(|_| unavailable(shared, &m.name))?;
+    if known.await.map_err(|_| unavailable(shared, &m.name))? {
         Ok(())
     } else {
         Err(error(
             shared,
-            &req.model,
+            &m.name,
             ErrorReply::new(
                 ErrorKind::UnknownRequest,
                 format!(
-                    "request {:?} is not active on replica {} (already freed, swept, or routed elsewhere)",
-                    req.request_id, shared.replica_id
+                    "request {request_id:?} is not active on replica {} (already freed, swept, or routed elsewhere)",
+                    shared.replica_id
                 ),
             ),
         ))

@@ -1,6 +1,6 @@
 //! The JSON API for peer routers, on the admin listener (or `--http-addr`): `POST
-//! /v1/route`, `POST /v1/requests/{id}/prefill_done` and `.../free` (forwarded over the
-//! bus to the replica that routed the request), `GET /v1/workers`. Routes take the same
+//! /v1/route`, `POST /v1/requests/{id}/prefill_done`, `.../free` and `.../output_block`
+//! (forwarded over the bus to the replica that routed the request), `GET /v1/workers`. Routes take the same
 //! path as the bus endpoint ([`endpoints::route`]), with no bus hop. See docs/protocol.md,
 //! "JSON API for peer routers".
 
@@ -15,13 +15,13 @@ use errors::ApiError;
 use json::{RouteAnswer, RouteBody, UpdateBody, WorkersAnswer};
 use kvrouter_admin::{percent_decode, query_param, ApiPage, ApiRequest, ApiResponse, Method};
 use kvrouter_bus::BusError;
-use kvrouter_protocol::{decode, encode, ErrorKind, Reply, RequestUpdate};
+use kvrouter_protocol::{decode, encode, ErrorKind, OutputBlock, Reply, RequestUpdate};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-/// How long a forwarded `prefill_done` or `free` waits for the replica that routed it.
+/// How long a forwarded `prefill_done`, `free` or `output_block` waits for the replica that routed it.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The largest request body: a route body with the longest prompt accepted (a token is at
@@ -36,7 +36,8 @@ pub fn max_body_bytes(max_prompt_tokens: usize) -> usize {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Call {
     Route,
-    /// `mark_prefill` or `free`, with the request id as it appears in the path.
+    /// `mark_prefill`, `free` or `output_block`, with the request id as it appears in the
+    /// path.
     Update(Endpoint, String),
     Workers,
 }
@@ -53,6 +54,7 @@ impl Call {
                 let endpoint = match action {
                     "prefill_done" => Endpoint::MarkPrefill,
                     "free" => Endpoint::Free,
+                    "output_block" => Endpoint::OutputBlock,
                     _ => return None,
                 };
                 Some(Self::Update(endpoint, id.to_string()))
@@ -146,17 +148,45 @@ async fn update(
             )
         })?;
     let body: UpdateBody = json::parse(body).map_err(|e| refused(shared, "", e))?;
-    let update = RequestUpdate {
-        model: body.model,
-        request_id,
-    };
-    match body.replica_id {
-        Some(other) if other != shared.replica_id => {
-            forward(shared, endpoint, &other, &update)
-                .await
-                .map_err(|e| refused(shared, &update.model, e))?;
+    let model = body.model.clone();
+    if body.decay_fraction.is_some() && endpoint != Endpoint::OutputBlock {
+        return Err(refused(
+            shared,
+            &model,
+            ApiError::invalid("decay_fraction belongs to output_block only"),
+        ));
+    }
+    let other = body.replica_id.filter(|other| *other != shared.replica_id);
+    let internal = |e: String| ApiError::new(ErrorKind::Internal, e);
+    if endpoint == Endpoint::OutputBlock {
+        let block = OutputBlock {
+            model: body.model,
+            request_id,
+            decay_fraction: body.decay_fraction,
+        };
+        match other {
+            Some(other) => {
+                let payload = encode(&block).map_err(|e| internal(e.to_string()))?;
+                forward(shared, endpoint, &other, payload)
+                    .await
+                    .map_err(|e| refused(shared, &model, e))?;
+            }
+            None => endpoints::output_block(shared, block).await?,
         }
-        _ => endpoints::update(shared, endpoint, update).await?,
+    } else {
+        let update = RequestUpdate {
+            model: body.model,
+            request_id,
+        };
+        match other {
+            Some(other) => {
+                let payload = encode(&update).map_err(|e| internal(e.to_string()))?;
+                forward(shared, endpoint, &other, payload)
+                    .await
+                    .map_err(|e| refused(shared, &model, e))?;
+            }
+            None => endpoints::update(shared, endpoint, update).await?,
+        }
     }
     Ok(r#"{"ok":true}"#.into())
 }
@@ -166,7 +196,7 @@ async fn forward(
     shared: &ReplicaShared,
     endpoint: Endpoint,
     replica_id: &str,
-    update: &RequestUpdate,
+    payload: Vec<u8>,
 ) -> Result<(), ApiError> {
     if !crate::config::valid_replica_id(replica_id) {
         return Err(ApiError::invalid(format!(
@@ -175,10 +205,10 @@ async fn forward(
     }
     let subject = match endpoint {
         Endpoint::MarkPrefill => shared.subjects.mark_prefill(replica_id),
+        Endpoint::OutputBlock => shared.subjects.add_output_block(replica_id),
         _ => shared.subjects.free(replica_id),
     };
     let internal = |e: String| ApiError::new(ErrorKind::Internal, e);
-    let payload = encode(update).map_err(|e| internal(e.to_string()))?;
     let answer = shared
         .bus
         .request(&subject, Bytes::from(payload), FORWARD_TIMEOUT)

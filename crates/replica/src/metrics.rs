@@ -99,6 +99,9 @@ pub struct Metrics {
     /// `--replica-sync`: live peer replicas, and peers dropped as silent past their lease.
     pub sync_peers: Family<ModelLabels, Gauge>,
     pub sync_peers_lost: Family<ModelLabels, Counter>,
+    /// Peers' sync batches lost (gaps in their sequence numbers), each followed by a fetch
+    /// of that peer's active sequences.
+    pub sync_batches_lost: Family<ModelLabels, Counter>,
     pub index_blocks: Family<ModelLabels, Gauge>,
     /// Approximate mode (`--no-kv-events`): route decisions recorded in the index.
     pub approx_records: Family<ModelLabels, Counter>,
@@ -241,6 +244,11 @@ impl Metrics {
             sync_peers_lost: reg!(
                 "replica_sync_peers_lost",
                 "Peer replicas dropped, with their active sequences, after going silent past the lease (--replica-sync)",
+                Family::default()
+            ),
+            sync_batches_lost: reg!(
+                "replica_sync_batches_lost",
+                "Peers' replica-sync batches lost (gaps in their sequence numbers); each gap fetches that peer's active sequences again (--replica-sync)",
                 Family::default()
             ),
             index_blocks: reg!(

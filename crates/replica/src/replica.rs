@@ -105,7 +105,10 @@ async fn start_model(
     let mut sched_config = config.scheduler.clone();
     sched_config.block_size = block_size.unwrap_or(sched_config.block_size);
     sched_config.seed = sched_config.seed.wrapping_add(i as u64);
+    let mut resync_rx = None;
     let sync = config.sync.as_ref().map(|sync| {
+        let (resync, rx) = tokio::sync::mpsc::unbounded_channel();
+        resync_rx = Some(rx);
         let (out, task) = replica_sync_bus::spawn_publisher(
             bus.clone(),
             subjects.sync(),
@@ -118,6 +121,7 @@ async fn start_model(
             inbox: Arc::default(),
             catch_up: true,
             echo_window: sync.echo,
+            resync,
         }
     });
     let peer_inbox = sync.as_ref().map(|s| s.inbox.clone());
@@ -134,6 +138,16 @@ async fn start_model(
     )
     .await
     .map_err(|e| start_err(format!("scheduler of model {name:?}"), e))?;
+    if let Some(rx) = resync_rx {
+        handles.push(replica_sync_bus::spawn_resync(
+            bus.clone(),
+            subjects.clone(),
+            replica_id.to_string(),
+            name.to_string(),
+            rx,
+            scheduler.clone(),
+        ));
+    }
     let index = Arc::new(
         ShardedIndex::start(ShardedIndexConfig {
             shards: config.index_shards,
@@ -379,6 +393,7 @@ async fn serve_router_endpoints(
     for (subject, endpoint) in [
         (subjects.mark_prefill(replica_id), Endpoint::MarkPrefill),
         (subjects.free(replica_id), Endpoint::Free),
+        (subjects.add_output_block(replica_id), Endpoint::OutputBlock),
     ] {
         let sub = subscribe(bus, subject, None).await?;
         back.push(endpoints::spawn(
@@ -516,6 +531,11 @@ impl Replica {
         if config.sync.is_some() {
             let sub = subscribe(&bus, subjects.sync(), None).await?;
             back.push(replica_sync_bus::spawn_peer_listener(shared.clone(), sub));
+            let own = subscribe(&bus, subjects.sync_own(&replica_id), None).await?;
+            back.push(replica_sync_bus::spawn_own_state_responder(
+                shared.clone(),
+                own,
+            ));
             back.push(replica_sync_bus::spawn_catch_up(
                 shared.clone(),
                 subjects.clone(),

@@ -11,6 +11,12 @@
 //! subscribed is in neither (the joiner asks only once its ranks are synced, so in practice
 //! long after; `tests/replica_sync_model.rs` assumes it).
 //!
+//! A lost batch (NATS drops what a disconnected client published, a slow consumer's
+//! backlog) shows as a gap in the peer's sequence numbers: that peer's own requests are then
+//! fetched from it again ([`ReplicaSync::start_resync`], [`ReplicaSync::on_resync`]) and
+//! its changes buffered meanwhile, so a lost `Free` does not hold load until the
+//! request-timeout sweep.
+//!
 //! Peers are live while their batches keep coming (an idle replica sends an empty one every
 //! [`HEARTBEAT`]); one silent for [`PEER_LEASE`] is gone, and its sequences with it: nobody
 //! is left to free them, and the workers' own load reports cover what is still running.
@@ -19,6 +25,7 @@ use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
 use kvrouter_scheduler::Scheduler;
 use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
+use uuid::Uuid;
 
 /// An idle replica's empty batch, at most this far apart.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
@@ -42,6 +49,22 @@ pub struct ReplicaSync {
     /// requests do not wait for the request-timeout sweep. Not counted as live peers.
     unconfirmed: FxHashMap<String, Instant>,
     last_sent: Option<Instant>,
+    /// Each peer's instance and the last sequence number heard from it.
+    seqs: FxHashMap<String, (Uuid, u64)>,
+    /// Peers whose own requests are being fetched again after a lost batch, with their
+    /// changes since (applied after the answer).
+    resyncing: FxHashMap<String, Vec<SeqChange>>,
+}
+
+/// How a peer's sequenced batch follows the last one heard from it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The next one, the first of an instance, or an unsequenced (version-4) batch.
+    InOrder,
+    /// Heard already (a duplicate): ignore it.
+    Stale,
+    /// Batches between this one and the last were lost.
+    Lost { missed: u64 },
 }
 
 impl ReplicaSync {
@@ -55,7 +78,103 @@ impl ReplicaSync {
             peers: FxHashMap::default(),
             unconfirmed: FxHashMap::default(),
             last_sent: None,
+            seqs: FxHashMap::default(),
+            resyncing: FxHashMap::default(),
         }
+    }
+
+    /// Checks a peer batch's sequence number (before [`Self::on_peer_batch`]). A new
+    /// instance starts a new sequence; seq 0 is unsequenced.
+    pub fn check_seq(&mut self, from: &str, instance: Uuid, seq: u64) -> SeqCheck {
+        if seq == 0 || from == self.replica_id {
+            return SeqCheck::InOrder;
+        }
+        match self.seqs.get_mut(from) {
+            Some((inst, last)) if *inst == instance => {
+                if seq <= *last {
+                    return SeqCheck::Stale;
+                }
+                let missed = seq - *last - 1;
+                *last = seq;
+                if missed == 0 {
+                    SeqCheck::InOrder
+                } else {
+                    SeqCheck::Lost { missed }
+                }
+            }
+            _ => {
+                self.seqs.insert(from.to_string(), (instance, seq));
+                SeqCheck::InOrder
+            }
+        }
+    }
+
+    /// Starts fetching `peer`'s own requests again after a lost batch (false if already
+    /// under way, or while catching up: the catch-up snapshot comes after anyway). Its
+    /// changes are buffered until [`Self::on_resync`].
+    pub fn start_resync(&mut self, peer: &str) -> bool {
+        if self.buffer.is_some() || self.resyncing.contains_key(peer) {
+            return false;
+        }
+        self.resyncing.insert(peer.to_string(), Vec::new());
+        true
+    }
+
+    /// `peer`'s own active requests as it answered (`None`: it did not), given the ids of
+    /// its requests our core holds: the changes to apply. Those it no longer has are freed,
+    /// those it has are added or brought up to date (prefill, output), then its changes
+    /// buffered meanwhile apply.
+    pub fn on_resync(
+        &mut self,
+        peer: &str,
+        answer: Option<Vec<SeqChange>>,
+        held: Vec<String>,
+    ) -> Vec<SeqChange> {
+        let Some(buffered) = self.resyncing.remove(peer) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        if let Some(answer) = answer {
+            let theirs: Vec<SeqChange> = answer
+                .into_iter()
+                .filter(|c| Self::is_from(change_id(c), peer))
+                .collect();
+            let live: rustc_hash::FxHashSet<&str> = theirs.iter().map(change_id).collect();
+            for id in held {
+                if !live.contains(id.as_str()) {
+                    out.push(SeqChange::Free { request_id: id });
+                }
+            }
+            for c in theirs {
+                if let SeqChange::Add {
+                    request_id,
+                    prefill_tokens,
+                    output_blocks,
+                    ..
+                } = &c
+                {
+                    let (id, prefilled, output) =
+                        (request_id.clone(), *prefill_tokens == 0, *output_blocks);
+                    out.push(c);
+                    if prefilled {
+                        out.push(SeqChange::Prefilled {
+                            request_id: id.clone(),
+                        });
+                    }
+                    out.push(SeqChange::Output {
+                        request_id: id,
+                        output_blocks: output,
+                    });
+                }
+            }
+        }
+        out.extend(buffered);
+        out
+    }
+
+    /// Peers being fetched again after a lost batch.
+    pub fn resyncing(&self) -> usize {
+        self.resyncing.len()
     }
 
     /// The id peers know one of this replica's requests by.
@@ -74,12 +193,22 @@ impl ReplicaSync {
         key: WorkerKey,
         sequence_hashes: Vec<SequenceHash>,
         prefill_tokens: u64,
+        output_blocks: u32,
     ) {
         self.outbox.push(SeqChange::Add {
             request_id: global_id.to_string(),
             key,
             sequence_hashes,
             prefill_tokens,
+            output_blocks,
+        });
+    }
+
+    /// A request of ours now counts `output_blocks` of output.
+    pub fn output(&mut self, request_id: &str, output_blocks: u32) {
+        self.outbox.push(SeqChange::Output {
+            request_id: self.global_id(request_id),
+            output_blocks,
         });
     }
 
@@ -124,7 +253,11 @@ impl ReplicaSync {
         }
         let new = self.peers.insert(from.to_string(), now).is_none();
         self.unconfirmed.remove(from);
-        let apply = match &mut self.buffer {
+        let buffer = match self.resyncing.get_mut(from) {
+            Some(b) => Some(b),
+            None => self.buffer.as_mut(),
+        };
+        let apply = match buffer {
             None => changes,
             Some(buf) => {
                 if buf.len() + changes.len() > MAX_BUFFERED {
@@ -150,6 +283,10 @@ impl ReplicaSync {
                 }
                 live
             });
+        }
+        for id in &gone {
+            self.seqs.remove(id);
+            self.resyncing.remove(id);
         }
         gone.sort_unstable();
         gone
@@ -232,7 +369,8 @@ fn change_id(change: &SeqChange) -> &str {
     match change {
         SeqChange::Add { request_id, .. }
         | SeqChange::Prefilled { request_id }
-        | SeqChange::Free { request_id } => request_id,
+        | SeqChange::Free { request_id }
+        | SeqChange::Output { request_id, .. } => request_id,
     }
 }
 
@@ -247,15 +385,30 @@ pub fn apply_changes<P>(core: &mut Scheduler<P>, changes: Vec<SeqChange>, now: I
                 key,
                 sequence_hashes,
                 prefill_tokens,
+                output_blocks,
             } => {
                 if !core.contains_request(&request_id) {
                     // A key this replica does not know (yet) is skipped: the sweep or the
                     // peer's free would drop it anyway. The clamp keeps a corrupt peer from
                     // wrapping the load sums (no real prompt comes near it).
                     let prefill_tokens = prefill_tokens.min(u64::from(u32::MAX));
-                    let _ =
-                        core.add_request(request_id, key, &sequence_hashes, prefill_tokens, now);
+                    let added = core.add_request(
+                        request_id.clone(),
+                        key,
+                        &sequence_hashes,
+                        prefill_tokens,
+                        now,
+                    );
+                    if added.is_ok() && output_blocks > 0 {
+                        core.set_output_blocks(&request_id, output_blocks);
+                    }
                 }
+            }
+            SeqChange::Output {
+                request_id,
+                output_blocks,
+            } => {
+                core.set_output_blocks(&request_id, output_blocks);
             }
             SeqChange::Prefilled { request_id } => {
                 core.mark_prefill(&request_id);
@@ -267,14 +420,18 @@ pub fn apply_changes<P>(core: &mut Scheduler<P>, changes: Vec<SeqChange>, now: I
     }
 }
 
-/// A core's active sequences as `Add`s (the catch-up snapshot a joining peer asks for).
-pub fn export_active<P>(core: &Scheduler<P>) -> Vec<SeqChange> {
+/// A core's active sequences as `Add`s (the catch-up snapshot a joining peer asks for), or
+/// only those whose global id says `origin` routed them (a peer that lost one of its
+/// batches asks that).
+pub fn export_active<P>(core: &Scheduler<P>, origin: Option<&str>) -> Vec<SeqChange> {
     core.active_sequences()
+        .filter(|(id, ..)| origin.is_none_or(|o| ReplicaSync::is_from(id, o)))
         .map(|(id, key, hashes, prefill)| SeqChange::Add {
             request_id: id.clone(),
             key,
             sequence_hashes: hashes.to_vec(),
             prefill_tokens: prefill,
+            output_blocks: core.output_blocks(id).unwrap_or(0),
         })
         .collect()
 }
@@ -284,11 +441,16 @@ mod tests {
     use super::*;
 
     fn add(id: &str) -> SeqChange {
+        add_with(id, 10, 0)
+    }
+
+    fn add_with(id: &str, prefill_tokens: u64, output_blocks: u32) -> SeqChange {
         SeqChange::Add {
             request_id: id.into(),
             key: WorkerKey::new(1, 0),
             sequence_hashes: vec![SequenceHash(1)],
-            prefill_tokens: 10,
+            prefill_tokens,
+            output_blocks,
         }
     }
 
@@ -296,7 +458,7 @@ mod tests {
     fn own_changes_go_out_with_global_ids() {
         let mut s = ReplicaSync::new("r1", false);
         let id = s.global_id("a");
-        s.added_global(&id, WorkerKey::new(1, 0), vec![SequenceHash(1)], 10);
+        s.added_global(&id, WorkerKey::new(1, 0), vec![SequenceHash(1)], 10, 0);
         s.prefilled("a");
         s.freed("a");
         assert_eq!(
@@ -406,5 +568,108 @@ mod tests {
         assert!(ReplicaSync::is_from("a:1", "a"));
         assert!(!ReplicaSync::is_from("ab:1", "a"));
         assert!(!ReplicaSync::is_from("a", "a"));
+    }
+
+    #[test]
+    fn sequence_numbers_tell_lost_and_repeated_batches() {
+        let mut s = ReplicaSync::new("r1", false);
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        assert_eq!(s.check_seq("r2", a, 5), SeqCheck::InOrder, "first heard");
+        assert_eq!(s.check_seq("r2", a, 6), SeqCheck::InOrder);
+        assert_eq!(s.check_seq("r2", a, 6), SeqCheck::Stale);
+        assert_eq!(s.check_seq("r2", a, 9), SeqCheck::Lost { missed: 2 });
+        assert_eq!(s.check_seq("r2", a, 10), SeqCheck::InOrder);
+        assert_eq!(s.check_seq("r2", b, 1), SeqCheck::InOrder, "a new instance");
+        assert_eq!(s.check_seq("r2", b, 0), SeqCheck::InOrder, "unsequenced");
+        assert_eq!(s.check_seq("r3", a, 7), SeqCheck::InOrder, "per peer");
+        assert_eq!(s.check_seq("r1", a, 99), SeqCheck::InOrder, "our own echo");
+    }
+
+    #[test]
+    fn a_resync_frees_what_the_peer_lost_and_keeps_later_changes_in_order() {
+        let mut s = ReplicaSync::new("r1", false);
+        let now = Instant::now();
+        assert!(s.start_resync("r2"));
+        assert!(!s.start_resync("r2"), "one at a time");
+        // r2's changes meanwhile wait; other peers' apply.
+        let free_c = SeqChange::Free {
+            request_id: "r2:c".into(),
+        };
+        assert!(s
+            .on_peer_batch("r2", vec![add("r2:d"), free_c.clone()], now)
+            .0
+            .is_empty());
+        assert_eq!(
+            s.on_peer_batch("r3", vec![add("r3:x")], now).0,
+            vec![add("r3:x")]
+        );
+        // We hold r2:a (whose Free we lost) and r2:b; r2 has b (prefilled, 2 output
+        // blocks) and c (whose Add we lost).
+        let b = add_with("r2:b", 0, 2);
+        let answer = vec![b.clone(), add("r2:c"), add("r3:stale")];
+        let out = s.on_resync("r2", Some(answer), vec!["r2:a".into(), "r2:b".into()]);
+        let output = |id: &str, n| SeqChange::Output {
+            request_id: id.into(),
+            output_blocks: n,
+        };
+        assert_eq!(
+            out,
+            vec![
+                SeqChange::Free {
+                    request_id: "r2:a".into()
+                },
+                b,
+                SeqChange::Prefilled {
+                    request_id: "r2:b".into()
+                },
+                output("r2:b", 2),
+                add("r2:c"),
+                output("r2:c", 0),
+                add("r2:d"),
+                free_c,
+            ]
+        );
+        assert_eq!(s.resyncing(), 0);
+        assert_eq!(
+            s.on_peer_batch("r2", vec![add("r2:e")], now).0,
+            vec![add("r2:e")]
+        );
+        // No answer: the buffered changes still apply.
+        assert!(s.start_resync("r2"));
+        s.on_peer_batch("r2", vec![add("r2:f")], now);
+        assert_eq!(
+            s.on_resync("r2", None, vec!["r2:a".into()]),
+            vec![add("r2:f")]
+        );
+        // Not while catching up: the snapshot comes after anyway.
+        let mut s = ReplicaSync::new("r1", true);
+        assert!(!s.start_resync("r2"));
+    }
+
+    #[test]
+    fn applied_changes_carry_output_blocks() {
+        let mut core: Scheduler = Scheduler::new(Default::default()).unwrap();
+        core.add_worker_key(WorkerKey::new(1, 0), 100);
+        let now = Instant::now();
+        let with_output = add_with("r2:a", 10, 3);
+        apply_changes(&mut core, vec![with_output, add("r3:b")], now);
+        let blocks = |c: &Scheduler| c.load(WorkerKey::new(1, 0)).unwrap().active_blocks;
+        assert_eq!(blocks(&core), 1 + 3);
+        let output = SeqChange::Output {
+            request_id: "r3:b".into(),
+            output_blocks: 2,
+        };
+        apply_changes(&mut core, vec![output], now);
+        assert_eq!(blocks(&core), 1 + 3 + 2);
+        let mut exported = export_active(&core, Some("r2"));
+        assert_eq!(exported.len(), 1);
+        assert!(matches!(
+            exported.pop(),
+            Some(SeqChange::Add {
+                output_blocks: 3,
+                ..
+            })
+        ));
+        assert_eq!(export_active(&core, None).len(), 2);
     }
 }

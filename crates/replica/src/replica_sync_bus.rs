@@ -1,5 +1,6 @@
-//! Replica sync on the bus: publishing this replica's active-sequence changes, applying the
-//! peers', and the catch-up snapshot a joining replica asks a peer for.
+//! Replica sync on the bus: publishing this replica's active-sequence changes (numbered, so
+//! peers notice a lost batch), applying the peers', the catch-up snapshot a joining replica
+//! asks a peer for, and a peer's own requests fetched again after a lost batch.
 
 use crate::scheduler_actor::SchedulerMsg;
 use crate::serve::forward;
@@ -10,11 +11,13 @@ use kvrouter_protocol::{
     chunk_by_budget, decode, encode, SeqChange, Subjects, SyncBatch, SyncStateRequest,
     ENCODED_EVENT_OVERHEAD,
 };
+use ractor::ActorRef;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use uuid::Uuid;
 
 /// Queue group of the catch-up responders (replicas already caught up).
 const SYNC_STATE_GROUP: &str = "kvrouter-sync";
@@ -29,13 +32,19 @@ pub fn spawn_publisher(
     model: String,
 ) -> (mpsc::UnboundedSender<Vec<SeqChange>>, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<SeqChange>>();
+    let instance_id = Uuid::new_v4();
     let task = tokio::spawn(async move {
+        let mut seq = 0u64;
         while let Some(changes) = rx.recv().await {
             for chunk in chunks(changes, bus.max_payload()) {
+                // Numbered even when publishing fails: the gap is what tells peers.
+                seq += 1;
                 let batch = SyncBatch {
                     replica_id: replica_id.clone(),
                     model: model.clone(),
                     changes: chunk,
+                    instance_id,
+                    seq,
                 };
                 match encode(&batch) {
                     Ok(b) => {
@@ -63,9 +72,9 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
                     sequence_hashes,
                     ..
                 } => request_id.len() + 8 * sequence_hashes.len(),
-                SeqChange::Prefilled { request_id } | SeqChange::Free { request_id } => {
-                    request_id.len()
-                }
+                SeqChange::Prefilled { request_id }
+                | SeqChange::Free { request_id }
+                | SeqChange::Output { request_id, .. } => request_id.len(),
             }
     };
     let mut out = chunk_by_budget(changes, max_payload / 2, size);
@@ -111,7 +120,7 @@ pub fn spawn_catch_up(shared: Arc<ReplicaShared>, subjects: Subjects) -> JoinHan
                 .send_message(SchedulerMsg::PeerSnapshot(snapshot));
         }
         shared.sync_caught_up.store(true, Ordering::Relaxed);
-        let mut sub = match shared
+        let sub = match shared
             .bus
             .queue_subscribe(&subjects.sync_state(), SYNC_STATE_GROUP)
             .await
@@ -122,38 +131,102 @@ pub fn spawn_catch_up(shared: Arc<ReplicaShared>, subjects: Subjects) -> JoinHan
                 return;
             }
         };
-        while let Some(msg) = sub.next().await {
-            let Some(reply) = msg.reply else { continue };
-            let Ok(req) = decode::<SyncStateRequest>(&msg.payload) else {
-                let _ = shared.bus.end_stream(&reply).await;
-                continue;
+        answer_state_requests(shared, sub, false).await;
+    })
+}
+
+/// Answers this replica's own-state subject from the start: a peer that lost one of our
+/// batches asks it for the requests we routed.
+pub fn spawn_own_state_responder(shared: Arc<ReplicaShared>, sub: Subscription) -> JoinHandle<()> {
+    tokio::spawn(answer_state_requests(shared, sub, true))
+}
+
+/// Answers each `SyncStateRequest` with a stream of `Add`s: every active sequence this
+/// replica knows of the model, or (`own`) only those it routed.
+async fn answer_state_requests(shared: Arc<ReplicaShared>, mut sub: Subscription, own: bool) {
+    while let Some(msg) = sub.next().await {
+        let Some(reply) = msg.reply else { continue };
+        let Ok(req) = decode::<SyncStateRequest>(&msg.payload) else {
+            let _ = shared.bus.end_stream(&reply).await;
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let mut changes = Vec::new();
+            if let Some(m) = shared.models.get(&req.model) {
+                let (tx, rx) = oneshot::channel();
+                let origin = own.then(|| shared.replica_id.clone());
+                if m.scheduler
+                    .send_message(SchedulerMsg::ExportActive { origin, reply: tx })
+                    .is_ok()
+                {
+                    changes = rx.await.unwrap_or_default();
+                }
+            }
+            for chunk in chunks(changes, shared.bus.max_payload()) {
+                let batch = SyncBatch {
+                    replica_id: shared.replica_id.clone(),
+                    model: req.model.clone(),
+                    changes: chunk,
+                    instance_id: Uuid::nil(),
+                    seq: 0,
+                };
+                if let Ok(b) = encode(&batch) {
+                    let _ = shared.bus.publish(&reply, Bytes::from(b)).await;
+                }
+            }
+            let _ = shared.bus.end_stream(&reply).await;
+        });
+    }
+}
+
+/// Fetches peers' own requests again, one peer at a time as the scheduler actor of `model`
+/// names them (after a lost batch), and hands each answer back to it.
+pub fn spawn_resync(
+    bus: Bus,
+    subjects: Subjects,
+    replica_id: String,
+    model: String,
+    mut peers: mpsc::UnboundedReceiver<String>,
+    scheduler: ActorRef<SchedulerMsg>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(peer) = peers.recv().await {
+            let req = SyncStateRequest {
+                replica_id: replica_id.clone(),
+                model: model.clone(),
             };
-            let shared = shared.clone();
-            tokio::spawn(async move {
-                let mut changes = Vec::new();
-                if let Some(m) = shared.models.get(&req.model) {
-                    let (tx, rx) = oneshot::channel();
-                    if m.scheduler
-                        .send_message(SchedulerMsg::ExportActive(tx))
-                        .is_ok()
-                    {
-                        changes = rx.await.unwrap_or_default();
-                    }
+            let answer = match fetch_changes(&bus, &subjects.sync_own(&peer), &req).await {
+                Ok(changes) => Some(changes),
+                Err(e) => {
+                    tracing::warn!(model, peer, reason = %e, "cannot fetch a peer's active sequences again; its later changes still apply");
+                    None
                 }
-                for chunk in chunks(changes, shared.bus.max_payload()) {
-                    let batch = SyncBatch {
-                        replica_id: shared.replica_id.clone(),
-                        model: req.model.clone(),
-                        changes: chunk,
-                    };
-                    if let Ok(b) = encode(&batch) {
-                        let _ = shared.bus.publish(&reply, Bytes::from(b)).await;
-                    }
-                }
-                let _ = shared.bus.end_stream(&reply).await;
-            });
+            };
+            let _ = scheduler.send_message(SchedulerMsg::PeerResync { peer, answer });
         }
     })
+}
+
+/// Asks `subject` for a stream of sync batches and collects their changes, all or nothing
+/// (a partial answer would free what it left out).
+async fn fetch_changes(
+    bus: &Bus,
+    subject: &str,
+    req: &SyncStateRequest,
+) -> Result<Vec<SeqChange>, String> {
+    let payload = encode(req).map_err(|e| e.to_string())?;
+    let mut stream = bus
+        .request_stream(subject, Bytes::from(payload), CATCH_UP_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    while let Some(item) = stream.next().await {
+        let bytes = item.map_err(|e| e.to_string())?;
+        let batch = decode::<SyncBatch>(&bytes).map_err(|e| e.to_string())?;
+        out.extend(batch.changes);
+    }
+    Ok(out)
 }
 
 async fn fetch_snapshot(

@@ -5,7 +5,7 @@
 //! the core's bounded queue with their reply channel and are answered when load drops.
 
 use crate::metrics::{KeyLabels, Metrics, ModelLabels};
-use crate::replica_sync::{self, ReplicaSync};
+use crate::replica_sync::{self, ReplicaSync, SeqCheck};
 use kvrouter_indexer::OverlapScores;
 use kvrouter_protocol::{
     ErrorKind, ErrorReply, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId, WorkerKey,
@@ -60,6 +60,8 @@ pub fn route_job(
         lower_tiers: overlaps.tiers,
         shared_blocks: overlaps.shared_blocks,
         update_states,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
         enqueued_at: crate::clock::now(),
         order: 0.0, // set by the scheduler's queue policy if it is queued
         token: RouteToken {
@@ -101,6 +103,9 @@ pub struct SyncLink {
     pub catch_up: bool,
     /// How long guesses of peers' simultaneous decisions count (the core's peer echo).
     pub echo_window: Duration,
+    /// Peers to fetch own requests from again, after one of their batches was lost (the
+    /// answer comes back as [`SchedulerMsg::PeerResync`]).
+    pub resync: tokio::sync::mpsc::UnboundedSender<String>,
 }
 
 // Route is nearly every message, so the mailbox's slots are its size whatever the rest;
@@ -111,6 +116,12 @@ pub enum SchedulerMsg {
     /// Replies whether the request was known.
     MarkPrefill(String, oneshot::Sender<bool>),
     Free(String, oneshot::Sender<bool>),
+    /// `add_output_block`: replies whether the request was known.
+    OutputBlock {
+        request_id: String,
+        decay_fraction: Option<f64>,
+        reply: oneshot::Sender<bool>,
+    },
     PotentialLoads {
         prompt_tokens: usize,
         sequence_hashes: Vec<SequenceHash>,
@@ -133,7 +144,17 @@ pub enum SchedulerMsg {
     /// the catch-up snapshot, and a request for ours.
     PeerBatches,
     PeerSnapshot(Vec<SeqChange>),
-    ExportActive(oneshot::Sender<Vec<SeqChange>>),
+    /// A peer's own requests, fetched again after one of its batches was lost (`None`: it
+    /// did not answer).
+    PeerResync {
+        peer: String,
+        answer: Option<Vec<SeqChange>>,
+    },
+    /// Active sequences as `Add`s: all of them, or those `origin` routed.
+    ExportActive {
+        origin: Option<String>,
+        reply: oneshot::Sender<Vec<SeqChange>>,
+    },
     /// Every live worker key's load as the scheduler counts it (the JSON API's workers).
     Loads(oneshot::Sender<Vec<(WorkerKey, KeyLoad)>>),
     Tick,
@@ -168,6 +189,7 @@ pub struct SchedulerState {
     /// never collide with ours.
     ids: ReplicaSync,
     sync_out: Option<tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>>,
+    resync: Option<tokio::sync::mpsc::UnboundedSender<String>>,
     inbox: Option<Arc<PeerInbox>>,
     model: String,
     labels: ModelLabels,
@@ -227,7 +249,9 @@ impl SchedulerState {
             .active_sequence(global_id)
             .map(|(key, hashes, prefill)| (key, hashes.to_vec(), prefill));
         if let Some((key, hashes, prefill)) = found {
-            self.ids.added_global(global_id, key, hashes, prefill);
+            let output = self.core.output_blocks(global_id).unwrap_or(0);
+            self.ids
+                .added_global(global_id, key, hashes, prefill, output);
         }
     }
 
@@ -245,6 +269,25 @@ impl SchedulerState {
     fn apply_inbox(&mut self, now: Instant) {
         let Some(inbox) = &self.inbox else { return };
         for batch in inbox.take() {
+            match self
+                .ids
+                .check_seq(&batch.replica_id, batch.instance_id, batch.seq)
+            {
+                SeqCheck::InOrder => {}
+                SeqCheck::Stale => continue,
+                SeqCheck::Lost { missed } => {
+                    self.metrics
+                        .sync_batches_lost
+                        .get_or_create(&self.labels)
+                        .inc_by(missed);
+                    if self.ids.start_resync(&batch.replica_id) {
+                        tracing::warn!(model = %self.model, peer = %batch.replica_id, missed, "lost replica-sync batches from a peer: fetching its active sequences again");
+                        if let Some(tx) = &self.resync {
+                            let _ = tx.send(batch.replica_id.clone());
+                        }
+                    }
+                }
+            }
             let (changes, new_peer) = self
                 .ids
                 .on_peer_batch(&batch.replica_id, batch.changes, now);
@@ -358,6 +401,7 @@ impl Actor for SchedulerActor {
             core,
             ids: ReplicaSync::new(&args.replica_id, catch_up),
             inbox: args.sync.as_ref().map(|s| s.inbox.clone()),
+            resync: args.sync.as_ref().map(|s| s.resync.clone()),
             sync_out: args.sync.map(|s| s.out),
             labels: Metrics::model(&args.model),
             model: args.model,
@@ -399,6 +443,18 @@ impl Actor for SchedulerActor {
                 }
                 let _ = reply.send(known);
                 state.drain(now);
+            }
+            SchedulerMsg::OutputBlock {
+                request_id,
+                decay_fraction,
+                reply,
+            } => {
+                let global = state.ids.global_id(&request_id);
+                let counted = state.core.add_output_block(&global, decay_fraction);
+                if let (Some(n), Some(_)) = (counted, &state.sync_out) {
+                    state.ids.output(&request_id, n);
+                }
+                let _ = reply.send(counted.is_some());
             }
             SchedulerMsg::PotentialLoads {
                 prompt_tokens,
@@ -475,8 +531,21 @@ impl Actor for SchedulerActor {
                     .on_snapshot(snapshot, now, |id| core.contains_request(id));
                 state.apply_peer(changes, now);
             }
-            SchedulerMsg::ExportActive(reply) => {
-                let _ = reply.send(replica_sync::export_active(&state.core));
+            SchedulerMsg::PeerResync { peer, answer } => {
+                let held: Vec<String> = state
+                    .core
+                    .active_sequences()
+                    .filter(|(id, ..)| ReplicaSync::is_from(id, &peer))
+                    .map(|(id, ..)| id.clone())
+                    .collect();
+                let found = answer.as_ref().map(Vec::len);
+                let changes = state.ids.on_resync(&peer, answer, held);
+                tracing::info!(model = %state.model, peer = %peer, sequences = ?found, "peer's active sequences fetched again");
+                state.apply_peer(changes, now);
+            }
+            SchedulerMsg::ExportActive { origin, reply } => {
+                let all = replica_sync::export_active(&state.core, origin.as_deref());
+                let _ = reply.send(all);
             }
             SchedulerMsg::Loads(reply) => {
                 let _ = reply.send(state.core.loads().collect());
@@ -518,6 +587,8 @@ mod tests {
             replica_id: id.into(),
             model: "m".into(),
             changes: Vec::new(),
+            instance_id: uuid::Uuid::nil(),
+            seq: 0,
         };
         let inbox = PeerInbox::default();
         assert!(inbox.push(batch("a")));

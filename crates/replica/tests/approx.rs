@@ -57,6 +57,8 @@ fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     }
 }
 

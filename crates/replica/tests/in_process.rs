@@ -351,6 +351,8 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     };
     // potential_loads answers for every rank, before and after a request is tracked.
     let overlap = kvrouter_protocol::OverlapRequest {
@@ -462,6 +464,8 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
             extras: None,
             excluded_workers: Vec::new(),
             overrides: None,
+            priority_jump: 0.0,
+            expected_output_tokens: None,
         };
         decisions.push(client.route(&req).await.unwrap());
     }
@@ -557,6 +561,8 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     };
     for r in [4, 5] {
         let d = client.route(&pinned(10, Some(r))).await.unwrap();

@@ -89,6 +89,8 @@ fn route_req(tokens: Vec<u32>) -> RouteRequest {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     }
 }
 

@@ -167,6 +167,8 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
             extras: None,
             excluded_workers: Vec::new(),
             overrides: None,
+            priority_jump: 0.0,
+            expected_output_tokens: None,
         })
         .await;
     assert!(pinned.is_err(), "{pinned:?}");
@@ -343,6 +345,8 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         extras: None,
         excluded_workers: Vec::new(),
         overrides: None,
+        priority_jump: 0.0,
+        expected_output_tokens: None,
     };
     for version in [MIN_READ_VERSION, FORMAT_VERSION] {
         let bytes = Bytes::from(encode_as(&req, version).unwrap());

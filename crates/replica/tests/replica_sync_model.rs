@@ -108,7 +108,7 @@ struct World {
 
 /// What a replica holds: every active sequence's id, and whether its prefill is done.
 fn held(core: &Scheduler<()>) -> BTreeSet<(String, bool)> {
-    export_active(core)
+    export_active(core, None)
         .into_iter()
         .map(|c| match c {
             SeqChange::Add {
@@ -123,7 +123,7 @@ fn held(core: &Scheduler<()>) -> BTreeSet<(String, bool)> {
 
 /// Everything about a core's sequences (for "a duplicate changes nothing").
 fn full_state(core: &Scheduler<()>) -> Vec<SeqChange> {
-    let mut v = export_active(core);
+    let mut v = export_active(core, None);
     v.sort_by_key(|c| format!("{c:?}"));
     v
 }
@@ -182,7 +182,7 @@ impl World {
         rep.core
             .add_request(global.clone(), key, &hashes, prefill, now)
             .unwrap();
-        rep.sync.added_global(&global, key, hashes, prefill);
+        rep.sync.added_global(&global, key, hashes, prefill, 0);
         self.truth.live.insert(global, (r, local, false));
     }
 
@@ -276,7 +276,7 @@ impl World {
                 self.deliver(origin * n + src, false);
             }
         }
-        let snapshot = export_active(&self.replicas[src].core);
+        let snapshot = export_active(&self.replicas[src].core, None);
         let now = self.tick();
         let rep = &mut self.replicas[l];
         let core = &rep.core;

@@ -122,6 +122,13 @@ struct ActiveRequest {
     hashes: Box<[SequenceHash]>,
     /// Prefill tokens still counted on the key (0 once marked).
     prefill_tokens: u64,
+    /// Output blocks counted in the key's decode load (each its own block: output is never
+    /// shared).
+    output_blocks: u32,
+    /// Output blocks generated so far, as the caller reported them.
+    generated: u32,
+    /// Output blocks the caller expected when it routed the request.
+    expected: u32,
     added: (Instant, u64),
 }
 
@@ -289,13 +296,15 @@ impl ActiveSequences {
             .map(|r| (r.slot, &r.hashes[..], r.prefill_tokens))
     }
 
-    /// Adds an active sequence on `slot`.
+    /// Adds an active sequence on `slot`, its output counting `expected_output_blocks` from
+    /// the start.
     pub fn add(
         &mut self,
         request_id: RequestId,
         slot: Slot,
         hashes: &[SequenceHash],
         prefill_tokens: u64,
+        expected_output_blocks: u32,
         now: Instant,
     ) -> Result<(), ScheduleError> {
         if self.requests.contains_key(&request_id) {
@@ -315,7 +324,7 @@ impl ActiveSequences {
             }
         }
         let load = &mut self.state_mut(slot).load;
-        load.active_blocks += new_blocks;
+        load.active_blocks += new_blocks + u64::from(expected_output_blocks);
         load.prefill_tokens += prefill_tokens;
         load.active_requests += 1;
         let added = (now, self.next_seq);
@@ -327,10 +336,50 @@ impl ActiveSequences {
                 slot,
                 hashes: sorted.into_boxed_slice(),
                 prefill_tokens,
+                output_blocks: expected_output_blocks,
+                generated: 0,
+                expected: expected_output_blocks,
                 added,
             },
         );
         Ok(())
+    }
+
+    /// Output blocks the request counts in its key's decode load. None if unknown.
+    pub fn output_blocks(&self, request_id: &str) -> Option<u32> {
+        self.requests.get(request_id).map(|r| r.output_blocks)
+    }
+
+    /// The request's output now counts `blocks` in its key's decode load (a peer's word on
+    /// its own request). False if unknown.
+    pub fn set_output_blocks(&mut self, request_id: &str, blocks: u32) -> bool {
+        let Some(r) = self.requests.get_mut(request_id) else {
+            return false;
+        };
+        let old = std::mem::replace(&mut r.output_blocks, blocks);
+        let slot = r.slot;
+        let load = &mut self.state_mut(slot).load;
+        load.active_blocks = load.active_blocks - u64::from(old) + u64::from(blocks);
+        true
+    }
+
+    /// The request generated one more output block. Its output then counts the larger of
+    /// the blocks generated and those expected, times `decay_fraction` (rounded up; `None`:
+    /// 1). Returns the blocks it now counts; None if unknown.
+    pub fn add_output_block(
+        &mut self,
+        request_id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Option<u32> {
+        let r = self.requests.get_mut(request_id)?;
+        r.generated = r.generated.saturating_add(1);
+        let full = r.generated.max(r.expected);
+        let counted = match decay_fraction {
+            Some(f) => (f64::from(full) * f.clamp(0.0, 1.0)).ceil() as u32,
+            None => full,
+        };
+        self.set_output_blocks(request_id, counted);
+        Some(counted)
     }
 
     /// The request's prefill is done: its prefill tokens stop counting. False if unknown.
@@ -369,7 +418,7 @@ impl ActiveSequences {
             }
         }
         let load = &mut self.state_mut(r.slot).load;
-        load.active_blocks -= gone;
+        load.active_blocks -= gone + u64::from(r.output_blocks);
         load.prefill_tokens -= r.prefill_tokens;
         load.active_requests -= 1;
     }
@@ -417,9 +466,9 @@ mod tests {
         let now = Instant::now();
         let s0 = a.slot_of(k0).unwrap();
         let s1 = a.slot_of(k1).unwrap();
-        a.add("a".into(), s0, &h(&[1, 2, 3]), 10, now).unwrap();
-        a.add("b".into(), s0, &h(&[1, 2, 4, 4]), 5, now).unwrap();
-        a.add("c".into(), s1, &h(&[1]), 0, now).unwrap();
+        a.add("a".into(), s0, &h(&[1, 2, 3]), 10, 0, now).unwrap();
+        a.add("b".into(), s0, &h(&[1, 2, 4, 4]), 5, 0, now).unwrap();
+        a.add("c".into(), s1, &h(&[1]), 0, 0, now).unwrap();
         assert_eq!(load(&a, k0).active_blocks, 4);
         assert_eq!(load(&a, k0).prefill_tokens, 15);
         assert_eq!(load(&a, k0).active_requests, 2);
@@ -455,9 +504,9 @@ mod tests {
         let mut a = ActiveSequences::default();
         a.add_key(WorkerKey::new(1, 0), 10);
         let now = Instant::now();
-        a.add("x".into(), 0, &h(&[1]), 1, now).unwrap();
+        a.add("x".into(), 0, &h(&[1]), 1, 0, now).unwrap();
         assert_eq!(
-            a.add("x".into(), 0, &h(&[2]), 1, now),
+            a.add("x".into(), 0, &h(&[2]), 1, 0, now),
             Err(ScheduleError::DuplicateRequest("x".into()))
         );
         assert_eq!(a.state(0).load.active_blocks, 1);
@@ -471,9 +520,9 @@ mod tests {
         a.add_key(k0, 10);
         a.add_key(k1, 10);
         let now = Instant::now();
-        a.add("a".into(), 0, &h(&[1, 2]), 3, now).unwrap();
-        a.add("b".into(), 1, &h(&[1, 2]), 3, now).unwrap();
-        a.add("c".into(), 0, &h(&[7]), 3, now).unwrap();
+        a.add("a".into(), 0, &h(&[1, 2]), 3, 0, now).unwrap();
+        a.add("b".into(), 1, &h(&[1, 2]), 3, 0, now).unwrap();
+        a.add("c".into(), 0, &h(&[7]), 3, 0, now).unwrap();
         assert_eq!(
             a.remove_key(k0),
             Some(vec!["a".to_string(), "c".to_string()])
@@ -497,9 +546,9 @@ mod tests {
         a.add_key(WorkerKey::new(1, 0), 10);
         let t0 = Instant::now();
         let t = |s| t0 + Duration::from_secs(s);
-        a.add("late".into(), 0, &h(&[1]), 1, t(5)).unwrap();
-        a.add("early".into(), 0, &h(&[2]), 1, t(1)).unwrap();
-        a.add("mid".into(), 0, &h(&[3]), 1, t(3)).unwrap();
+        a.add("late".into(), 0, &h(&[1]), 1, 0, t(5)).unwrap();
+        a.add("early".into(), 0, &h(&[2]), 1, 0, t(1)).unwrap();
+        a.add("mid".into(), 0, &h(&[3]), 1, 0, t(3)).unwrap();
         let timeout = Duration::from_secs(10);
         assert!(a.sweep(t(10), timeout).is_empty());
         assert_eq!(a.sweep(t(13), timeout), vec!["early", "mid"]);

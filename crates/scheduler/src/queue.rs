@@ -26,6 +26,9 @@ pub struct Queued<P> {
     pub lower_tiers: Vec<(WorkerKey, TierBlocks)>,
     pub shared_blocks: u32,
     pub update_states: bool,
+    /// Seconds the request counts as having waited already (see [`RouteQuery`]).
+    pub priority_jump: f64,
+    pub expected_output_tokens: Option<u32>,
     pub enqueued_at: Instant,
     /// Retry order: lower first, ties in arrival order (set by the scheduler's queue policy).
     pub order: f64,
@@ -56,6 +59,8 @@ impl<P> Queued<P> {
             lower_tiers: query.lower_tiers.to_vec(),
             shared_blocks: query.shared_blocks,
             update_states,
+            priority_jump: query.priority_jump,
+            expected_output_tokens: query.expected_output_tokens,
             enqueued_at,
             order: 0.0,
             token,
@@ -75,6 +80,8 @@ impl<P> Queued<P> {
             overrides: self.overrides,
             lower_tiers: &self.lower_tiers,
             shared_blocks: self.shared_blocks,
+            priority_jump: self.priority_jump,
+            expected_output_tokens: self.expected_output_tokens,
         }
     }
 }

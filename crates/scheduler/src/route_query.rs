@@ -27,6 +27,12 @@ pub struct RouteQuery<'a> {
     pub lower_tiers: &'a [(WorkerKey, TierBlocks)],
     /// The shared-storage overlap of a key in neither overlap list.
     pub shared_blocks: u32,
+    /// Seconds the request counts as having waited already if it must queue (see the
+    /// scheduler's queue policy).
+    pub priority_jump: f64,
+    /// Output tokens the caller expects: their blocks count in the chosen key's decode load
+    /// from the start.
+    pub expected_output_tokens: Option<u32>,
 }
 
 impl<'a> RouteQuery<'a> {

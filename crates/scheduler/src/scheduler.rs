@@ -58,6 +58,8 @@ pub struct Scheduler<P = ()> {
     weights: Vec<f64>,
     /// Round-robin position.
     turn: usize,
+    /// Where fcfs queue order counts time from.
+    epoch: Instant,
     echo: PeerEcho,
     /// Load charged for peers' simultaneous picks (by slot; zero between calls) and the
     /// slots charged.
@@ -91,6 +93,7 @@ impl<P> Scheduler<P> {
             scored: Vec::new(),
             weights: Vec::new(),
             turn: 0,
+            epoch: Instant::now(),
             echo: PeerEcho::default(),
             peer_picks: Vec::new(),
             charged: Vec::new(),
@@ -244,16 +247,15 @@ impl<P> Scheduler<P> {
         self.echo.expire(now);
         let (sel, slot) = self.select_slot(req, overlaps)?;
         if update_states {
-            self.record(
-                request_id,
-                slot,
-                &sel,
-                req.prompt_tokens,
-                req.sequence_hashes,
-                now,
-            )?;
+            self.record(request_id, slot, &sel, req, now)?;
         }
         Ok(sel)
+    }
+
+    /// Blocks the request's expected output fills (rounded up).
+    fn expected_output_blocks(&self, req: &RouteQuery<'_>) -> u32 {
+        let tokens = req.expected_output_tokens.unwrap_or(0);
+        tokens.div_ceil(self.config.block_size.max(1))
     }
 
     /// Records a routed request as an active sequence on its chosen slot.
@@ -262,18 +264,18 @@ impl<P> Scheduler<P> {
         request_id: RequestId,
         slot: Slot,
         sel: &Selection,
-        prompt_tokens: usize,
-        sequence_hashes: &[SequenceHash],
+        req: &RouteQuery<'_>,
         now: Instant,
     ) -> Result<(), ScheduleError> {
         let prefill = cost::uncached_prefill_tokens(
-            prompt_tokens,
+            req.prompt_tokens,
             sel.overlap_blocks,
             self.config.block_size,
         );
+        let output = self.expected_output_blocks(req);
         let blocks_before = self.active.state(slot).load.active_blocks;
         self.active
-            .add(request_id, slot, sequence_hashes, prefill, now)?;
+            .add(request_id, slot, req.sequence_hashes, prefill, output, now)?;
         let new_blocks = self.active.state(slot).load.active_blocks - blocks_before;
         self.echo.record(slot, new_blocks, prefill, now);
         Ok(())
@@ -299,7 +301,30 @@ impl<P> Scheduler<P> {
     ) -> Result<(), ScheduleError> {
         let slot = self.slot_for_pinned(key)?;
         self.active
-            .add(request_id, slot, sequence_hashes, prefill_tokens, now)
+            .add(request_id, slot, sequence_hashes, prefill_tokens, 0, now)
+    }
+
+    /// Output blocks the request counts in its key's decode load. None if unknown.
+    pub fn output_blocks(&self, request_id: &str) -> Option<u32> {
+        self.active.output_blocks(request_id)
+    }
+
+    /// Sets the output blocks a request counts (a peer's word on its own request). False if
+    /// unknown.
+    pub fn set_output_blocks(&mut self, request_id: &str, blocks: u32) -> bool {
+        self.active.set_output_blocks(request_id, blocks)
+    }
+
+    /// The request generated one more block of output (`add_output_block`): its output
+    /// counts the larger of the blocks generated and those its route expected, times
+    /// `decay_fraction` (the share of its decode still ahead, rounded up; `None`: all).
+    /// Returns the blocks it now counts (for peers); None if unknown.
+    pub fn add_output_block(
+        &mut self,
+        request_id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Option<u32> {
+        self.active.add_output_block(request_id, decay_fraction)
     }
 
     /// Every active sequence (for a peer replica catching up): id, key, its distinct block
@@ -346,12 +371,18 @@ impl<P> Scheduler<P> {
     /// is full.
     /// Queues a request that found every candidate busy, in the order of the queue policy.
     pub fn enqueue(&mut self, mut pending: Queued<P>) -> Result<(), Overloaded<P>> {
+        // A priority jump of `j` seconds: under fcfs the request counts as arrived `j`
+        // earlier; under wspt its weight is `1 + j` (its uncached tokens divided by it).
+        let jump = pending.priority_jump;
         pending.order = match self.config.queue_policy {
-            QueuePolicy::Fcfs => 0.0,
+            QueuePolicy::Fcfs => {
+                let waited = pending.enqueued_at.saturating_duration_since(self.epoch);
+                waited.as_secs_f64() - jump
+            }
             QueuePolicy::Wspt => {
                 let best = pending.overlaps.iter().map(|&(_, o)| o).max().unwrap_or(0);
                 let cached = best as usize * self.config.block_size as usize;
-                pending.prompt_tokens.saturating_sub(cached) as f64
+                pending.prompt_tokens.saturating_sub(cached) as f64 / (1.0 + jump)
             }
         };
         self.queue.push(pending)
@@ -402,15 +433,8 @@ impl<P> Scheduler<P> {
                 Err(e) => out.push((r.token, Err(e))),
                 Ok((sel, slot)) => {
                     let result = if r.update_states {
-                        self.record(
-                            r.request_id,
-                            slot,
-                            &sel,
-                            r.prompt_tokens,
-                            &r.sequence_hashes,
-                            now,
-                        )
-                        .map(|()| sel)
+                        let id = r.request_id.clone();
+                        self.record(id, slot, &sel, &query, now).map(|()| sel)
                     } else {
                         Ok(sel)
                     };
@@ -1316,58 +1340,115 @@ mod tests {
 
     #[test]
     fn wspt_retries_the_shortest_uncached_prompt_first() {
-        let order_placed = |policy| {
-            let mut s = sched(|c| {
-                c.block_size = 4;
-                c.busy_prefill_tokens = Some(1);
-                c.max_queued_requests = 8;
-                c.queue_timeout = Duration::from_secs(10);
-                c.queue_policy = policy;
-            });
-            let t0 = Instant::now();
-            s.add_worker_key(k(1, 0), 100);
-            let h = hs(&[1, 2, 3, 4]);
-            let busy = s.route(&RouteQuery::new(4, &h), &[], "busy".into(), true, t0);
-            let on = busy.unwrap().key;
-            // Uncached tokens: 16 (long), 4 (short), 8 (a 16-token prompt with 2 of its 4
-            // blocks cached on the key), then another 4 after the first.
-            let long = RouteQuery::new(16, &h);
-            let short = RouteQuery::new(4, &h);
-            let cached = [(on, 2)];
-            let names = ["long", "short", "half-cached", "short-2"];
-            for (token, (q, overlaps)) in [
-                (&long, &[][..]),
-                (&short, &[][..]),
-                (&long, &cached[..]),
-                (&short, &[][..]),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let id = names[token].to_string();
-                s.enqueue(Queued::new(q, overlaps, id, true, t0, token as u32))
-                    .unwrap();
-            }
-            // Each freed prefill lets exactly one queued request in (and makes the key busy).
-            let mut placed = Vec::new();
-            let mut prev = "busy";
-            while s.queue_len() > 0 {
-                assert!(s.mark_prefill(prev));
-                let out = s.drain_ready(t0);
-                assert_eq!(out.len(), 1, "{out:?}");
-                prev = names[out[0].0 as usize];
-                placed.push(prev);
-            }
-            placed
-        };
         assert_eq!(
-            order_placed(QueuePolicy::Fcfs),
+            order_placed(QueuePolicy::Fcfs, [0.0; 4]),
             ["long", "short", "half-cached", "short-2"]
         );
         assert_eq!(
-            order_placed(QueuePolicy::Wspt),
+            order_placed(QueuePolicy::Wspt, [0.0; 4]),
             ["short", "short-2", "half-cached", "long"]
         );
+    }
+
+    #[test]
+    fn a_priority_jump_moves_a_request_up_the_queue() {
+        // Arrivals 1 s apart: a 2.5 s jump passes two earlier requests, not three.
+        assert_eq!(
+            order_placed(QueuePolicy::Fcfs, [0.0, 0.0, 0.0, 2.5]),
+            ["long", "short-2", "short", "half-cached"]
+        );
+        assert_eq!(
+            order_placed(QueuePolicy::Fcfs, [0.0, 0.0, 0.5, 0.0]),
+            ["long", "short", "half-cached", "short-2"]
+        );
+        assert_eq!(
+            order_placed(QueuePolicy::Fcfs, [0.0, 0.0, 1.5, 0.0]),
+            ["long", "half-cached", "short", "short-2"]
+        );
+        // Under wspt a jump of j divides the uncached tokens by 1 + j: the long prompt (16)
+        // with a 3 s jump weighs 4, level with the short ones and, first to arrive, first.
+        assert_eq!(
+            order_placed(QueuePolicy::Wspt, [3.0, 0.0, 0.0, 0.0]),
+            ["long", "short", "short-2", "half-cached"]
+        );
+        assert_eq!(
+            order_placed(QueuePolicy::Wspt, [0.0, 0.0, 0.0, 1.0]),
+            ["short-2", "short", "half-cached", "long"]
+        );
+    }
+
+    /// The order four queued requests are placed in, one per freed prefill: uncached tokens
+    /// 16 ("long"), 4 ("short"), 8 (a 16-token prompt with 2 of its 4 blocks cached) and 4
+    /// ("short-2"), arriving 1 s apart with these priority jumps.
+    fn order_placed(policy: QueuePolicy, jumps: [f64; 4]) -> Vec<&'static str> {
+        let mut s = sched(|c| {
+            c.block_size = 4;
+            c.busy_prefill_tokens = Some(1);
+            c.max_queued_requests = 8;
+            c.queue_timeout = Duration::from_secs(10);
+            c.queue_policy = policy;
+        });
+        let t0 = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        let h = hs(&[1, 2, 3, 4]);
+        let busy = s.route(&RouteQuery::new(4, &h), &[], "busy".into(), true, t0);
+        let on = busy.unwrap().key;
+        let cached = [(on, 2)];
+        let names = ["long", "short", "half-cached", "short-2"];
+        let arrivals = [(16, &[][..]), (4, &[][..]), (16, &cached[..]), (4, &[][..])];
+        for (i, (tokens, overlaps)) in arrivals.into_iter().enumerate() {
+            let mut q = RouteQuery::new(tokens, &h);
+            q.priority_jump = jumps[i];
+            let at = t0 + Duration::from_secs(i as u64);
+            s.enqueue(Queued::new(
+                &q,
+                overlaps,
+                names[i].into(),
+                true,
+                at,
+                i as u32,
+            ))
+            .unwrap();
+        }
+        // Each freed prefill lets exactly one queued request in (and makes the key busy).
+        let mut placed = Vec::new();
+        let mut prev = "busy";
+        while s.queue_len() > 0 {
+            assert!(s.mark_prefill(prev));
+            let out = s.drain_ready(t0 + Duration::from_secs(5));
+            assert_eq!(out.len(), 1, "{out:?}");
+            prev = names[out[0].0 as usize];
+            placed.push(prev);
+        }
+        placed
+    }
+
+    #[test]
+    fn expected_and_generated_output_count_in_the_decode_load() {
+        let mut s = sched(|c| c.block_size = 4);
+        let t0 = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        let h = hs(&[1, 2]);
+        let mut q = RouteQuery::new(8, &h);
+        q.expected_output_tokens = Some(10); // 3 blocks
+        s.route(&q, &[], "a".into(), true, t0).unwrap();
+        let blocks = |s: &Scheduler<u32>| s.load(k(1, 0)).unwrap().active_blocks;
+        assert_eq!(blocks(&s), 2 + 3);
+        // Generating within the expectation changes nothing, past it grows the load.
+        for _ in 0..3 {
+            assert_eq!(s.add_output_block("a", None), Some(3));
+        }
+        assert_eq!(s.add_output_block("a", None), Some(4));
+        assert_eq!(blocks(&s), 2 + 4);
+        // Half of it still ahead: half of it counts (rounded up).
+        assert_eq!(s.add_output_block("a", Some(0.5)), Some(3));
+        assert_eq!(blocks(&s), 2 + 3);
+        assert_eq!(s.add_output_block("unknown", None), None);
+        // A peer's word sets it; freeing takes it all away.
+        assert!(s.set_output_blocks("a", 7));
+        assert_eq!(blocks(&s), 2 + 7);
+        assert!(s.free("a"));
+        assert_eq!(blocks(&s), 0);
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! non-busy allowed candidate whose cost equals the model's minimum. Overlaps come by tier
 //! (device overlaps, keys a lower tier extends, a shared-storage prefix) with per-request
 //! weight overrides, and the model credits each tier at its weight. Queued requests are
-//! replayed through `drain_ready` and checked the same way.
+//! replayed through `drain_ready` and checked the same way, in the queue policy's order
+//! (fcfs or wspt, with per-request priority jumps). Requests may expect output and report
+//! output blocks (`add_output_block`, with decay), which count in the decode load.
 
 use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use kvrouter_scheduler::{
@@ -49,6 +51,8 @@ enum Filter {
     Excluded(Vec<WorkerId>),
 }
 
+// Test input, generated and dropped: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 enum Op {
     AddKey(WorkerKey, u64),
@@ -63,8 +67,12 @@ enum Op {
         update: bool,
         reuse_id: Option<usize>,
         queue_if_busy: bool,
+        priority_jump: f64,
+        expected_output: Option<u32>,
     },
     MarkPrefill(usize),
+    /// `add_output_block` with this decay fraction.
+    AddOutput(usize, Option<f64>),
     Free(usize),
     Sweep,
     Drain,
@@ -131,9 +139,22 @@ fn op() -> impl Strategy<Value = Op> {
         prop::bool::weighted(0.85),
         prop::option::weighted(0.1, 0usize..100),
         any::<bool>(),
+        // Differences between these are never a multiple of the 1.5 s step: no fcfs ties.
+        prop::sample::select(vec![0.0, 0.0, 0.4, 2.0, 4.7]),
+        prop::option::weighted(0.3, 0u32..12),
     )
         .prop_map(
-            |(prompt_tokens, pool, cached, filter, update, reuse_id, queue_if_busy)| {
+            |(
+                prompt_tokens,
+                pool,
+                cached,
+                filter,
+                update,
+                reuse_id,
+                queue_if_busy,
+                priority_jump,
+                expected_output,
+            )| {
                 let full = prompt_tokens / BS as usize;
                 Op::Route {
                     prompt_tokens,
@@ -143,6 +164,8 @@ fn op() -> impl Strategy<Value = Op> {
                     update,
                     reuse_id,
                     queue_if_busy,
+                    priority_jump,
+                    expected_output,
                 }
             },
         );
@@ -153,6 +176,11 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (key(), 0u64..40).prop_map(|(k, a)| Op::Report(k, a)),
         8 => route,
         2 => (0usize..100).prop_map(Op::MarkPrefill),
+        2 => (
+            0usize..100,
+            prop::sample::select(vec![None, Some(0.0), Some(0.5), Some(1.0)])
+        )
+            .prop_map(|(i, d)| Op::AddOutput(i, d)),
         3 => (0usize..100).prop_map(Op::Free),
         1 => Just(Op::Sweep),
         2 => Just(Op::Drain),
@@ -217,6 +245,10 @@ struct RefReq {
     key: WorkerKey,
     hashes: Vec<u64>,
     prefill: u64,
+    /// Output blocks expected at routing, generated since, counted now.
+    expected: u32,
+    generated: u32,
+    output: u32,
     added: Instant,
 }
 
@@ -229,9 +261,11 @@ struct RefQueued {
     cached: Cached,
     filter: Filter,
     update: bool,
+    expected_output: Option<u32>,
     at: Instant,
-    /// Retry order: WSPT's uncached prompt tokens on the best-cached key, else 0 (FCFS).
-    order: usize,
+    /// Retry order: WSPT's uncached prompt tokens on the best-cached key over 1 + the
+    /// priority jump, else seconds since the run began less the jump (FCFS).
+    order: f64,
 }
 
 struct Model {
@@ -254,6 +288,20 @@ impl Model {
             .collect()
     }
 
+    /// Output blocks counted on `key`.
+    fn output_blocks(&self, key: WorkerKey) -> u64 {
+        self.reqs
+            .values()
+            .filter(|r| r.key == key)
+            .map(|r| u64::from(r.output))
+            .sum()
+    }
+
+    /// Decode load: distinct prompt blocks plus output blocks.
+    fn active_blocks(&self, key: WorkerKey) -> u64 {
+        self.active_set(key).len() as u64 + self.output_blocks(key)
+    }
+
     fn prefill_tokens(&self, key: WorkerKey) -> u64 {
         self.reqs
             .values()
@@ -264,7 +312,7 @@ impl Model {
 
     fn busy(&self, key: WorkerKey) -> bool {
         let k = &self.keys[&key];
-        let active = self.active_set(key).len() as u64;
+        let active = self.active_blocks(key);
         if let Some(frac) = self.cfg.busy_frac {
             let a = active.max(k.reported.unwrap_or(0));
             if k.capacity > 0 && a as f64 >= frac * k.capacity as f64 {
@@ -395,7 +443,7 @@ impl Model {
             (request_blocks - credit).max(0.0) + self.prefill_tokens(key) as f64 / f64::from(BS);
         let mut set = self.active_set(key);
         set.extend(hashes.iter().copied());
-        let decode = set.len() as u64;
+        let decode = set.len() as u64 + self.output_blocks(key);
         (
             prefill,
             decode,
@@ -449,6 +497,7 @@ impl Model {
         );
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn add(
         &mut self,
         id: String,
@@ -456,15 +505,20 @@ impl Model {
         prompt_tokens: usize,
         hashes: &[u64],
         overlap: u32,
+        expected_output: Option<u32>,
         now: Instant,
     ) {
         let prefill = (prompt_tokens as u64).saturating_sub(u64::from(overlap) * u64::from(BS));
+        let expected = expected_output.unwrap_or(0).div_ceil(BS);
         self.reqs.insert(
             id,
             RefReq {
                 key,
                 hashes: hashes.to_vec(),
                 prefill,
+                expected,
+                generated: 0,
+                output: expected,
                 added: now,
             },
         );
@@ -519,11 +573,7 @@ fn check_state(s: &Scheduler<u64>, m: &Model) {
     assert_eq!(keys, m.keys.keys().copied().collect::<BTreeSet<_>>());
     for (key, load) in s.loads() {
         let rk = &m.keys[&key];
-        assert_eq!(
-            load.active_blocks,
-            m.active_set(key).len() as u64,
-            "blocks of {key}"
-        );
+        assert_eq!(load.active_blocks, m.active_blocks(key), "blocks of {key}");
         assert_eq!(
             load.prefill_tokens,
             m.prefill_tokens(key),
@@ -570,6 +620,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         queue: Vec::new(),
     };
     let mut now = Instant::now();
+    let start = now;
     let mut next_id = 0u64;
     let mut ids: Vec<String> = Vec::new(); // every id ever used
     for (step, op) in ops.into_iter().enumerate() {
@@ -637,6 +688,8 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 update,
                 reuse_id,
                 queue_if_busy,
+                priority_jump,
+                expected_output,
             } => {
                 let id = match reuse_id {
                     Some(i) if !ids.is_empty() => ids[i % ids.len()].clone(),
@@ -647,7 +700,9 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 };
                 ids.push(id.clone());
                 let sh = to_hashes(&hashes);
-                let q = query(prompt_tokens, &sh, &filter, &cached);
+                let mut q = query(prompt_tokens, &sh, &filter, &cached);
+                q.priority_jump = priority_jump;
+                q.expected_output_tokens = expected_output;
                 let got = s.route(&q, &cached.overlaps, id.clone(), update, now);
                 if update && m.reqs.contains_key(&id) {
                     assert_eq!(got, Err(ScheduleError::DuplicateRequest(id)));
@@ -657,7 +712,15 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                     (Ok(free), Ok(sel)) => {
                         m.check_selection(&sel, &free, prompt_tokens, &hashes, &cached);
                         if update {
-                            m.add(id, sel.key, prompt_tokens, &hashes, sel.overlap_blocks, now);
+                            m.add(
+                                id,
+                                sel.key,
+                                prompt_tokens,
+                                &hashes,
+                                sel.overlap_blocks,
+                                expected_output,
+                                now,
+                            );
                         }
                     }
                     (Err(want), Err(got)) => {
@@ -674,9 +737,10 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                                         let best = cached.overlaps.iter().map(|o| o.1).max();
                                         let cached_tokens =
                                             best.unwrap_or(0) as usize * BS as usize;
-                                        prompt_tokens.saturating_sub(cached_tokens)
+                                        prompt_tokens.saturating_sub(cached_tokens) as f64
+                                            / (1.0 + priority_jump)
                                     } else {
-                                        0
+                                        (now - start).as_secs_f64() - priority_jump
                                     };
                                     // After every request of lower or equal order.
                                     let at =
@@ -691,6 +755,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                                             cached,
                                             filter,
                                             update,
+                                            expected_output,
                                             at: now,
                                             order,
                                         },
@@ -724,6 +789,23 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                     None => false,
                 };
                 assert_eq!(got, want);
+            }
+            Op::AddOutput(i, decay) => {
+                let id = pick(i, &ids);
+                let got = s.add_output_block(&id, decay);
+                let want = m.reqs.get_mut(&id).map(|r| {
+                    r.generated += 1;
+                    let full = r.generated.max(r.expected);
+                    r.output = match decay {
+                        Some(f) => (f64::from(full) * f).ceil() as u32,
+                        None => full,
+                    };
+                    r.output
+                });
+                assert_eq!(got, want);
+                if let Some(n) = want {
+                    assert_eq!(s.output_blocks(&id), Some(n));
+                }
             }
             Op::Free(i) => {
                 let id = pick(i, &ids);
@@ -779,6 +861,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                                     r.prompt_tokens,
                                     &r.hashes,
                                     sel.overlap_blocks,
+                                    r.expected_output,
                                     now,
                                 );
                             }

@@ -35,6 +35,10 @@ pub struct RouterExt {
     pub overrides: Option<RouteOverrides>,
     pub allowed_workers: Option<Vec<WorkerId>>,
     pub pin: Option<Pin>,
+    /// Seconds the request counts as having waited already if the replica must queue it.
+    pub priority_jump: f64,
+    /// Output tokens expected: counted as the worker's decode load from the start.
+    pub expected_output_tokens: Option<u32>,
 }
 
 /// A parsed request.
@@ -265,6 +269,23 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
                 };
                 *slot = Some(x);
             }
+            "priority_jump" => {
+                ext.priority_jump = v
+                    .as_f64()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or_else(|| {
+                        bad(&param, format!("{param} must be a number of seconds >= 0"))
+                    })?;
+            }
+            "expected_output_tokens" => {
+                let n = v
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| {
+                        bad(&param, format!("{param} must be a whole number of tokens"))
+                    })?;
+                ext.expected_output_tokens = Some(n);
+            }
             "allowed_workers" => {
                 let ids = v
                     .as_array()
@@ -289,7 +310,8 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
                     format!(
                         "unknown field {param} (known: overlap_credit, temperature, \
                          host_cache_hit_weight, disk_cache_hit_weight, \
-                         shared_cache_hit_weight, allowed_workers, pin)"
+                         shared_cache_hit_weight, allowed_workers, pin, priority_jump, \
+                         expected_output_tokens)"
                     ),
                 ))
             }
@@ -368,6 +390,16 @@ mod tests {
         assert_eq!(param_of(r).as_deref(), Some("kvrouter.temperature"));
         let r = completions(json!({"model": "m", "prompt": "x", "kvrouter": {"tmp": 1}}));
         assert_eq!(param_of(r).as_deref(), Some("kvrouter.tmp"));
+        let r =
+            completions(json!({"model": "m", "prompt": "x", "kvrouter": {"priority_jump": -1}}));
+        assert_eq!(param_of(r).as_deref(), Some("kvrouter.priority_jump"));
+        let r = completions(
+            json!({"model": "m", "prompt": "x", "kvrouter": {"expected_output_tokens": 1.5}}),
+        );
+        assert_eq!(
+            param_of(r).as_deref(),
+            Some("kvrouter.expected_output_tokens")
+        );
         let r = completions(json!({"model": "m", "prompt": "x", "kvrouter": {"pin": "a:b"}}));
         assert_eq!(param_of(r).as_deref(), Some("kvrouter.pin"));
         let r = parse(Endpoint::Completions, b"{\"model\": ");
@@ -385,7 +417,8 @@ mod tests {
         let r = completions(json!({
             "model": "m", "prompt": [5], "max_tokens": 7, "temperature": 0.5, "seed": 3,
             "stream": true, "stream_options": {"include_usage": true}, "cache_salt": "s",
-            "kvrouter": {"overlap_credit": 0.5, "temperature": 1, "allowed_workers": [4, 5], "pin": "4:1"}
+            "kvrouter": {"overlap_credit": 0.5, "temperature": 1, "allowed_workers": [4, 5], "pin": "4:1",
+                         "priority_jump": 2.5, "expected_output_tokens": 300}
         }))
         .unwrap();
         assert!(r.stream && r.include_usage);
@@ -405,6 +438,8 @@ mod tests {
                     worker_id: 4,
                     dp_rank: Some(1)
                 }),
+                priority_jump: 2.5,
+                expected_output_tokens: Some(300),
             }
         );
         // The sampling temperature is the engine's, not the router's.

@@ -65,6 +65,12 @@ pub struct RouteBody {
     /// This request's own cost settings.
     #[serde(default)]
     pub kvrouter: Option<KvrouterOverrides>,
+    /// Seconds the request counts as having waited already if it must queue.
+    #[serde(default)]
+    pub priority_jump: f64,
+    /// Output tokens expected: their blocks count as the worker's decode load from the start.
+    #[serde(default)]
+    pub expected_output_tokens: Option<u32>,
 }
 
 /// `kvrouter` in a route body: each `None` keeps the replica's setting.
@@ -130,6 +136,8 @@ impl RouteBody {
             extras,
             excluded_workers: self.excluded_workers.unwrap_or_default(),
             overrides,
+            priority_jump: self.priority_jump,
+            expected_output_tokens: self.expected_output_tokens,
         })
     }
 }
@@ -150,6 +158,8 @@ pub struct RouteAnswer {
     pub request_id: Option<String>,
     /// The replica that counts the request's load.
     pub replica_id: String,
+    /// Tokens per KV block: report `output_block` once per this many generated tokens.
+    pub block_size: u32,
 }
 
 impl RouteAnswer {
@@ -162,11 +172,12 @@ impl RouteAnswer {
             base_url: d.base_url,
             request_id: (!request_id.is_empty()).then(|| request_id.to_string()),
             replica_id: d.replica_id,
+            block_size: d.block_size,
         }
     }
 }
 
-/// `POST /v1/requests/{id}/prefill_done` and `.../free`.
+/// `POST /v1/requests/{id}/prefill_done`, `.../free` and `.../output_block`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpdateBody {
@@ -174,6 +185,9 @@ pub struct UpdateBody {
     /// The `replica_id` of the route answer: another replica's is forwarded to it.
     #[serde(default)]
     pub replica_id: Option<String>,
+    /// `output_block` only: the share of the request's output load still to count, 0 to 1.
+    #[serde(default)]
+    pub decay_fraction: Option<f64>,
 }
 
 /// The answer to `GET /v1/workers`.
@@ -447,6 +461,7 @@ mod tests {
             overlap_blocks: 3,
             replica_id: "r".into(),
             base_url: "http://w".into(),
+            block_size: 16,
         };
         let json = serde_json::to_string(&RouteAnswer::new(d.clone(), "q")).unwrap();
         assert_eq!(
@@ -454,7 +469,7 @@ mod tests {
             concat!(
                 r#"{"worker_id":7,"dp_rank":1,"overlap_blocks":3,"#,
                 r#""tier_overlap_blocks":{"device":3,"host":2,"disk":0,"shared":1},"#,
-                r#""base_url":"http://w","request_id":"q","replica_id":"r"}"#
+                r#""base_url":"http://w","request_id":"q","replica_id":"r","block_size":16}"#
             )
         );
         assert_eq!(RouteAnswer::new(d, "").request_id, None);

@@ -172,10 +172,12 @@ fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() 
         "base_url",
         "request_id",
         "replica_id",
+        "block_size",
     ] {
         assert!(d.get(field).is_some(), "{field} in {d}");
     }
     assert_eq!(d["replica_id"], "a");
+    assert_eq!(d["block_size"], BLOCK);
     assert_eq!(d["overlap_blocks"], 0);
     let id = d["request_id"].as_str().expect("a request id").to_string();
     assert!(!id.is_empty());
@@ -424,11 +426,43 @@ fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
     // Routed on a, reported done through b (a Service may pick either): b forwards to a.
     let r = route(
         pa,
-        route_body(&tokens(1, 2), json!({ "request_id": "fwd" })),
+        route_body(
+            &tokens(1, 2),
+            json!({ "request_id": "fwd", "expected_output_tokens": BLOCK, "priority_jump": 1.5 }),
+        ),
     )
     .json();
     assert_eq!(r["replica_id"], "a");
     assert!(wait_until(Duration::from_secs(3), || sum(pa, ACTIVE) == 1.0));
+    // The expected output is one block of decode load; two generated blocks reported
+    // through b (forwarded to a) make it two.
+    let blocks = |port| sum(port, "kvrouter_worker_active_blocks");
+    assert!(wait_until(Duration::from_secs(3), || blocks(pa) == 3.0));
+    for _ in 0..2 {
+        let o = post(
+            pb,
+            "/v1/requests/fwd/output_block",
+            &json!({ "model": MODEL, "replica_id": "a" }),
+        );
+        assert_eq!((o.status, o.body.as_str()), (200, r#"{"ok":true}"#));
+    }
+    assert!(
+        wait_until(Duration::from_secs(3), || blocks(pa) == 4.0),
+        "a counts the output: {}",
+        blocks(pa)
+    );
+    let bad = post(
+        pa,
+        "/v1/requests/fwd/output_block",
+        &json!({ "model": MODEL, "decay_fraction": 2 }),
+    );
+    assert_eq!(bad.error(), (400, "invalid_request".into()), "{}", bad.body);
+    let misplaced = post(
+        pa,
+        "/v1/requests/fwd/free",
+        &json!({ "model": MODEL, "decay_fraction": 0.5 }),
+    );
+    assert_eq!(misplaced.error(), (400, "invalid_request".into()));
     let path = "/v1/requests/fwd/prefill_done";
     let p = post(pb, path, &json!({ "model": MODEL, "replica_id": "a" }));
     assert_eq!(p.status, 200, "{}", p.body);

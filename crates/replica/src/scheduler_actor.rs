@@ -268,13 +268,14 @@ impl SchedulerState {
     /// Applies every peer batch that has arrived, in arrival order.
     fn apply_inbox(&mut self, now: Instant) {
         let Some(inbox) = &self.inbox else { return };
-        for batch in inbox.take() {
+        for mut batch in inbox.take() {
             match self
                 .ids
                 .check_seq(&batch.replica_id, batch.instance_id, batch.seq)
             {
                 SeqCheck::InOrder => {}
-                SeqCheck::Stale => continue,
+                // Applied already; it still shows the peer is alive.
+                SeqCheck::Stale => batch.changes.clear(),
                 SeqCheck::Lost { missed } => {
                     self.metrics
                         .sync_batches_lost

@@ -7,7 +7,7 @@ use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
     decode, encode, hashing::stored_sequence_hashes, ErrorKind, KvEvent, Reply, RouteRequest,
-    SequenceHash, StateChunk, StateQuery, Subjects, WorkerKey,
+    SeqChange, SequenceHash, StateChunk, StateQuery, Subjects, SyncBatch, WorkerKey,
 };
 use kvrouter_replica::{Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::SchedulerConfig;
@@ -669,4 +669,178 @@ async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
     assert_eq!(by, ["first".to_string(), "late".to_string()].into());
     late.shutdown().await;
     first.shutdown().await;
+}
+
+/// Waits until `ok` holds (up to 6 s), or fails with `what`.
+async fn eventually(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+    while !ok() {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn route_request(id: &str, tokens: Vec<u32>) -> RouteRequest {
+    RouteRequest {
+        model: MODEL.into(),
+        request_id: id.into(),
+        tokens,
+        update_states: true,
+        ..RouteRequest::default()
+    }
+}
+
+/// Expected output counts at once, reported output blocks grow it, and the peers see both;
+/// a bad decay fraction or priority jump is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 256))
+        .await
+        .unwrap();
+    let synced = || ReplicaConfig {
+        sync: Some(SyncConfig::default()),
+        ..replica_config(SchedulerConfig::default())
+    };
+    let a = Replica::start(synced(), bus.clone()).await.unwrap();
+    let b = Replica::start(synced(), bus.clone()).await.unwrap();
+    assert!(a.wait_ready(Duration::from_secs(5)).await);
+    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let mut req = route_request("q", prompt(1, 1, 4));
+    req.expected_output_tokens = Some(20); // 2 blocks of 16
+    let d = client.route(&req).await.unwrap();
+    assert_eq!(d.block_size, 16);
+    let blocks = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_blocks");
+    eventually("the expected output counts everywhere", || {
+        blocks(&a) == 4 + 2 && blocks(&b) == 4 + 2
+    })
+    .await;
+    for _ in 0..3 {
+        client
+            .add_output_block(&d.replica_id, MODEL, "q", None)
+            .await
+            .unwrap();
+    }
+    eventually("three generated blocks count everywhere", || {
+        blocks(&a) == 4 + 3 && blocks(&b) == 4 + 3
+    })
+    .await;
+    client
+        .add_output_block(&d.replica_id, MODEL, "q", Some(0.5))
+        .await
+        .unwrap();
+    eventually("half of the four blocks count everywhere", || {
+        blocks(&a) == 4 + 2 && blocks(&b) == 4 + 2
+    })
+    .await;
+    let refused = client
+        .add_output_block(&d.replica_id, MODEL, "q", Some(1.5))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, ClientError::Router(e) if e.kind == ErrorKind::InvalidRequest),
+        "{refused:?}"
+    );
+    let unknown = client
+        .add_output_block(&d.replica_id, MODEL, "nope", None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&unknown, ClientError::Router(e) if e.kind == ErrorKind::UnknownRequest),
+        "{unknown:?}"
+    );
+    let mut jumpy = route_request("j", prompt(2, 2, 2));
+    jumpy.priority_jump = -1.0;
+    let refused = client.route(&jumpy).await.unwrap_err();
+    assert!(
+        matches!(&refused, ClientError::Router(e) if e.kind == ErrorKind::InvalidRequest
+            && e.message.contains("priority_jump")),
+        "{refused:?}"
+    );
+    client.free(&d.replica_id, MODEL, "q").await.unwrap();
+    eventually("freed everywhere", || blocks(&a) == 0 && blocks(&b) == 0).await;
+    for r in [a, b] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
+}
+
+/// A peer that sees a gap in a replica's sync batches fetches that replica's own requests
+/// again: what it held but the replica does not (here a request it was told of in a batch
+/// the replica never sent, standing for one whose `Free` it lost) goes, what it holds stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap();
+    let synced = || ReplicaConfig {
+        sync: Some(SyncConfig::default()),
+        ..replica_config(SchedulerConfig::default())
+    };
+    let a = Replica::start(synced(), bus.clone()).await.unwrap();
+    let b = Replica::start(synced(), bus.clone()).await.unwrap();
+    assert!(a.wait_ready(Duration::from_secs(5)).await);
+    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let a_id = a.shared().replica_id.clone();
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    for i in 0..6u32 {
+        let req = route_request(&format!("q{i}"), prompt(i, i, 4));
+        client.route(&req).await.unwrap();
+    }
+    let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
+    eventually("both see the six requests", || {
+        active(&a) == 6 && active(&b) == 6
+    })
+    .await;
+    // Learn a's instance and sequence from one of its (idle) heartbeats...
+    let subjects = Subjects::new("kvrouter").unwrap();
+    let mut sync = bus.subscribe(&subjects.sync()).await.unwrap();
+    let last = loop {
+        let msg = tokio::time::timeout(Duration::from_secs(3), sync.next())
+            .await
+            .expect("a heartbeat within the interval")
+            .unwrap();
+        let batch: SyncBatch = decode(&msg.payload).unwrap();
+        if batch.replica_id == a_id {
+            break batch;
+        }
+    };
+    assert!(last.seq > 0, "batches are numbered");
+    // ...tell b of a request a never routed, in order...
+    let ghost = SeqChange::Add {
+        request_id: format!("{a_id}:ghost"),
+        key: WorkerKey::new(10, 0),
+        sequence_hashes: vec![SequenceHash(77)],
+        prefill_tokens: 16,
+        output_blocks: 0,
+    };
+    let forged = |seq, changes| SyncBatch {
+        changes,
+        seq,
+        ..last.clone()
+    };
+    let publish = |batch: SyncBatch| {
+        let bus = bus.clone();
+        let subject = subjects.sync();
+        async move {
+            bus.publish(&subject, Bytes::from(encode(&batch).unwrap()))
+                .await
+                .unwrap()
+        }
+    };
+    publish(forged(last.seq + 1, vec![ghost])).await;
+    eventually("b believes the ghost", || active(&b) == 7).await;
+    assert_eq!(active(&a), 6);
+    // ...then let it see two of a's batches go missing.
+    publish(forged(last.seq + 4, Vec::new())).await;
+    eventually("b fetched a's requests and dropped the ghost", || {
+        active(&b) == 6 && gauge_sum(&b, "kvrouter_replica_sync_batches_lost_total") >= 2
+    })
+    .await;
+    for r in [a, b] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
 }

@@ -439,3 +439,65 @@ fn emulated_vllm_with_a_host_tier_routes_offloaded_prefixes_to_their_holder() {
         "B's evicted blocks are on the host"
     );
 }
+
+/// A bridge killed and started again beside an engine that kept running (and caching): the
+/// new bridge knows nothing of the engine's cache, and the engine publishes nothing until it
+/// caches something new. It catches up from the engine's replay buffer at once, so with no
+/// further traffic every replica again holds exactly what the engine caches on every rank.
+#[test]
+fn a_bridge_restarted_beside_a_running_engine_rebuilds_its_cache_from_the_replay_buffer() {
+    let nats = NatsServer::start();
+    let (zmq, http) = (free_ports(4), free_port());
+    let e = engine("vllm", "array-batch", 2, zmq, http);
+    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let _r2 = serve(&nats, "r2", a2, &[]);
+    let (b, worker) = bridge(&nats, &e.at(), ab);
+    assert!(ready(ab) && ready(a1) && ready(a2));
+    let client = E2eClient::new(&nats);
+    // Both ranks cache something while the first bridge listens.
+    for (rank, seed) in [(0, 1), (1, 2), (0, 3)] {
+        complete(&e, rank, &e2e_tokens(seed, 3));
+    }
+    let same = |admin: u16, rank: u32| {
+        let engine_side = engine_cache(&e, rank);
+        !engine_side.is_empty() && engine_side == index_of(admin, worker, rank)
+    };
+    for rank in 0..2 {
+        assert!(wait_until(Duration::from_secs(10), || same(a1, rank)));
+    }
+    b.kill();
+    // The worker leaves within its lease, so the new bridge's worker starts from nothing.
+    let probe = e2e_tokens(1, 3);
+    assert!(wait_until(Duration::from_secs(10), || client
+        .route_tokens(&probe)
+        .is_none()));
+    // And the engine caches more while no bridge listens.
+    complete(&e, 1, &e2e_tokens(4, 2));
+    let (_b, again) = bridge(&nats, &e.at(), ab);
+    assert_eq!(
+        again, worker,
+        "the worker id derives from the engine's address"
+    );
+    assert!(ready(ab));
+    for rank in 0..2 {
+        for admin in [a1, a2] {
+            assert!(
+                wait_until(Duration::from_secs(10), || same(admin, rank)),
+                "rank {rank}: engine {:?} vs replica {:?}",
+                engine_cache(&e, rank),
+                index_of(admin, worker, rank)
+            );
+        }
+    }
+    let m = http_get(ab, "/metrics").1;
+    let caught_up: u64 = m
+        .lines()
+        .filter(|l| l.starts_with("kvrouter_bridge_batches_caught_up_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(caught_up >= 4, "{m}");
+    // The repeat of a prefix cached before the restart is routed to its holder.
+    let d = client.route_tokens(&probe).expect("a route");
+    assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 0, 3));
+}

@@ -36,6 +36,9 @@ pub struct BridgeMetrics {
     /// Gaps in a rank's sequence numbers, and how each ended.
     pub gaps: Family<RankLabel, Counter>,
     pub gaps_replayed: Family<RankLabel, Counter>,
+    /// Batches applied from the replay buffer right after connecting (what the engine
+    /// published while the bridge was not listening), per rank.
+    pub caught_up: Family<RankLabel, Counter>,
     /// Ranks cleared towards the router because batches were lost for good.
     pub ranks_cleared: Family<RankLabel, Counter>,
     pub engine_restarts: Counter,
@@ -57,6 +60,7 @@ impl BridgeMetrics {
             malformed: Family::default(),
             gaps: Family::default(),
             gaps_replayed: Family::default(),
+            caught_up: Family::default(),
             ranks_cleared: Family::default(),
             engine_restarts: Counter::default(),
             zmq_connected: Family::default(),
@@ -89,6 +93,11 @@ impl BridgeMetrics {
             "gaps_replayed",
             "Gaps filled from the engine's replay buffer",
             m.gaps_replayed.clone(),
+        );
+        registry.register(
+            "batches_caught_up",
+            "Engine batches applied from its replay buffer right after connecting",
+            m.caught_up.clone(),
         );
         registry.register(
             "ranks_cleared",

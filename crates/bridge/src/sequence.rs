@@ -38,6 +38,36 @@ impl SeqTracker {
     pub fn reset(&mut self) {
         self.last = None;
     }
+
+    /// The last number seen (or caught up to).
+    pub fn last(&self) -> Option<u64> {
+        self.last
+    }
+
+    /// Batches up to `seq` were had another way (a catch-up replay): the stream goes on
+    /// after it.
+    pub fn caught_up_to(&mut self, seq: u64) {
+        self.last = Some(seq);
+    }
+}
+
+/// What a catch-up replay holds: the sequence numbers a replay endpoint sent for "every
+/// batch from `from` on", in the order they came. `Some((first, last))`: the run of
+/// consecutive numbers from the first at or above `from` (`first > from`: the endpoint no
+/// longer holds `from .. first`; they are lost); `None`: nothing at or above `from`.
+pub fn catch_up_run(from: u64, seqs: impl IntoIterator<Item = u64>) -> Option<(u64, u64)> {
+    let mut run: Option<(u64, u64)> = None;
+    for s in seqs {
+        if s < from {
+            continue;
+        }
+        match run {
+            None => run = Some((s, s)),
+            Some((first, last)) if s == last.wrapping_add(1) => run = Some((first, s)),
+            Some(_) => break,
+        }
+    }
+    run
 }
 
 /// Whether replayed sequence numbers (in the order they came) hold exactly `from .. to`.
@@ -71,6 +101,21 @@ mod tests {
         assert_eq!(t.observe(1), SeqStep::Restart);
         t.reset();
         assert_eq!(t.observe(40), SeqStep::First);
+    }
+
+    #[test]
+    fn catch_up_takes_the_leading_run_of_consecutive_numbers() {
+        assert_eq!(catch_up_run(0, []), None);
+        assert_eq!(catch_up_run(0, [0, 1, 2]), Some((0, 2)));
+        // The buffer rolled over: 0..5 are lost, 5..=7 are had.
+        assert_eq!(catch_up_run(0, [5, 6, 7]), Some((5, 7)));
+        // Older ones are skipped, a hole ends the run.
+        assert_eq!(catch_up_run(3, [1, 2, 3, 4, 6, 7]), Some((3, 4)));
+        assert_eq!(catch_up_run(9, [1, 2, 3]), None);
+        let mut t = SeqTracker::default();
+        t.caught_up_to(4);
+        assert_eq!(t.last(), Some(4));
+        assert_eq!(t.observe(5), SeqStep::Next);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use crate::engine_event::decode_batch;
 use crate::metrics::{BridgeMetrics, RankLabel, ReasonLabel};
 use crate::mirror_task::MirrorCmd;
-use crate::sequence::{replay_covers, SeqStep, SeqTracker};
+use crate::sequence::{catch_up_run, replay_covers, SeqStep, SeqTracker};
 use bytes::Bytes;
 use kvrouter_protocol::DpRank;
 use std::collections::HashMap;
@@ -22,6 +22,15 @@ const BACKOFF_MAX: Duration = Duration::from_secs(8);
 const END_SEQ: [u8; 8] = [0xff; 8];
 /// A malformed-input warning of one kind is logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// What a catch-up replay did.
+enum CatchUp {
+    /// Nothing to apply (no replay endpoint, nothing buffered, or it failed).
+    Nothing,
+    /// Batches up to this sequence number were applied.
+    Applied(u64),
+    MirrorGone,
+}
 
 /// Whether each rank's publisher is connected (for `/readyz`).
 #[derive(Default)]
@@ -76,9 +85,10 @@ impl RankStream {
         let mut logs = LogLimiter::default();
         let mut backoff = BACKOFF_START;
         let label = RankLabel { dp_rank: self.rank };
-        // After the engine came back: its sequence numbers may start again anywhere below or
-        // above the last, and what it published before this reconnection is missing.
-        let mut from_start = false;
+        // What the engine published before this point is unknown: at the bridge's start
+        // (the engine may have run, and cached, long before), and after the engine came
+        // back (its sequence numbers may start again anywhere below or above the last).
+        let mut from_start = true;
         loop {
             let mut socket = SubSocket::new();
             let mut monitor = socket.monitor();
@@ -88,6 +98,14 @@ impl RankStream {
             };
             let connected = tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
+                // The engine is back while this socket was still trying the old one's port:
+                // connect afresh at once rather than after the connect's own backoff.
+                _ = self.reconnect.changed() => {
+                    seq.reset();
+                    from_start = true;
+                    backoff = BACKOFF_START;
+                    continue;
+                }
                 r = tokio::time::timeout(BACKOFF_MAX, connect) => r,
             };
             match connected {
@@ -114,10 +132,34 @@ impl RankStream {
                     }
                     tokio::select! {
                         _ = shutdown.wait_for(|s| *s) => return,
+                        _ = self.reconnect.changed() => {
+                            seq.reset();
+                            from_start = true;
+                            backoff = BACKOFF_START;
+                            continue;
+                        }
                         _ = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                     continue;
+                }
+            }
+            // Whatever the engine published while nobody listened, from its replay buffer,
+            // before the live stream: without it a bridge started (or reconnected) beside a
+            // running engine would not know what the engine already caches, and nothing
+            // would tell it until those blocks were evicted.
+            let from = match (from_start, seq.last()) {
+                (false, Some(last)) => last + 1,
+                _ => 0,
+            };
+            // Live batches the catch-up already applied (they were queued meanwhile).
+            let mut applied: Option<(u64, u64)> = None;
+            match self.catch_up(&mut seq, from, &mut logs).await {
+                CatchUp::MirrorGone => return,
+                CatchUp::Nothing => {}
+                CatchUp::Applied(last) => {
+                    from_start = false;
+                    applied = Some((from, last));
                 }
             }
             // Until the publisher goes away: then a fresh socket (a restarted engine is a
@@ -147,6 +189,12 @@ impl RankStream {
                 let Some((s, payload)) = self.frames(msg, &mut logs) else {
                     continue;
                 };
+                if let Some((first, last)) = applied {
+                    if (first..=last).contains(&s) {
+                        continue;
+                    }
+                    applied = None;
+                }
                 let from_start = std::mem::take(&mut from_start);
                 if !self
                     .on_message(&mut seq, s, payload, from_start, &mut logs)
@@ -162,6 +210,67 @@ impl RankStream {
                 _ = tokio::time::sleep(BACKOFF_START) => {}
             }
         }
+    }
+
+    /// Applies every batch the replay endpoint holds from `from` on (the run of consecutive
+    /// ones), and has the stream go on after the last. Batches the endpoint no longer holds
+    /// are lost: the rank is cleared first when it held anything of this engine (`from` > 0),
+    /// and the rest still applies (the mirror refuses blocks whose parents it lacks, so it
+    /// holds part of the engine's cache, never more).
+    async fn catch_up(&self, seq: &mut SeqTracker, from: u64, logs: &mut LogLimiter) -> CatchUp {
+        let Some(endpoint) = self.replay_endpoint.as_deref() else {
+            return CatchUp::Nothing;
+        };
+        let got = match tokio::time::timeout(self.replay_timeout, replay_from(endpoint, from)).await
+        {
+            Ok(Ok(got)) => got,
+            Ok(Err(e)) => {
+                tracing::warn!(dp_rank = self.rank, endpoint, error = %e, "catch-up replay failed");
+                return CatchUp::Nothing;
+            }
+            Err(_) => {
+                tracing::warn!(dp_rank = self.rank, endpoint, "catch-up replay timed out");
+                return CatchUp::Nothing;
+            }
+        };
+        let Some((first, last)) = catch_up_run(from, got.iter().map(|(s, _)| *s)) else {
+            return CatchUp::Nothing;
+        };
+        let label = RankLabel { dp_rank: self.rank };
+        if first > from {
+            self.metrics.gaps.get_or_create(&label).inc();
+            tracing::warn!(
+                dp_rank = self.rank,
+                from,
+                first,
+                "the engine's replay buffer no longer holds every batch since the last one \
+                 seen (or since it started): the router lacks what those batches cached until \
+                 the engine caches it again"
+            );
+            if from > 0
+                && self
+                    .send(MirrorCmd::Lost { rank: self.rank })
+                    .await
+                    .is_err()
+            {
+                return CatchUp::MirrorGone;
+            }
+        }
+        let n = last - first + 1;
+        for (_, payload) in got.into_iter().filter(|(s, _)| (first..=last).contains(s)) {
+            if !self.apply(payload, logs).await {
+                return CatchUp::MirrorGone;
+            }
+        }
+        seq.caught_up_to(last);
+        self.metrics.caught_up.get_or_create(&label).inc_by(n);
+        tracing::info!(
+            dp_rank = self.rank,
+            first,
+            last,
+            "caught up on the engine's KV event batches from its replay buffer"
+        );
+        CatchUp::Applied(last)
     }
 
     fn set_connected(&self, up: bool) {

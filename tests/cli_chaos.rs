@@ -1,6 +1,8 @@
 //! `kvrouter bench chaos` end to end: the real binary drives a real nats-server, three
-//! replicas and two mocker processes through every kind of fault, and every replica ends
-//! up agreeing with the workers' true caches.
+//! replicas, two mocker processes and two emulated engines (vLLM-like and SGLang-like, two
+//! ranks each) behind their `kvrouter bridge`s through every kind of fault, and every
+//! replica ends up agreeing with the workers' true caches (the engines' own caches for the
+//! bridged workers).
 
 mod common;
 
@@ -9,13 +11,15 @@ use serde_json::Value;
 use std::process::Command;
 use std::time::Instant;
 
-const KINDS: [&str; 6] = [
+const KINDS: [&str; 8] = [
     "replica_kill",
     "replica_pause",
     "nats_restart",
     "mocker_kill",
     "event_drop",
     "garbage",
+    "bridge_kill",
+    "engine_kill",
 ];
 
 #[test]
@@ -53,7 +57,24 @@ fn every_fault_kind_converges_and_nothing_diverges_after() {
             faults[kind].as_u64().unwrap_or(0) >= 1,
             "{kind} was never injected: {faults}"
         );
+        assert!(
+            report["convergence_ms_by_kind"][kind]["max"].is_number(),
+            "{kind} never converged: {}",
+            report["convergence_ms_by_kind"]
+        );
     }
+    let engines = report["fleet"]["engines"].as_array().expect("engines");
+    let kinds: Vec<&str> = engines.iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds, ["vllm", "sglang"], "{}", report["fleet"]);
+    assert!(engines.iter().all(|e| e["dp_size"] == 2));
+    // Mocker workers: 2 processes × 2 workers × 2 ranks; engines: 2 × 2 ranks.
+    assert_eq!(report["fleet"]["worker_ranks"], 12);
+    // Traffic reached the bridged engines, over HTTP as a frontend sends it.
+    assert!(
+        report["routes"]["engine_succeeded"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        report["routes"]
+    );
     assert!(
         report["routes"]["attempted"].as_u64().unwrap_or(0) > 0,
         "{}",
@@ -73,6 +94,14 @@ fn every_fault_kind_converges_and_nothing_diverges_after() {
     assert!(
         report["final"]["prefixes_checked"].as_u64().unwrap_or(0) > 0,
         "the final comparison compared nothing: {}",
+        report["final"]
+    );
+    assert!(
+        report["final"]["engine_prefixes_checked"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
+        "the final comparison compared nothing of the engines: {}",
         report["final"]
     );
     assert_eq!(

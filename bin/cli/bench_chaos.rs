@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context};
 use clap::Args;
-use kvrouter_bench::chaos::{run_chaos, ChaosConfig, Timing};
+use kvrouter_bench::chaos::{run_chaos, ChaosConfig, EngineSpec, Timing};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -29,6 +29,22 @@ pub struct ChaosArgs {
     /// Data-parallel ranks per worker.
     #[arg(long, env = "KVROUTER_DP_SIZE", default_value_t = 2)]
     pub dp_size: u32,
+    /// Emulated engines (`kvrouter mocker --emulate`), each behind its own `kvrouter bridge`:
+    /// a comma-separated list of vllm and sglang ("" for none, which also leaves the
+    /// bridge_kill and engine_kill faults out).
+    #[arg(
+        long,
+        env = "KVROUTER_ENGINES",
+        default_value = "vllm,sglang",
+        value_delimiter = ','
+    )]
+    pub engines: Vec<String>,
+    /// Data-parallel ranks of each emulated engine.
+    #[arg(long, env = "KVROUTER_ENGINE_DP_SIZE", default_value_t = 2)]
+    pub engine_dp_size: u32,
+    /// The share of requests sent to the emulated engines (over HTTP, as a frontend does).
+    #[arg(long, env = "KVROUTER_ENGINE_SHARE", default_value_t = 0.3)]
+    pub engine_share: f64,
     /// KV cache capacity of each rank, in blocks (small, so blocks are evicted too).
     #[arg(long, env = "KVROUTER_CAPACITY_BLOCKS", default_value_t = 256)]
     pub capacity_blocks: u32,
@@ -66,12 +82,26 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     if args.max_down_ms < 100 {
         bail!("--max-down-ms must be at least 100");
     }
+    let mut engines = Vec::new();
+    for name in args
+        .engines
+        .iter()
+        .map(|e| e.trim())
+        .filter(|e| !e.is_empty())
+    {
+        match EngineSpec::named(name, args.engine_dp_size) {
+            Some(e) => engines.push(e),
+            None => bail!("--engines takes vllm and sglang, not {name:?}"),
+        }
+    }
     let exe = std::env::current_exe().context("cannot find the kvrouter executable")?;
     let mut cfg = ChaosConfig::new(exe, Duration::from_secs_f64(args.duration), args.seed);
     cfg.replicas = args.replicas;
     cfg.mockers = args.mockers;
     cfg.workers_per_mocker = args.workers;
     cfg.dp_size = args.dp_size;
+    cfg.engines = engines;
+    cfg.engine_share = args.engine_share;
     cfg.capacity_blocks = args.capacity_blocks;
     cfg.speedup = args.speedup;
     cfg.concurrency = args.concurrency;

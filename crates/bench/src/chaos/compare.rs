@@ -85,6 +85,8 @@ pub struct FleetDiff {
     pub unreachable: Vec<String>,
     /// Prefixes of the truth compared, summed over replicas (shows the check is not empty).
     pub prefixes_checked: usize,
+    /// Of them, the prefixes of the bridged engines' workers.
+    pub engine_prefixes_checked: usize,
 }
 
 impl FleetDiff {

@@ -1,5 +1,6 @@
-//! The processes of a chaos run: nats-server, `kvrouter serve` replicas and `kvrouter
-//! mocker` fleets, each a child process driven by PID (kill, stop, continue, restart).
+//! The processes of a chaos run: nats-server, `kvrouter serve` replicas, `kvrouter mocker`
+//! fleets, emulated engines (`kvrouter mocker --emulate`) and their `kvrouter bridge`s, each
+//! a child process driven by PID (kill, stop, continue, restart).
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -32,6 +33,24 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or(0)
+}
+
+/// `n` consecutive free loopback TCP ports (an emulated engine's ZMQ publishers and replay
+/// endpoints); the first of them.
+pub fn free_ports(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = free_port();
+        if base == 0 || base.checked_add(n).is_none() {
+            continue;
+        }
+        let held: Vec<_> = (base..base + n)
+            .map_while(|p| TcpListener::bind(("127.0.0.1", p)).ok())
+            .collect();
+        if held.len() == usize::from(n) {
+            return base;
+        }
+    }
+    0
 }
 
 fn signal(child: &Child, sig: libc::c_int) {
@@ -258,33 +277,143 @@ impl Mocker {
 
     /// Starts it and waits for its start line.
     pub async fn start(&mut self, exe: &Path, log_dir: Option<&Path>) -> Result<(), FleetError> {
-        let mut cmd = Command::new(exe);
-        cmd.args(&self.args).env("KVROUTER_LOG", "warn");
-        let mut p = Proc::spawn(&self.name, cmd, log_dir)?;
-        let stdout = p
-            .child
-            .as_mut()
-            .and_then(|c| c.stdout.take())
-            .ok_or_else(|| FleetError::Startup("mocker stdout".into()))?;
-        let name = self.name.clone();
-        let read = tokio::task::spawn_blocking(move || {
-            let mut r = BufReader::new(stdout);
-            let mut line = String::new();
-            let ok = r.read_line(&mut line).is_ok() && line.contains("worker_ids");
-            (ok, line, r.into_inner())
-        });
-        let (ok, line, stdout) = tokio::time::timeout(Duration::from_secs(30), read)
-            .await
-            .map_err(|_| FleetError::Startup(format!("{name} printed no start line in 30 s")))?
-            .map_err(|e| FleetError::Startup(e.to_string()))?;
-        if !ok {
-            return Err(FleetError::Startup(format!(
-                "{name} did not start: {line:?}"
-            )));
-        }
-        p._stdout = Some(stdout);
+        let (p, _) = spawn_with_line(&self.name, exe, &self.args, log_dir, "worker_ids").await?;
         self.proc = Some(p);
         Ok(())
+    }
+}
+
+/// Spawns `exe args` and waits (30 s at most) for its first stdout line, which must contain
+/// `marker`; returns the process (its stdout kept open) and the line.
+async fn spawn_with_line(
+    name: &str,
+    exe: &Path,
+    args: &[String],
+    log_dir: Option<&Path>,
+    marker: &'static str,
+) -> Result<(Proc, String), FleetError> {
+    let mut cmd = Command::new(exe);
+    cmd.args(args).env("KVROUTER_LOG", "warn");
+    let mut p = Proc::spawn(name, cmd, log_dir)?;
+    let stdout = p
+        .child
+        .as_mut()
+        .and_then(|c| c.stdout.take())
+        .ok_or_else(|| FleetError::Startup(format!("{name} stdout")))?;
+    let read = tokio::task::spawn_blocking(move || {
+        let mut r = BufReader::new(stdout);
+        let mut line = String::new();
+        let ok = r.read_line(&mut line).is_ok() && line.contains(marker);
+        (ok, line, r.into_inner())
+    });
+    let (ok, line, stdout) = tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .map_err(|_| FleetError::Startup(format!("{name} printed no start line in 30 s")))?
+        .map_err(|e| FleetError::Startup(e.to_string()))?;
+    if !ok {
+        return Err(FleetError::Startup(format!(
+            "{name} did not start: {line:?}"
+        )));
+    }
+    p._stdout = Some(stdout);
+    Ok((p, line))
+}
+
+/// An emulated engine: `kvrouter mocker --emulate vllm|sglang` with one worker, on fixed
+/// ports (so it restarts where its bridge looks for it).
+pub struct Engine {
+    pub name: String,
+    /// `vllm` or `sglang`.
+    pub kind: &'static str,
+    /// Rank 0's KV event publisher; ranks publish on `zmq_port + r`, replay on
+    /// `zmq_port + dp_size + r`.
+    pub zmq_port: u16,
+    pub http_port: u16,
+    pub dp_size: u32,
+    pub args: Vec<String>,
+    pub proc: Option<Proc>,
+}
+
+impl Engine {
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.http_port)
+    }
+
+    /// Starts it and waits for its start line; a port still held (by the previous process's
+    /// connections, or taken meanwhile) is tried again for a few seconds.
+    pub async fn start(&mut self, exe: &Path, log_dir: Option<&Path>) -> Result<(), FleetError> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match spawn_with_line(&self.name, exe, &self.args, log_dir, "base_url").await {
+                Ok((p, _)) => {
+                    self.proc = Some(p);
+                    return Ok(());
+                }
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+    }
+
+    /// `/kvrouter/test/cache?dp_rank=R`: what the engine really caches on a rank, in the
+    /// shape of a replica's `/debug/rank`.
+    pub async fn cache(&self, rank: u32) -> (u16, String) {
+        http_get(
+            self.http_port,
+            &format!("/kvrouter/test/cache?dp_rank={rank}"),
+        )
+        .await
+    }
+}
+
+/// A `kvrouter bridge` beside an [`Engine`]: one worker (the engine's ranks) on the bus.
+pub struct BridgeProc {
+    pub name: String,
+    /// Which engine of the fleet it speaks for.
+    pub engine: usize,
+    pub admin_port: u16,
+    /// Its worker id, from its first start line (the same at every start: it derives from
+    /// the model, the engine's address and first rank).
+    pub worker_id: Option<u64>,
+    pub args: Vec<String>,
+    pub proc: Option<Proc>,
+}
+
+impl BridgeProc {
+    /// Starts it and waits for its start line; returns a note when its worker id changed.
+    pub async fn start(
+        &mut self,
+        exe: &Path,
+        log_dir: Option<&Path>,
+    ) -> Result<Option<String>, FleetError> {
+        let (p, line) = spawn_with_line(&self.name, exe, &self.args, log_dir, "worker_id").await?;
+        self.proc = Some(p);
+        let id = serde_json::from_str::<serde_json::Value>(line.trim())
+            .ok()
+            .and_then(|v| v["worker_id"].as_u64())
+            .ok_or_else(|| {
+                FleetError::Startup(format!("{}: no worker_id in {line:?}", self.name))
+            })?;
+        let note = match self.worker_id.replace(id) {
+            Some(old) if old != id => {
+                Some(format!("{} came back as worker {id}, not {old}", self.name))
+            }
+            _ => None,
+        };
+        Ok(note)
+    }
+
+    /// Waits until its `/readyz` answers 200 (connected to the bus and the engine, which is
+    /// healthy).
+    pub async fn ready(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if http_get(self.admin_port, "/readyz").await.0 == 200 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
     }
 }
 

@@ -29,6 +29,8 @@ pub struct FaultResult {
     /// The workers' prefixes compared with the indexes at convergence (or when giving up),
     /// summed over the indexing replicas.
     pub prefixes_checked: usize,
+    /// Of them, the bridged engines' (compared with the engines' own caches).
+    pub engine_prefixes_checked: usize,
     /// What differed at the checkpoint's first comparison ("none" when nothing did).
     pub initial_detail: String,
 }
@@ -122,6 +124,13 @@ impl ChaosReport {
                 "mockers": cfg.mockers,
                 "workers_per_mocker": cfg.workers_per_mocker,
                 "dp_size": cfg.dp_size,
+                "engines": cfg.engines.iter().map(|e| serde_json::json!({
+                    "kind": e.kind,
+                    "zmq_wire": e.wire,
+                    "dp_size": e.dp_size,
+                    "bridge": true,
+                })).collect::<Vec<_>>(),
+                "engine_share": cfg.engine_share,
                 "worker_ranks": ranks,
                 "capacity_blocks": cfg.capacity_blocks,
                 "block_size": cfg.block_size,
@@ -164,8 +173,10 @@ impl ChaosReport {
         let r = &self.routes;
         let _ = writeln!(
             s,
-            "  routes    {} requests: {} attempted, {} retried, {} failed after retries{}",
+            "  routes    {} requests ({} to the bridged engines, {} of them succeeded): {} attempted, {} retried, {} failed after retries{}",
             r.requests,
+            r.engine_requests,
+            r.engine_succeeded,
             r.attempted,
             r.retried,
             r.failed,
@@ -211,12 +222,13 @@ impl ChaosReport {
         );
         let _ = writeln!(
             s,
-            "  converged {} of {} faults; end: {} ({} ms after traffic stopped, {} prefixes compared)",
+            "  converged {} of {} faults; end: {} ({} ms after traffic stopped, {} prefixes compared, {} of them the engines')",
             self.faults_converged,
             self.faults.len(),
             if self.end.converged { "converged" } else { "NOT converged" },
             ms(self.end.convergence_ms),
-            self.end.prefixes_checked
+            self.end.prefixes_checked,
+            self.end.engine_prefixes_checked
         );
         let _ = writeln!(
             s,

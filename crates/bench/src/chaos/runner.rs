@@ -2,10 +2,12 @@
 //! and checks every replica against the truth at each checkpoint and at the end.
 
 use super::compare::{index_prefixes, metric_sum, truth_prefixes, FleetDiff, Prefixes};
-use super::fleet::{free_port, http_get, FleetError, Mocker, Nats, Replica};
+use super::fleet::{
+    free_port, free_ports, http_get, BridgeProc, Engine, FleetError, Mocker, Nats, Replica,
+};
 use super::report::{ChaosReport, FaultResult};
 use super::schedule::{FaultKind, FleetShape, Schedule, Step, Timing};
-use super::traffic::{Traffic, TrafficConfig};
+use super::traffic::{EngineTarget, Traffic, TrafficConfig};
 use bytes::Bytes;
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::KvRouterClient;
@@ -21,6 +23,35 @@ use std::time::{Duration, Instant};
 /// Replica metrics that count active sequences; 0 on every replica when nothing is in flight.
 pub const ACTIVE_REQUESTS: &str = "kvrouter_worker_active_requests";
 pub const ACTIVE_BLOCKS: &str = "kvrouter_worker_active_blocks";
+
+/// One emulated engine of the fleet (with a `kvrouter bridge` beside it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineSpec {
+    /// `vllm` or `sglang`.
+    pub kind: &'static str,
+    /// Its ZMQ wire form (`mocker --zmq-wire`).
+    pub wire: &'static str,
+    pub dp_size: u32,
+}
+
+impl EngineSpec {
+    /// `vllm` (array-batch wire) or `sglang` (array wire) with `dp_size` ranks.
+    pub fn named(kind: &str, dp_size: u32) -> Option<Self> {
+        match kind {
+            "vllm" => Some(Self {
+                kind: "vllm",
+                wire: "array-batch",
+                dp_size,
+            }),
+            "sglang" => Some(Self {
+                kind: "sglang",
+                wire: "array",
+                dp_size,
+            }),
+            _ => None,
+        }
+    }
+}
 
 /// How a chaos run is shaped.
 #[derive(Clone, Debug)]
@@ -38,6 +69,10 @@ pub struct ChaosConfig {
     pub mockers: usize,
     pub workers_per_mocker: u32,
     pub dp_size: u32,
+    /// Emulated engines (`mocker --emulate`), each behind its own bridge.
+    pub engines: Vec<EngineSpec>,
+    /// The share of requests sent to the engines.
+    pub engine_share: f64,
     pub capacity_blocks: u32,
     pub speedup: f64,
     pub concurrency: usize,
@@ -70,6 +105,11 @@ impl ChaosConfig {
             mockers: 2,
             workers_per_mocker: 2,
             dp_size: 2,
+            engines: ["vllm", "sglang"]
+                .into_iter()
+                .filter_map(|k| EngineSpec::named(k, 2))
+                .collect(),
+            engine_share: 0.3,
             capacity_blocks: 256,
             speedup: 100.0,
             concurrency: 4,
@@ -99,6 +139,8 @@ struct Run {
     nats: Nats,
     replicas: Vec<Replica>,
     mockers: Vec<Mocker>,
+    engines: Vec<Engine>,
+    bridges: Vec<BridgeProc>,
     bus: Bus,
     subjects: ModelSubjects,
 }
@@ -108,6 +150,16 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
     if cfg.replicas < 2 || cfg.mockers == 0 || cfg.workers_per_mocker == 0 || cfg.dp_size == 0 {
         return Err(ChaosError::Config(
             "need at least 2 replicas, 1 mocker, 1 worker and 1 rank".into(),
+        ));
+    }
+    if cfg.engines.iter().any(|e| !(1..=64).contains(&e.dp_size)) {
+        return Err(ChaosError::Config(
+            "an emulated engine needs 1..=64 ranks".into(),
+        ));
+    }
+    if !(0.0..=1.0).contains(&cfg.engine_share) {
+        return Err(ChaosError::Config(
+            "the engines' share of requests is 0..=1".into(),
         ));
     }
     if let Some(d) = &cfg.log_dir {
@@ -154,6 +206,81 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
         m.start(&cfg.exe, log_dir.as_deref()).await?;
         mockers.push(m);
     }
+    let mut engines = Vec::new();
+    let mut bridges = Vec::new();
+    for (k, spec) in cfg.engines.iter().enumerate() {
+        let dp = spec.dp_size as u16;
+        let (zmq, http) = (free_ports(2 * dp), free_port());
+        let name = format!("{}{k}", spec.kind);
+        let mut e = Engine {
+            name: name.clone(),
+            kind: spec.kind,
+            zmq_port: zmq,
+            http_port: http,
+            dp_size: spec.dp_size,
+            args: vec![
+                s("mocker"),
+                s("--emulate"),
+                s(spec.kind),
+                s("--zmq-port"),
+                zmq.to_string(),
+                s("--http-port"),
+                http.to_string(),
+                s("--zmq-wire"),
+                s(spec.wire),
+                s("--model"),
+                cfg.model.clone(),
+                s("--dp-size"),
+                spec.dp_size.to_string(),
+                s("--block-size"),
+                cfg.block_size.to_string(),
+                s("--capacity-blocks"),
+                cfg.capacity_blocks.to_string(),
+                s("--speedup"),
+                cfg.speedup.to_string(),
+            ],
+            proc: None,
+        };
+        e.start(&cfg.exe, log_dir.as_deref()).await?;
+        let admin = free_port();
+        let mut b = BridgeProc {
+            name: format!("bridge-{name}"),
+            engine: k,
+            admin_port: admin,
+            worker_id: None,
+            args: vec![
+                s("bridge"),
+                s("--nats"),
+                url.clone(),
+                s("--namespace"),
+                cfg.namespace.clone(),
+                s("--engine"),
+                s(spec.kind),
+                s("--model"),
+                cfg.model.clone(),
+                s("--block-size"),
+                cfg.block_size.to_string(),
+                s("--zmq-endpoint"),
+                format!("tcp://127.0.0.1:{zmq}"),
+                s("--replay-endpoint"),
+                format!("tcp://127.0.0.1:{}", zmq + dp),
+                s("--dp-size"),
+                spec.dp_size.to_string(),
+                s("--capacity-blocks"),
+                cfg.capacity_blocks.to_string(),
+                s("--base-url"),
+                e.base_url(),
+                s("--admin-addr"),
+                format!("127.0.0.1:{admin}"),
+                s("--heartbeat-ms"),
+                s("200"),
+            ],
+            proc: None,
+        };
+        b.start(&cfg.exe, log_dir.as_deref()).await?;
+        engines.push(e);
+        bridges.push(b);
+    }
     let mut replicas = Vec::new();
     for i in 0..cfg.replicas {
         let id = format!("r{i}");
@@ -198,6 +325,11 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
             return Err(FleetError::Startup(format!("replica {} never became ready", r.id)).into());
         }
     }
+    for b in &bridges {
+        if !b.ready(Duration::from_secs(30)).await {
+            return Err(FleetError::Startup(format!("{} never became ready", b.name)).into());
+        }
+    }
     let bus = Bus::connect(&NatsOptions {
         name: Some("kvrouter-bench-chaos".into()),
         ..NatsOptions::new(url.clone())
@@ -211,11 +343,23 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
         .map_err(|e| ChaosError::Config(e.to_string()))?
         .with_timeout(Duration::from_secs(2))
         .with_generate_idle_timeout(Duration::from_secs(5));
+    let mocker_workers: Vec<u64> = mockers.iter().flat_map(|m| m.worker_ids()).collect();
+    let engine_targets: Vec<EngineTarget> = bridges
+        .iter()
+        .filter_map(|b| {
+            Some(EngineTarget {
+                worker_id: b.worker_id?,
+                sglang: engines[b.engine].kind == "sglang",
+            })
+        })
+        .collect();
     let mut run = Run {
         cfg: cfg.clone(),
         nats,
         replicas,
         mockers,
+        engines,
+        bridges,
         bus,
         subjects,
     };
@@ -232,6 +376,10 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
             max_retries: cfg.max_retries,
             think: Duration::from_millis(20),
             seed: cfg.seed,
+            mocker_workers: mocker_workers.clone(),
+            engines: engine_targets,
+            engine_share: cfg.engine_share,
+            engine_timeout: Duration::from_secs(5),
         },
     );
 
@@ -243,7 +391,8 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
     let shape = FleetShape {
         replicas: cfg.replicas,
         mockers: cfg.mockers,
-        worker_ids: run.mockers.iter().flat_map(|m| m.worker_ids()).collect(),
+        worker_ids: mocker_workers,
+        engines: run.engines.len(),
     };
     let schedule = Schedule::generate(cfg.seed, cfg.duration, &shape, &cfg.timing);
     let kinds = schedule.kinds();
@@ -283,6 +432,8 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
                         | Step::ResumeReplica(_)
                         | Step::StartNats
                         | Step::RestartMocker(_)
+                        | Step::RestartBridge(_)
+                        | Step::RestartEngine(_)
                 );
                 if undo {
                     fault_end[f] = Some(Instant::now());
@@ -326,7 +477,8 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
         results,
         fin,
         run.replicas.iter().map(|r| r.id.clone()).collect(),
-        shape.worker_ids.len() as u32 * cfg.dp_size,
+        shape.worker_ids.len() as u32 * cfg.dp_size
+            + cfg.engines.iter().map(|e| e.dp_size).sum::<u32>(),
     );
     run.shutdown().await;
     Ok(report)
@@ -406,6 +558,39 @@ impl Run {
                     .map(|e| format!("restart of {} failed: {e}", m.name));
                 (m.name.clone(), note)
             }
+            Step::KillBridge(k) => {
+                let b = &mut self.bridges[*k];
+                if let Some(p) = b.proc.as_mut() {
+                    p.kill();
+                }
+                (b.name.clone(), None)
+            }
+            Step::RestartBridge(k) => {
+                let log = self.cfg.log_dir.clone();
+                let b = &mut self.bridges[*k];
+                let note = match b.start(&exe, log.as_deref()).await {
+                    Ok(note) => note,
+                    Err(e) => Some(format!("restart of {} failed: {e}", b.name)),
+                };
+                (b.name.clone(), note)
+            }
+            Step::KillEngine(k) => {
+                let e = &mut self.engines[*k];
+                if let Some(p) = e.proc.as_mut() {
+                    p.kill();
+                }
+                (e.name.clone(), None)
+            }
+            Step::RestartEngine(k) => {
+                let log = self.cfg.log_dir.clone();
+                let e = &mut self.engines[*k];
+                let note = e
+                    .start(&exe, log.as_deref())
+                    .await
+                    .err()
+                    .map(|err| format!("restart of {} failed: {err}", e.name));
+                (e.name.clone(), note)
+            }
             Step::DropEvents { worker_id, batches } => {
                 let target = format!("worker {worker_id} ({batches} batches)");
                 let payload = match encode(batches) {
@@ -447,7 +632,12 @@ impl Run {
         let Ok(subjects) = fleet_subjects(&self.cfg.namespace, &self.cfg.model) else {
             return 0;
         };
-        let workers: Vec<u64> = self.mockers.iter().flat_map(|m| m.worker_ids()).collect();
+        let workers: Vec<u64> = self
+            .mockers
+            .iter()
+            .flat_map(|m| m.worker_ids())
+            .chain(self.bridges.iter().filter_map(|b| b.worker_id))
+            .collect();
         let mut sent = 0;
         for (name, subject) in subjects {
             for k in 0..per_subject {
@@ -516,7 +706,8 @@ impl Run {
             }
             None => (0, last.describe()),
         };
-        let prefixes_checked = last.prefixes_checked;
+        let (prefixes_checked, engine_prefixes_checked) =
+            (last.prefixes_checked, last.engine_prefixes_checked);
         traffic.resume();
         FaultResult {
             index: (index != usize::MAX).then_some(index),
@@ -529,12 +720,14 @@ impl Run {
             detail,
             notes,
             prefixes_checked,
+            engine_prefixes_checked,
             initial_detail: initial.unwrap_or_default(),
         }
     }
 
     /// Every replica against the truth: the index of every rank (replicas that keep one)
-    /// against the worker's state, and every replica's active sequences against none.
+    /// against the worker's state (a mocker worker's state answer; an emulated engine's own
+    /// cache, not its bridge's copy of it), and every replica's active sequences against none.
     async fn compare(&self) -> FleetDiff {
         let mut diff = FleetDiff::default();
         let mut truths: BTreeMap<WorkerKey, Prefixes> = BTreeMap::new();
@@ -551,6 +744,25 @@ impl Run {
                 }
             }
         }
+        for b in &self.bridges {
+            let (Some(w), e) = (b.worker_id, &self.engines[b.engine]) else {
+                continue;
+            };
+            for r in 0..e.dp_size {
+                let key = WorkerKey::new(w, r);
+                let (status, body) = e.cache(r).await;
+                match (status, index_prefixes(&body, key)) {
+                    (200, Some(t)) => {
+                        truths.insert(key, t);
+                    }
+                    _ => diff.unreachable.push(format!(
+                        "{} (worker {w}) rank {r} cache: {status} {body}",
+                        e.name
+                    )),
+                }
+            }
+        }
+        let engine_workers: Vec<u64> = self.bridges.iter().filter_map(|b| b.worker_id).collect();
         let model = self.cfg.model.replace('/', "%2F");
         for rep in &self.replicas {
             if rep.indexes {
@@ -563,6 +775,9 @@ impl Run {
                     match (status, index_prefixes(&body, *key)) {
                         (200, Some(index)) => {
                             diff.prefixes_checked += truth.len();
+                            if engine_workers.contains(&key.worker_id) {
+                                diff.engine_prefixes_checked += truth.len();
+                            }
                             diff.add_rank(&rep.id, *key, truth, &index)
                         }
                         _ => diff
@@ -620,9 +835,21 @@ impl Run {
             mut nats,
             mut replicas,
             mut mockers,
+            mut engines,
+            mut bridges,
             bus,
             ..
         } = self;
+        for b in &mut bridges {
+            if let Some(p) = b.proc.as_mut() {
+                p.kill();
+            }
+        }
+        for e in &mut engines {
+            if let Some(p) = e.proc.as_mut() {
+                p.kill();
+            }
+        }
         for r in &mut replicas {
             if let Some(p) = r.proc.as_mut() {
                 p.kill();

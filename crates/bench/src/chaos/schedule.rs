@@ -3,8 +3,9 @@
 //! A run is a sequence of episodes, one fault each, that never overlap: the fault is
 //! injected, after a down time it is undone (a killed process restarted, a paused one
 //! resumed), and at once a checkpoint compares every replica with the truth. Episodes take
-//! the fault kinds in seeded rounds (every kind once per round, shuffled), so any run of at
-//! least [`FaultKind::ALL`]`.len()` episodes injects every kind.
+//! the fault kinds in seeded rounds (every kind once per round, shuffled; the engine and
+//! bridge kinds only when the fleet has emulated engines), so any run of at least
+//! [`FaultKind::ALL`]`.len()` episodes injects every kind.
 
 use serde::Serialize;
 use std::time::Duration;
@@ -26,17 +27,31 @@ pub enum FaultKind {
     EventDrop,
     /// Publish garbage bytes on every subject of the fleet.
     Garbage,
+    /// SIGKILL a `kvrouter bridge` (beside an emulated engine that keeps running), start it
+    /// again: its worker comes back as a new instance that must rebuild what the engine
+    /// still caches.
+    BridgeKill,
+    /// SIGKILL an emulated engine (`mocker --emulate`), start it again on the same ports
+    /// with an empty cache: its bridge must notice, and the replicas follow.
+    EngineKill,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::ReplicaKill,
         FaultKind::ReplicaPause,
         FaultKind::NatsRestart,
         FaultKind::MockerKill,
         FaultKind::EventDrop,
         FaultKind::Garbage,
+        FaultKind::BridgeKill,
+        FaultKind::EngineKill,
     ];
+
+    /// Whether the fault needs an emulated engine and its bridge in the fleet.
+    pub fn needs_engines(self) -> bool {
+        matches!(self, FaultKind::BridgeKill | FaultKind::EngineKill)
+    }
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -46,6 +61,8 @@ impl FaultKind {
             FaultKind::MockerKill => "mocker_kill",
             FaultKind::EventDrop => "event_drop",
             FaultKind::Garbage => "garbage",
+            FaultKind::BridgeKill => "bridge_kill",
+            FaultKind::EngineKill => "engine_kill",
         }
     }
 }
@@ -61,6 +78,12 @@ pub enum Step {
     StartNats,
     KillMocker(usize),
     RestartMocker(usize),
+    KillBridge(usize),
+    RestartBridge(usize),
+    /// Kill an emulated engine (its bridge keeps running).
+    KillEngine(usize),
+    /// Start it again on the same ports.
+    RestartEngine(usize),
     /// Drop the worker's next `batches` KV event batches, then send each of its ranks
     /// `batches + 2` rounds of fresh prompts (a gap is only seen at the next event).
     DropEvents {
@@ -92,6 +115,8 @@ pub struct FleetShape {
     pub mockers: usize,
     /// Every worker id (of all mockers).
     pub worker_ids: Vec<u64>,
+    /// Emulated engines, each with its bridge (0: no engine faults are scheduled).
+    pub engines: usize,
 }
 
 /// Episode timing, in milliseconds (ranges are inclusive).
@@ -134,7 +159,10 @@ impl Schedule {
         let mut fault = 0;
         loop {
             if round.is_empty() {
-                round = FaultKind::ALL.to_vec();
+                round = FaultKind::ALL
+                    .into_iter()
+                    .filter(|k| shape.engines > 0 || !k.needs_engines())
+                    .collect();
                 rng.shuffle(&mut round);
             }
             let kind = round[round.len() - 1];
@@ -175,6 +203,14 @@ impl Schedule {
                     }],
                     vec![],
                 ),
+                FaultKind::BridgeKill => {
+                    let b = rng.usize(0..shape.engines.max(1));
+                    (vec![Step::KillBridge(b)], vec![Step::RestartBridge(b)])
+                }
+                FaultKind::EngineKill => {
+                    let e = rng.usize(0..shape.engines.max(1));
+                    (vec![Step::KillEngine(e)], vec![Step::RestartEngine(e)])
+                }
             };
             // Instant faults have no down time: their checkpoint follows them.
             let down = if undo.is_empty() { 0 } else { down };
@@ -236,6 +272,7 @@ mod tests {
             replicas: 3,
             mockers: 2,
             worker_ids: vec![100, 101, 102, 103],
+            engines: 2,
         }
     }
 
@@ -280,6 +317,8 @@ mod tests {
             let mut replica_down: Option<usize> = None;
             let mut replica_paused: Option<usize> = None;
             let mut mocker_down: Option<usize> = None;
+            let mut bridge_down: Option<usize> = None;
+            let mut engine_down: Option<usize> = None;
             let mut nats_down = false;
             for x in &s.steps {
                 match x.step {
@@ -298,6 +337,18 @@ mod tests {
                         mocker_down = Some(m);
                     }
                     Step::RestartMocker(m) => assert_eq!(mocker_down.take(), Some(m)),
+                    Step::KillBridge(b) => {
+                        assert!(bridge_down.is_none() && engine_down.is_none());
+                        assert!(b < shape().engines);
+                        bridge_down = Some(b);
+                    }
+                    Step::RestartBridge(b) => assert_eq!(bridge_down.take(), Some(b)),
+                    Step::KillEngine(e) => {
+                        assert!(bridge_down.is_none() && engine_down.is_none());
+                        assert!(e < shape().engines);
+                        engine_down = Some(e);
+                    }
+                    Step::RestartEngine(e) => assert_eq!(engine_down.take(), Some(e)),
                     Step::StopNats => {
                         assert!(!nats_down);
                         nats_down = true;
@@ -311,6 +362,8 @@ mod tests {
                             replica_down.is_none()
                                 && replica_paused.is_none()
                                 && mocker_down.is_none()
+                                && bridge_down.is_none()
+                                && engine_down.is_none()
                                 && !nats_down,
                             "seed {seed}: a checkpoint with a fault still on"
                         );
@@ -323,7 +376,7 @@ mod tests {
                 }
             }
             assert!(replica_down.is_none() && replica_paused.is_none() && mocker_down.is_none());
-            assert!(!nats_down);
+            assert!(bridge_down.is_none() && engine_down.is_none() && !nats_down);
         }
     }
 
@@ -337,6 +390,43 @@ mod tests {
             .count();
         assert_eq!(checkpoints, s.faults);
         assert_eq!(s.kinds().len(), s.faults);
+    }
+
+    #[test]
+    fn every_engine_is_a_victim_of_both_engine_kinds_over_a_long_run() {
+        let s = gen(5, 600);
+        for e in 0..shape().engines {
+            assert!(s.steps.iter().any(|x| x.step == Step::KillBridge(e)), "{e}");
+            assert!(s.steps.iter().any(|x| x.step == Step::KillEngine(e)), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_fleet_without_engines_gets_no_engine_faults_and_every_other_kind() {
+        let shape = FleetShape {
+            engines: 0,
+            ..shape()
+        };
+        for seed in 0..20 {
+            let s = Schedule::generate(seed, Duration::from_secs(60), &shape, &Timing::default());
+            let kinds: BTreeSet<_> = s.kinds().into_iter().collect();
+            assert!(kinds.iter().all(|k| !k.needs_engines()), "{kinds:?}");
+            assert_eq!(
+                kinds.len(),
+                FaultKind::ALL.len() - 2,
+                "seed {seed}: {kinds:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn kind_names_are_distinct_snake_case() {
+        let names: BTreeSet<_> = FaultKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), FaultKind::ALL.len());
+        for k in FaultKind::ALL {
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{}\"", k.as_str()));
+        }
     }
 
     #[test]

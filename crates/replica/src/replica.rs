@@ -109,19 +109,20 @@ async fn start_model(
     let sync = config.sync.as_ref().map(|sync| {
         let (resync, rx) = tokio::sync::mpsc::unbounded_channel();
         resync_rx = Some(rx);
-        let (out, task) = replica_sync_bus::spawn_publisher(
+        let publisher = replica_sync_bus::spawn_publisher(
             bus.clone(),
             subjects.sync(),
             replica_id.to_string(),
             name.to_string(),
         );
-        handles.push(task);
+        handles.push(publisher.task);
         SyncLink {
-            out,
+            out: publisher.changes,
             inbox: Arc::default(),
             catch_up: true,
             echo_window: sync.echo,
             resync,
+            published: publisher.published,
         }
     });
     let peer_inbox = sync.as_ref().map(|s| s.inbox.clone());

@@ -15,7 +15,11 @@
 //! backlog) shows as a gap in the peer's sequence numbers: that peer's own requests are then
 //! fetched from it again ([`ReplicaSync::start_resync`], [`ReplicaSync::on_resync`]) and
 //! its changes buffered meanwhile, so a lost `Free` does not hold load until the
-//! request-timeout sweep.
+//! request-timeout sweep. A peer first heard mid-sequence is fetched the same way (what it
+//! sent before is unknown here), so a joiner's view of each peer does not rest on its
+//! snapshot source having heard everything; gaps seen while catching up are fetched once the
+//! snapshot is in. `tests/replica_sync_model.rs` checks all of it against a reference model
+//! with lost, duplicated and interleaved batches.
 //!
 //! Peers are live while their batches keep coming (an idle replica sends an empty one every
 //! [`HEARTBEAT`]); one silent for [`PEER_LEASE`] is gone, and its sequences with it: nobody
@@ -52,8 +56,14 @@ pub struct ReplicaSync {
     /// Each peer's instance and the last sequence number heard from it.
     seqs: FxHashMap<String, (Uuid, u64)>,
     /// Peers whose own requests are being fetched again after a lost batch, with their
-    /// changes since (applied after the answer).
-    resyncing: FxHashMap<String, Vec<SeqChange>>,
+    /// changes since, each with its batch's sequence number (those the answer does not
+    /// cover apply after it).
+    resyncing: FxHashMap<String, Vec<(u64, SeqChange)>>,
+    /// Peers that lost us a batch while we were catching up: fetched once the snapshot is
+    /// in (the snapshot's source may have had the lost change or not).
+    deferred: Vec<String>,
+    /// Peers to fetch now (see [`Self::take_fetches`]).
+    fetches: Vec<String>,
 }
 
 /// How a peer's sequenced batch follows the last one heard from it.
@@ -61,6 +71,9 @@ pub struct ReplicaSync {
 pub enum SeqCheck {
     /// The next one, the first of an instance, or an unsequenced (version-4) batch.
     InOrder,
+    /// The first heard from this instance, past its first batch: what came before is not
+    /// known here (fetch its requests, as after a loss).
+    Unheard,
     /// Heard already (a duplicate): ignore it.
     Stale,
     /// Batches between this one and the last were lost.
@@ -80,6 +93,8 @@ impl ReplicaSync {
             last_sent: None,
             seqs: FxHashMap::default(),
             resyncing: FxHashMap::default(),
+            deferred: Vec::new(),
+            fetches: Vec::new(),
         }
     }
 
@@ -104,37 +119,54 @@ impl ReplicaSync {
             }
             _ => {
                 self.seqs.insert(from.to_string(), (instance, seq));
-                SeqCheck::InOrder
+                if seq > 1 {
+                    SeqCheck::Unheard
+                } else {
+                    SeqCheck::InOrder
+                }
             }
         }
     }
 
-    /// Starts fetching `peer`'s own requests again after a lost batch (false if already
-    /// under way, or while catching up: the catch-up snapshot comes after anyway). Its
-    /// changes are buffered until [`Self::on_resync`].
-    pub fn start_resync(&mut self, peer: &str) -> bool {
-        if self.buffer.is_some() || self.resyncing.contains_key(peer) {
-            return false;
+    /// A batch from `peer` was lost: its own requests are to be fetched again
+    /// ([`Self::take_fetches`] says when), its changes buffered until [`Self::on_resync`].
+    /// While catching up, the fetch waits for the snapshot. Nothing new when one is already
+    /// under way.
+    pub fn start_resync(&mut self, peer: &str) {
+        if self.buffer.is_some() {
+            if !self.deferred.iter().any(|p| p == peer) {
+                self.deferred.push(peer.to_string());
+            }
+        } else if !self.resyncing.contains_key(peer) {
+            self.resyncing.insert(peer.to_string(), Vec::new());
+            self.fetches.push(peer.to_string());
         }
-        self.resyncing.insert(peer.to_string(), Vec::new());
-        true
     }
 
-    /// `peer`'s own active requests as it answered (`None`: it did not), given the ids of
-    /// its requests our core holds: the changes to apply. Those it no longer has are freed,
-    /// those it has are added or brought up to date (prefill, output), then its changes
-    /// buffered meanwhile apply.
+    /// Peers whose own requests to fetch now (answer each with [`Self::on_resync`]).
+    pub fn take_fetches(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.fetches)
+    }
+
+    /// `peer`'s own active requests as it answered, with the last sequence number it had
+    /// published then (`None`: it did not answer), given the ids of its requests our core
+    /// holds: the changes to apply. Those it no longer has are freed, those it has are added
+    /// or brought up to date (prefill, output), then its changes buffered meanwhile apply,
+    /// but for those of batches the answer already covers (a batch of the buffer may predate
+    /// it: applied after it, an `Add` whose `Free` was lost would come back).
     pub fn on_resync(
         &mut self,
         peer: &str,
-        answer: Option<Vec<SeqChange>>,
+        answer: Option<(u64, Vec<SeqChange>)>,
         held: Vec<String>,
     ) -> Vec<SeqChange> {
         let Some(buffered) = self.resyncing.remove(peer) else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        if let Some(answer) = answer {
+        let mut covered = 0;
+        if let Some((answer_seq, answer)) = answer {
+            covered = answer_seq;
             let theirs: Vec<SeqChange> = answer
                 .into_iter()
                 .filter(|c| Self::is_from(change_id(c), peer))
@@ -168,7 +200,12 @@ impl ReplicaSync {
                 }
             }
         }
-        out.extend(buffered);
+        out.extend(
+            buffered
+                .into_iter()
+                .filter(|&(seq, _)| seq > covered)
+                .map(|(_, c)| c),
+        );
         out
     }
 
@@ -240,8 +277,9 @@ impl ReplicaSync {
             .is_none_or(|t| now.saturating_duration_since(t) >= HEARTBEAT)
     }
 
-    /// A peer's batch: the changes to apply now (none while catching up). Our own batches
-    /// (the bus echoes them) are ignored. Returns whether the peer is new.
+    /// A peer's batch (after [`Self::check_seq`], which tells its sequence number): the
+    /// changes to apply now (none while catching up or fetching the peer's requests). Our
+    /// own batches (the bus echoes them) are ignored. Returns whether the peer is new.
     pub fn on_peer_batch(
         &mut self,
         from: &str,
@@ -253,11 +291,16 @@ impl ReplicaSync {
         }
         let new = self.peers.insert(from.to_string(), now).is_none();
         self.unconfirmed.remove(from);
-        let buffer = match self.resyncing.get_mut(from) {
-            Some(b) => Some(b),
-            None => self.buffer.as_mut(),
-        };
-        let apply = match buffer {
+        if let Some(buf) = self.resyncing.get_mut(from) {
+            let seq = self.seqs.get(from).map_or(0, |&(_, seq)| seq);
+            if buf.len() + changes.len() > MAX_BUFFERED {
+                self.dropped += buf.len() as u64;
+                buf.clear();
+            }
+            buf.extend(changes.into_iter().map(|c| (seq, c)));
+            return (Vec::new(), new);
+        }
+        let apply = match &mut self.buffer {
             None => changes,
             Some(buf) => {
                 if buf.len() + changes.len() > MAX_BUFFERED {
@@ -287,6 +330,7 @@ impl ReplicaSync {
         for id in &gone {
             self.seqs.remove(id);
             self.resyncing.remove(id);
+            self.deferred.retain(|p| p != id);
         }
         gone.sort_unstable();
         gone
@@ -354,6 +398,9 @@ impl ReplicaSync {
                     }
                 }
                 out.extend(buf);
+                for peer in std::mem::take(&mut self.deferred) {
+                    self.start_resync(&peer);
+                }
                 out
             }
         }
@@ -574,14 +621,18 @@ mod tests {
     fn sequence_numbers_tell_lost_and_repeated_batches() {
         let mut s = ReplicaSync::new("r1", false);
         let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
-        assert_eq!(s.check_seq("r2", a, 5), SeqCheck::InOrder, "first heard");
+        assert_eq!(s.check_seq("r2", a, 5), SeqCheck::Unheard, "first heard");
         assert_eq!(s.check_seq("r2", a, 6), SeqCheck::InOrder);
         assert_eq!(s.check_seq("r2", a, 6), SeqCheck::Stale);
         assert_eq!(s.check_seq("r2", a, 9), SeqCheck::Lost { missed: 2 });
         assert_eq!(s.check_seq("r2", a, 10), SeqCheck::InOrder);
         assert_eq!(s.check_seq("r2", b, 1), SeqCheck::InOrder, "a new instance");
         assert_eq!(s.check_seq("r2", b, 0), SeqCheck::InOrder, "unsequenced");
-        assert_eq!(s.check_seq("r3", a, 7), SeqCheck::InOrder, "per peer");
+        assert_eq!(
+            s.check_seq("r3", a, 1),
+            SeqCheck::InOrder,
+            "per peer, from its start"
+        );
         assert_eq!(s.check_seq("r1", a, 99), SeqCheck::InOrder, "our own echo");
     }
 
@@ -589,12 +640,17 @@ mod tests {
     fn a_resync_frees_what_the_peer_lost_and_keeps_later_changes_in_order() {
         let mut s = ReplicaSync::new("r1", false);
         let now = Instant::now();
-        assert!(s.start_resync("r2"));
-        assert!(!s.start_resync("r2"), "one at a time");
+        let inst = Uuid::from_u128(9);
+        assert_eq!(s.check_seq("r2", inst, 3), SeqCheck::Unheard);
+        s.start_resync("r2");
+        s.start_resync("r2");
+        assert_eq!(s.take_fetches(), vec!["r2".to_string()], "one at a time");
         // r2's changes meanwhile wait; other peers' apply.
+        assert!(s.on_peer_batch("r2", vec![add("r2:old")], now).0.is_empty());
         let free_c = SeqChange::Free {
             request_id: "r2:c".into(),
         };
+        assert_eq!(s.check_seq("r2", inst, 4), SeqCheck::InOrder);
         assert!(s
             .on_peer_batch("r2", vec![add("r2:d"), free_c.clone()], now)
             .0
@@ -606,8 +662,10 @@ mod tests {
         // We hold r2:a (whose Free we lost) and r2:b; r2 has b (prefilled, 2 output
         // blocks) and c (whose Add we lost).
         let b = add_with("r2:b", 0, 2);
+        // r2 answered having published batch 3, not 4: batch 3 (r2:old, freed since in a
+        // batch we lost) is in its answer already and must not come back.
         let answer = vec![b.clone(), add("r2:c"), add("r3:stale")];
-        let out = s.on_resync("r2", Some(answer), vec!["r2:a".into(), "r2:b".into()]);
+        let out = s.on_resync("r2", Some((3, answer)), vec!["r2:a".into(), "r2:b".into()]);
         let output = |id: &str, n| SeqChange::Output {
             request_id: id.into(),
             output_blocks: n,
@@ -635,15 +693,20 @@ mod tests {
             vec![add("r2:e")]
         );
         // No answer: the buffered changes still apply.
-        assert!(s.start_resync("r2"));
+        s.start_resync("r2");
+        assert_eq!(s.take_fetches().len(), 1);
         s.on_peer_batch("r2", vec![add("r2:f")], now);
         assert_eq!(
             s.on_resync("r2", None, vec!["r2:a".into()]),
             vec![add("r2:f")]
         );
-        // Not while catching up: the snapshot comes after anyway.
+        // While catching up, once the snapshot is in.
         let mut s = ReplicaSync::new("r1", true);
-        assert!(!s.start_resync("r2"));
+        s.start_resync("r2");
+        assert!(s.take_fetches().is_empty());
+        s.on_snapshot(Vec::new(), now, |_| false);
+        assert_eq!(s.take_fetches(), vec!["r2".to_string()]);
+        assert_eq!(s.resyncing(), 1);
     }
 
     #[test]

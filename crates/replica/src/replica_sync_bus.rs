@@ -12,7 +12,7 @@ use kvrouter_protocol::{
     ENCODED_EVENT_OVERHEAD,
 };
 use ractor::ActorRef;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -24,21 +24,34 @@ const SYNC_STATE_GROUP: &str = "kvrouter-sync";
 /// How long a catch-up stream may stay silent.
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Publishes one model's changes in the order the scheduler actor made them.
+/// What [`spawn_publisher`] gives its owner.
+pub struct SyncPublisher {
+    /// Where the scheduler actor sends its changes, in order.
+    pub changes: mpsc::UnboundedSender<Vec<SeqChange>>,
+    /// The last sequence number given to a batch (an answer to a peer's fetch says it:
+    /// later batches carry what the answer does not).
+    pub published: Arc<AtomicU64>,
+    pub task: JoinHandle<()>,
+}
+
+/// Publishes one model's changes in the order the scheduler actor made them, numbered.
 pub fn spawn_publisher(
     bus: Bus,
     subject: String,
     replica_id: String,
     model: String,
-) -> (mpsc::UnboundedSender<Vec<SeqChange>>, JoinHandle<()>) {
+) -> SyncPublisher {
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<SeqChange>>();
     let instance_id = Uuid::new_v4();
+    let published = Arc::new(AtomicU64::new(0));
+    let last = published.clone();
     let task = tokio::spawn(async move {
         let mut seq = 0u64;
         while let Some(changes) = rx.recv().await {
             for chunk in chunks(changes, bus.max_payload()) {
                 // Numbered even when publishing fails: the gap is what tells peers.
                 seq += 1;
+                last.store(seq, Ordering::Relaxed);
                 let batch = SyncBatch {
                     replica_id: replica_id.clone(),
                     model: model.clone(),
@@ -57,7 +70,11 @@ pub fn spawn_publisher(
             }
         }
     });
-    (tx, task)
+    SyncPublisher {
+        changes: tx,
+        published,
+        task,
+    }
 }
 
 /// Splits changes into batches that fit the bus's payload limit (no changes: one empty
@@ -152,7 +169,7 @@ async fn answer_state_requests(shared: Arc<ReplicaShared>, mut sub: Subscription
         };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let mut changes = Vec::new();
+            let (mut published, mut changes) = (0, Vec::new());
             if let Some(m) = shared.models.get(&req.model) {
                 let (tx, rx) = oneshot::channel();
                 let origin = own.then(|| shared.replica_id.clone());
@@ -160,16 +177,17 @@ async fn answer_state_requests(shared: Arc<ReplicaShared>, mut sub: Subscription
                     .send_message(SchedulerMsg::ExportActive { origin, reply: tx })
                     .is_ok()
                 {
-                    changes = rx.await.unwrap_or_default();
+                    (published, changes) = rx.await.unwrap_or_default();
                 }
             }
             for chunk in chunks(changes, shared.bus.max_payload()) {
+                // `seq`: the last batch this answer covers.
                 let batch = SyncBatch {
                     replica_id: shared.replica_id.clone(),
                     model: req.model.clone(),
                     changes: chunk,
                     instance_id: Uuid::nil(),
-                    seq: 0,
+                    seq: published,
                 };
                 if let Ok(b) = encode(&batch) {
                     let _ = shared.bus.publish(&reply, Bytes::from(b)).await;
@@ -208,25 +226,26 @@ pub fn spawn_resync(
     })
 }
 
-/// Asks `subject` for a stream of sync batches and collects their changes, all or nothing
-/// (a partial answer would free what it left out).
+/// Asks `subject` for a stream of sync batches and collects their changes and the last
+/// batch they cover, all or nothing (a partial answer would free what it left out).
 async fn fetch_changes(
     bus: &Bus,
     subject: &str,
     req: &SyncStateRequest,
-) -> Result<Vec<SeqChange>, String> {
+) -> Result<(u64, Vec<SeqChange>), String> {
     let payload = encode(req).map_err(|e| e.to_string())?;
     let mut stream = bus
         .request_stream(subject, Bytes::from(payload), CATCH_UP_TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;
-    let mut out = Vec::new();
+    let (mut covered, mut out) = (0, Vec::new());
     while let Some(item) = stream.next().await {
         let bytes = item.map_err(|e| e.to_string())?;
         let batch = decode::<SyncBatch>(&bytes).map_err(|e| e.to_string())?;
+        covered = covered.max(batch.seq);
         out.extend(batch.changes);
     }
-    Ok(out)
+    Ok((covered, out))
 }
 
 async fn fetch_snapshot(

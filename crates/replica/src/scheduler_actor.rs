@@ -106,6 +106,8 @@ pub struct SyncLink {
     /// Peers to fetch own requests from again, after one of their batches was lost (the
     /// answer comes back as [`SchedulerMsg::PeerResync`]).
     pub resync: tokio::sync::mpsc::UnboundedSender<String>,
+    /// The publisher's last batch number.
+    pub published: Arc<std::sync::atomic::AtomicU64>,
 }
 
 // Route is nearly every message, so the mailbox's slots are its size whatever the rest;
@@ -144,16 +146,17 @@ pub enum SchedulerMsg {
     /// the catch-up snapshot, and a request for ours.
     PeerBatches,
     PeerSnapshot(Vec<SeqChange>),
-    /// A peer's own requests, fetched again after one of its batches was lost (`None`: it
-    /// did not answer).
+    /// A peer's own requests, fetched again after one of its batches was lost, with the
+    /// last batch the answer covers (`None`: it did not answer).
     PeerResync {
         peer: String,
-        answer: Option<Vec<SeqChange>>,
+        answer: Option<(u64, Vec<SeqChange>)>,
     },
-    /// Active sequences as `Add`s: all of them, or those `origin` routed.
+    /// Active sequences as `Add`s: all of them, or those `origin` routed; with the last
+    /// sync batch number given out so far (what the answer covers).
     ExportActive {
         origin: Option<String>,
-        reply: oneshot::Sender<Vec<SeqChange>>,
+        reply: oneshot::Sender<(u64, Vec<SeqChange>)>,
     },
     /// Every live worker key's load as the scheduler counts it (the JSON API's workers).
     Loads(oneshot::Sender<Vec<(WorkerKey, KeyLoad)>>),
@@ -190,6 +193,7 @@ pub struct SchedulerState {
     ids: ReplicaSync,
     sync_out: Option<tokio::sync::mpsc::UnboundedSender<Vec<SeqChange>>>,
     resync: Option<tokio::sync::mpsc::UnboundedSender<String>>,
+    published: Option<Arc<std::sync::atomic::AtomicU64>>,
     inbox: Option<Arc<PeerInbox>>,
     model: String,
     labels: ModelLabels,
@@ -274,6 +278,11 @@ impl SchedulerState {
                 .check_seq(&batch.replica_id, batch.instance_id, batch.seq)
             {
                 SeqCheck::InOrder => {}
+                SeqCheck::Unheard => {
+                    tracing::debug!(model = %self.model, peer = %batch.replica_id, "first heard from a peer mid-sequence: fetching its active sequences");
+                    self.ids.start_resync(&batch.replica_id);
+                    self.send_fetches();
+                }
                 // Applied already; it still shows the peer is alive.
                 SeqCheck::Stale => batch.changes.clear(),
                 SeqCheck::Lost { missed } => {
@@ -281,12 +290,9 @@ impl SchedulerState {
                         .sync_batches_lost
                         .get_or_create(&self.labels)
                         .inc_by(missed);
-                    if self.ids.start_resync(&batch.replica_id) {
-                        tracing::warn!(model = %self.model, peer = %batch.replica_id, missed, "lost replica-sync batches from a peer: fetching its active sequences again");
-                        if let Some(tx) = &self.resync {
-                            let _ = tx.send(batch.replica_id.clone());
-                        }
-                    }
+                    tracing::warn!(model = %self.model, peer = %batch.replica_id, missed, "lost replica-sync batches from a peer: fetching its active sequences again");
+                    self.ids.start_resync(&batch.replica_id);
+                    self.send_fetches();
                 }
             }
             let (changes, new_peer) = self
@@ -297,6 +303,15 @@ impl SchedulerState {
                 self.update_echo();
             }
             self.apply_peer(changes, now);
+        }
+    }
+
+    /// Asks the resync task for the peers' own requests `ids` wants fetched again.
+    fn send_fetches(&mut self) {
+        for peer in self.ids.take_fetches() {
+            if let Some(tx) = &self.resync {
+                let _ = tx.send(peer);
+            }
         }
     }
 
@@ -403,6 +418,7 @@ impl Actor for SchedulerActor {
             ids: ReplicaSync::new(&args.replica_id, catch_up),
             inbox: args.sync.as_ref().map(|s| s.inbox.clone()),
             resync: args.sync.as_ref().map(|s| s.resync.clone()),
+            published: args.sync.as_ref().map(|s| s.published.clone()),
             sync_out: args.sync.map(|s| s.out),
             labels: Metrics::model(&args.model),
             model: args.model,
@@ -531,6 +547,7 @@ impl Actor for SchedulerActor {
                     .ids
                     .on_snapshot(snapshot, now, |id| core.contains_request(id));
                 state.apply_peer(changes, now);
+                state.send_fetches();
             }
             SchedulerMsg::PeerResync { peer, answer } => {
                 let held: Vec<String> = state
@@ -539,14 +556,20 @@ impl Actor for SchedulerActor {
                     .filter(|(id, ..)| ReplicaSync::is_from(id, &peer))
                     .map(|(id, ..)| id.clone())
                     .collect();
-                let found = answer.as_ref().map(Vec::len);
+                let found = answer.as_ref().map(|(_, a)| a.len());
                 let changes = state.ids.on_resync(&peer, answer, held);
                 tracing::info!(model = %state.model, peer = %peer, sequences = ?found, "peer's active sequences fetched again");
                 state.apply_peer(changes, now);
             }
             SchedulerMsg::ExportActive { origin, reply } => {
+                // Read first: batches numbered after this may still hold changes older than
+                // the export, and a peer applies those after it (harmless in order).
+                let published = state
+                    .published
+                    .as_ref()
+                    .map_or(0, |p| p.load(std::sync::atomic::Ordering::Relaxed));
                 let all = replica_sync::export_active(&state.core, origin.as_deref());
-                let _ = reply.send(all);
+                let _ = reply.send((published, all));
             }
             SchedulerMsg::Loads(reply) => {
                 let _ = reply.send(state.core.loads().collect());

@@ -3,9 +3,12 @@
 //! requests and flush their changes into one FIFO channel per (origin, destination) pair, so
 //! each origin's order is kept while origins interleave at random. A late replica may join
 //! (catching up), route its own requests at once, and at a random later moment gets a
-//! snapshot exported from a random caught-up peer. Once everything is delivered, every
-//! replica must hold exactly the live requests, prefilled or not, and delivering a batch
-//! twice must change nothing.
+//! snapshot exported from a random caught-up peer. Batches are numbered per origin and may be
+//! lost on any channel: the receiver sees the gap at the origin's next batch and fetches
+//! the origin's own requests (answered at a random later moment, with the origin's state
+//! then). Once everything is delivered (every replica flushing once more, as its heartbeat
+//! does), every replica must hold exactly the live requests, prefilled or not, and
+//! delivering a batch twice must change nothing.
 //!
 //! One assumption: a snapshot's source has received every batch flushed before the joiner
 //! subscribed (the real joiner asks only once its ranks are synced, long after subscribing).
@@ -14,11 +17,12 @@
 //! request it never counts; a `Free`: one it counts until the request-timeout sweep).
 
 use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
-use kvrouter_replica::replica_sync::{apply_changes, export_active, ReplicaSync};
+use kvrouter_replica::replica_sync::{apply_changes, export_active, ReplicaSync, SeqCheck};
 use kvrouter_scheduler::{Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
+use uuid::Uuid;
 
 const KEYS: [WorkerKey; 3] = [
     WorkerKey::new(1, 0),
@@ -47,6 +51,10 @@ enum Op {
     Join,
     /// The late replica's catch-up snapshot, exported now by a random caught-up peer.
     Snapshot { from: usize },
+    /// The next batch on a random non-empty channel is lost.
+    Lose { ch: usize },
+    /// A random pending fetch of a peer's own requests (after a gap) is answered now.
+    Answer { which: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -59,6 +67,8 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (any::<usize>(), any::<bool>()).prop_map(|(ch, dup)| Op::Deliver { ch, dup }),
         2 => Just(Op::Join),
         2 => any::<usize>().prop_map(|from| Op::Snapshot { from }),
+        1 => any::<usize>().prop_map(|ch| Op::Lose { ch }),
+        2 => any::<usize>().prop_map(|which| Op::Answer { which }),
     ]
 }
 
@@ -69,8 +79,9 @@ struct Replica {
     joined: bool,
 }
 
-/// A batch in flight, and whether it was sent before the late replica joined.
-type Channel = VecDeque<(Vec<SeqChange>, bool)>;
+/// A batch in flight, its sequence number, and whether it was sent before the late replica
+/// joined.
+type Channel = VecDeque<(Vec<SeqChange>, u64, bool)>;
 
 /// The reference: every live request by global id, with its origin, local id and whether it
 /// is prefilled.
@@ -104,6 +115,14 @@ struct World {
     truth: Truth,
     next_request: usize,
     now: Instant,
+    /// Each origin's last sequence number.
+    seq: Vec<u64>,
+    /// Fetches of a peer's own requests not answered yet: (asker, peer).
+    pending: Vec<(usize, usize)>,
+}
+
+fn instance(r: usize) -> Uuid {
+    Uuid::from_u128(r as u128 + 1)
 }
 
 /// What a replica holds: every active sequence's id, and whether its prefill is done.
@@ -151,6 +170,8 @@ impl World {
             truth: Truth::default(),
             next_request: 0,
             now: Instant::now(),
+            seq: vec![0; n],
+            pending: Vec::new(),
         }
     }
 
@@ -218,10 +239,12 @@ impl World {
         let now = self.tick();
         let batch = self.replicas[r].sync.take_outgoing(now);
         let pre_join = self.late.is_some_and(|l| !self.replicas[l].joined);
+        self.seq[r] += 1;
+        let seq = self.seq[r];
         for to in self.joined() {
             if to != r {
                 let n = self.n();
-                self.channels[r * n + to].push_back((batch.clone(), pre_join));
+                self.channels[r * n + to].push_back((batch.clone(), seq, pre_join));
             }
         }
     }
@@ -231,23 +254,60 @@ impl World {
         let now = self.tick();
         let n = self.n();
         let (from, to) = (ch / n, ch % n);
-        let Some((batch, _)) = self.channels[ch].pop_front() else {
+        let Some((batch, seq, _)) = self.channels[ch].pop_front() else {
             return;
         };
         let from_id = format!("r{from}");
         let rep = &mut self.replicas[to];
-        let (apply, _) = rep.sync.on_peer_batch(&from_id, batch.clone(), now);
-        apply_changes(&mut rep.core, apply, now);
-        if dup {
-            let before = full_state(&rep.core);
+        let receive = |rep: &mut Replica, mut batch: Vec<SeqChange>| {
+            match rep.sync.check_seq(&from_id, instance(from), seq) {
+                SeqCheck::InOrder => {}
+                SeqCheck::Stale => batch.clear(),
+                SeqCheck::Lost { .. } | SeqCheck::Unheard => rep.sync.start_resync(&from_id),
+            }
             let (apply, _) = rep.sync.on_peer_batch(&from_id, batch, now);
             apply_changes(&mut rep.core, apply, now);
+        };
+        receive(rep, batch.clone());
+        if dup {
+            let before = full_state(&rep.core);
+            receive(rep, batch);
             assert_eq!(
                 full_state(&rep.core),
                 before,
                 "a duplicate batch from r{from} changed r{to}"
             );
         }
+        self.queue_fetches(to);
+    }
+
+    /// Fetches replica `r` wants made (answered later by `answer`).
+    fn queue_fetches(&mut self, r: usize) {
+        for peer in self.replicas[r].sync.take_fetches() {
+            let p: usize = peer[1..].parse().unwrap();
+            self.pending.push((r, p));
+        }
+    }
+
+    /// Peer `p` answers `r`'s fetch with its own requests as they are now.
+    fn answer(&mut self, which: usize) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let (r, p) = self.pending.remove(which % self.pending.len());
+        let peer = format!("r{p}");
+        let own = export_active(&self.replicas[p].core, Some(&peer));
+        let published = self.seq[p];
+        let now = self.tick();
+        let rep = &mut self.replicas[r];
+        let held: Vec<String> = rep
+            .core
+            .active_sequences()
+            .filter(|(id, ..)| ReplicaSync::is_from(id, &peer))
+            .map(|(id, ..)| id.clone())
+            .collect();
+        let apply = rep.sync.on_resync(&peer, Some((published, own)), held);
+        apply_changes(&mut rep.core, apply, now);
     }
 
     fn join(&mut self) {
@@ -271,7 +331,7 @@ impl World {
         for origin in 0..n {
             while self.channels[origin * n + src]
                 .front()
-                .is_some_and(|(_, pre_join)| *pre_join)
+                .is_some_and(|(_, _, pre_join)| *pre_join)
             {
                 self.deliver(origin * n + src, false);
             }
@@ -285,6 +345,7 @@ impl World {
             .on_snapshot(snapshot, now, |id| core.contains_request(id));
         apply_changes(&mut rep.core, apply, now);
         assert!(rep.sync.is_caught_up());
+        self.queue_fetches(l);
     }
 
     fn run(&mut self, op: &Op) {
@@ -311,20 +372,38 @@ impl World {
             }
             Op::Join => self.join(),
             Op::Snapshot { from } => self.snapshot(*from),
+            Op::Lose { ch } => {
+                let busy: Vec<usize> = (0..self.channels.len())
+                    .filter(|&c| !self.channels[c].is_empty())
+                    .collect();
+                if !busy.is_empty() {
+                    self.channels[busy[ch % busy.len()]].pop_front();
+                }
+            }
+            Op::Answer { which } => self.answer(*which),
         }
     }
 
     /// Catches the late replica up if it has not been (joining it first if it never did),
     /// with whatever is still in flight, then flushes every outbox and delivers every batch.
+    /// Then answers the fetches that revealed, and again until none is left.
     fn settle(&mut self) {
         self.join();
         self.snapshot(0);
-        for r in 0..self.n() {
-            self.flush(r);
-        }
-        for ch in 0..self.channels.len() {
-            while !self.channels[ch].is_empty() {
-                self.deliver(ch, false);
+        loop {
+            for r in 0..self.n() {
+                self.flush(r);
+            }
+            for ch in 0..self.channels.len() {
+                while !self.channels[ch].is_empty() {
+                    self.deliver(ch, false);
+                }
+            }
+            if self.pending.is_empty() {
+                break;
+            }
+            while !self.pending.is_empty() {
+                self.answer(0);
             }
         }
     }

@@ -56,7 +56,7 @@ impl EngineSpec {
 /// How a chaos run is shaped.
 #[derive(Clone, Debug)]
 pub struct ChaosConfig {
-    /// The kvrouter executable (`serve` and `mocker` children).
+    /// The kvrouter executable (`serve`, `mocker`, `mocker --emulate` and `bridge` children).
     pub exe: PathBuf,
     pub duration: Duration,
     pub seed: u64,

@@ -671,6 +671,17 @@ async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
     first.shutdown().await;
 }
 
+/// A replica with `--replica-sync`, started and ready.
+async fn synced(bus: &Bus) -> Replica {
+    let config = ReplicaConfig {
+        sync: Some(SyncConfig::default()),
+        ..replica_config(SchedulerConfig::default())
+    };
+    let r = Replica::start(config, bus.clone()).await.unwrap();
+    assert!(r.wait_ready(Duration::from_secs(5)).await);
+    r
+}
+
 /// Waits until `ok` holds (up to 6 s), or fails with `what`.
 async fn eventually(what: &str, mut ok: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
@@ -698,14 +709,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 256))
         .await
         .unwrap();
-    let synced = || ReplicaConfig {
-        sync: Some(SyncConfig::default()),
-        ..replica_config(SchedulerConfig::default())
-    };
-    let a = Replica::start(synced(), bus.clone()).await.unwrap();
-    let b = Replica::start(synced(), bus.clone()).await.unwrap();
-    assert!(a.wait_ready(Duration::from_secs(5)).await);
-    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let (a, b) = (synced(&bus).await, synced(&bus).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let mut req = route_request("q", prompt(1, 1, 4));
     req.expected_output_tokens = Some(20); // 2 blocks of 16
@@ -775,14 +779,7 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
         .await
         .unwrap();
-    let synced = || ReplicaConfig {
-        sync: Some(SyncConfig::default()),
-        ..replica_config(SchedulerConfig::default())
-    };
-    let a = Replica::start(synced(), bus.clone()).await.unwrap();
-    let b = Replica::start(synced(), bus.clone()).await.unwrap();
-    assert!(a.wait_ready(Duration::from_secs(5)).await);
-    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let (a, b) = (synced(&bus).await, synced(&bus).await);
     let a_id = a.shared().replica_id.clone();
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     for i in 0..6u32 {

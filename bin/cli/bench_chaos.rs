@@ -57,9 +57,9 @@ pub struct ChaosArgs {
     /// Retries of a failed request (route + generate) before it counts as failed.
     #[arg(long, env = "KVROUTER_MAX_RETRIES", default_value_t = 3)]
     pub max_retries: u32,
-    /// The replicas' --request-timeout-secs: active sequences whose free was lost in a fault
-    /// are swept after it (so the checkpoints can converge).
-    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 5)]
+    /// The replicas' --request-timeout-secs (serve's default): a request whose free is lost
+    /// for good holds its load that long, so a checkpoint waiting on it does not converge.
+    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 300)]
     pub request_timeout_secs: u64,
     /// Longest fault, in milliseconds (each lasts between an eighth of it and it).
     #[arg(long, env = "KVROUTER_MAX_DOWN_MS", default_value_t = 4000)]

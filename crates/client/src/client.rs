@@ -19,6 +19,10 @@ pub const DEFAULT_GENERATE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_RETRIES: u32 = 2;
 /// Wait before asking again when no replica was there, times the retries so far.
 const NO_ROUTER_BACKOFF: Duration = Duration::from_millis(100);
+/// How long [`KvRouterClient::free_until_delivered`] keeps trying.
+pub const FREE_RETRY_FOR: Duration = Duration::from_secs(15);
+/// Wait between its attempts.
+const FREE_RETRY_EVERY: Duration = Duration::from_millis(250);
 
 /// A fresh request id (a uuid v4), for callers that have none.
 pub fn new_request_id() -> String {
@@ -209,6 +213,67 @@ impl KvRouterClient {
         self.call(&subject, &update, 0).instrument(span).await
     }
 
+    /// [`Self::free`], tried again for up to [`FREE_RETRY_FOR`] while the failure may pass:
+    /// the bus disconnected (a NATS restart), the replica not answering (paused) or not
+    /// subscribed yet (re-subscribing after a reconnect). A `free` that never arrives holds
+    /// the request's load on every synced replica until the request-timeout sweep (300 s by
+    /// default); a late one costs nothing. An `UnknownRequest` answer after a failed attempt
+    /// counts as delivered (an earlier attempt landed, or the replica dropped the request
+    /// itself). Run it in the background when the caller should not wait.
+    pub async fn free_until_delivered(
+        &self,
+        replica_id: &str,
+        model: &str,
+        request_id: &str,
+    ) -> Result<(), ClientError> {
+        let deadline = tokio::time::Instant::now() + FREE_RETRY_FOR;
+        let mut failed = false;
+        loop {
+            let result = self.free(replica_id, model, request_id).await;
+            let transient = result.as_ref().is_err_and(may_pass);
+            match result {
+                Err(ClientError::Router(e)) if failed && e.kind == ErrorKind::UnknownRequest => {
+                    return Ok(())
+                }
+                Err(e) if transient && tokio::time::Instant::now() < deadline => {
+                    if !failed {
+                        tracing::debug!(error = %e, replica_id, request_id, "free failed; trying again");
+                    }
+                    failed = true;
+                    tokio::time::sleep(FREE_RETRY_EVERY).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// [`Self::free`] once; when that fails in a way that may pass, it goes on trying in the
+    /// background ([`Self::free_until_delivered`]) and the first failure is returned.
+    pub(crate) async fn free_now_or_later(
+        &self,
+        replica_id: &str,
+        model: &str,
+        request_id: &str,
+    ) -> Result<(), ClientError> {
+        let result = self.free(replica_id, model, request_id).await;
+        if let Err(e) = &result {
+            if may_pass(e) {
+                let (client, replica, model, id) = (
+                    self.clone(),
+                    replica_id.to_string(),
+                    model.to_string(),
+                    request_id.to_string(),
+                );
+                tokio::spawn(async move {
+                    if let Err(e) = client.free_until_delivered(&replica, &model, &id).await {
+                        tracing::warn!(error = %e, replica_id = %replica, request_id = %id, "free never reached the replica: its request-timeout sweep frees the load");
+                    }
+                });
+            }
+        }
+        result
+    }
+
     /// [`Self::call`] on an endpoint any replica answers (a queue group): when the replica
     /// that got the request never answers (killed, paused, partitioned), no replica is there
     /// (a restart), or the one that got it is unavailable (draining, just woken from a
@@ -302,6 +367,15 @@ impl KvRouterClient {
             other => ClientError::Bus(other),
         }
     }
+}
+
+/// Whether a failed call may succeed if sent again a little later (the bus back, the
+/// replica woken or re-subscribed), as opposed to an answer.
+fn may_pass(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::Timeout { .. } | ClientError::NoRouter { .. } | ClientError::Bus(_)
+    )
 }
 
 /// Encodes a request carrying `tokens` prompt tokens and refuses it, naming the limit, when

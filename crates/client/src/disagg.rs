@@ -142,7 +142,7 @@ impl KvRouterClient {
             (&pre.replica_id, &prefill_id),
             (&dec.replica_id, &request_id),
         ] {
-            if let Err(e) = self.free(replica, &params.model, id).await {
+            if let Err(e) = self.free_now_or_later(replica, &params.model, id).await {
                 if !unknown_request(&e) {
                     tracing::warn!(error = %e, request_id = %id, "free failed");
                     bookkeeping.push(e);

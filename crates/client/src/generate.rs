@@ -161,7 +161,7 @@ impl KvRouterClient {
             .await;
         // Whatever happened on the worker, the replica must stop counting the request.
         if let Err(e) = self
-            .free(&decision.replica_id, &params.model, &request_id)
+            .free_now_or_later(&decision.replica_id, &params.model, &request_id)
             .await
         {
             tracing::warn!(error = %e, replica_id = %decision.replica_id, "free failed");

@@ -538,3 +538,40 @@ fn bad_namespaces_are_refused() {
         Err(ClientError::Subject(_))
     ));
 }
+
+/// A free that finds no replica (a NATS restart, a replica re-subscribing) is sent again
+/// until one answers; an `UnknownRequest` after a failed attempt counts as delivered, a
+/// first one does not; any other answer ends it.
+#[tokio::test]
+async fn frees_are_sent_again_until_the_replica_answers() {
+    let bus = Bus::local();
+    let c = client(&bus);
+    let subject = Subjects::new(NS).unwrap().free("late");
+    let (bus2, subject2) = (bus.clone(), subject.clone());
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        responder(&bus2, &subject2, |_| enc(&Reply::<()>::Ok(()))).await
+    });
+    c.free_until_delivered("late", MODEL, "q").await.unwrap();
+    let seen = late.await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 1, "delivered once it was there");
+
+    let unknown = || {
+        enc(&Reply::<()>::Err(ErrorReply::new(
+            ErrorKind::UnknownRequest,
+            "not active",
+        )))
+    };
+    let gone = Subjects::new(NS).unwrap().free("r-unknown");
+    let seen = responder(&bus, &gone, move |_| unknown()).await;
+    let first = c.free_until_delivered("r-unknown", MODEL, "q").await;
+    assert!(
+        matches!(&first, Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest),
+        "{first:?}"
+    );
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        1,
+        "an answer is not tried again"
+    );
+}

@@ -99,7 +99,7 @@ impl RouteLease {
         self.counts.freed.inc();
         let (client, replica, model, id) = self.parts();
         spawn(async move {
-            match client.free(&replica, &model, &id).await {
+            match client.free_until_delivered(&replica, &model, &id).await {
                 Ok(()) => {}
                 // Already gone there (its worker left, or the sweep took it): nothing held.
                 Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest => {

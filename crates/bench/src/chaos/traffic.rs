@@ -295,13 +295,20 @@ impl Traffic {
             Ok(())
         }
         .await;
-        if let Err(e) = self
-            .client
-            .free(&d.replica_id, &params.model, &req.request_id)
-            .await
-        {
-            tracing::debug!(error = %e, replica = %d.replica_id, "free failed");
-        }
+        // In the background, as the frontend frees its routes.
+        let (client, model, id) = (
+            self.client.clone(),
+            params.model.clone(),
+            req.request_id.clone(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = client
+                .free_until_delivered(&d.replica_id, &model, &id)
+                .await
+            {
+                tracing::debug!(error = %e, replica = %d.replica_id, "free failed");
+            }
+        });
         answer
     }
 

@@ -58,6 +58,12 @@ pub struct ServeArgs {
     /// Weight of prefill blocks against decode blocks in the cost.
     #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
     prefill_load_scale: f64,
+    /// Predicted blocks: prefill blocks saved per leading prompt block that belongs to a
+    /// request active on the worker but is not in the index yet (its prefill under way, or
+    /// its KV events on their way); lasts while that request is active. 0: off.
+    #[arg(long, env = "KVROUTER_ACTIVE_PREFIX_CREDIT",
+          default_value_t = kvrouter_scheduler::DEFAULT_ACTIVE_PREFIX_CREDIT)]
+    active_prefix_credit: f64,
     /// 0: lowest cost wins; > 0: sample with probability ∝ exp(-(cost/max cost)/T).
     #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     router_temperature: f64,
@@ -197,6 +203,7 @@ impl ServeArgs {
             disk_cache_hit_weight: self.disk_cache_hit_weight,
             shared_cache_hit_weight: self.shared_cache_hit_weight,
             prefill_load_scale: self.prefill_load_scale,
+            active_prefix_credit: self.active_prefix_credit,
             temperature: self.router_temperature,
             busy_active_blocks_frac: self.busy_active_blocks_frac,
             busy_prefill_tokens: self.busy_prefill_tokens,

@@ -105,6 +105,12 @@ pub struct SchedulerConfig {
     pub shared_cache_hit_weight: f64,
     /// Weight of prefill blocks against decode blocks in the cost. ≥ 0.
     pub prefill_load_scale: f64,
+    /// Predicted blocks: credit per leading prompt block that is not (yet) in a key's index
+    /// but belongs to a request active on the key (routed there, its prefill under way or
+    /// done: the blocks will be cached by the time this request is prefilled, unless
+    /// evicted). The prediction lasts as long as that request is active; KV events confirm
+    /// it meanwhile. 0 turns it off. ≥ 0.
+    pub active_prefix_credit: f64,
     /// 0: lowest cost wins (random tie-break). > 0: softmax sampling over normalised costs.
     pub temperature: f64,
     /// A key is busy when its active blocks ≥ `frac × capacity_blocks` (in (0, 1]).
@@ -135,6 +141,9 @@ pub struct SchedulerConfig {
 pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
 /// Default credit of a disk hit.
 pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
+/// Default of [`SchedulerConfig::active_prefix_credit`] (chosen by replaying the shipped and
+/// generated traces; see docs/benchmarks.md).
+pub const DEFAULT_ACTIVE_PREFIX_CREDIT: f64 = 0.0;
 /// Default credit of a shared-storage hit.
 pub const DEFAULT_SHARED_CACHE_HIT_WEIGHT: f64 = 0.25;
 
@@ -151,6 +160,7 @@ impl Default for SchedulerConfig {
             disk_cache_hit_weight: DEFAULT_DISK_CACHE_HIT_WEIGHT,
             shared_cache_hit_weight: DEFAULT_SHARED_CACHE_HIT_WEIGHT,
             prefill_load_scale: 1.0,
+            active_prefix_credit: DEFAULT_ACTIVE_PREFIX_CREDIT,
             temperature: 0.0,
             busy_active_blocks_frac: None,
             busy_prefill_tokens: None,
@@ -178,6 +188,7 @@ impl SchedulerConfig {
             ("disk_cache_hit_weight", self.disk_cache_hit_weight),
             ("shared_cache_hit_weight", self.shared_cache_hit_weight),
             ("prefill_load_scale", self.prefill_load_scale),
+            ("active_prefix_credit", self.active_prefix_credit),
             ("temperature", self.temperature),
         ] {
             if !v.is_finite() || v < 0.0 {
@@ -220,7 +231,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_values() {
-        let cases: [fn(&mut SchedulerConfig); 11] = [
+        let cases: [fn(&mut SchedulerConfig); 13] = [
+            |c| c.active_prefix_credit = -1.0,
+            |c| c.active_prefix_credit = f64::NAN,
             |c| c.block_size = 0,
             |c| c.overlap_credit = -1.0,
             |c| c.overlap_credit = f64::NAN,

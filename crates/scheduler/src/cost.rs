@@ -7,12 +7,17 @@
 //!                + host_cache_hit_weight * host extension
 //!                + disk_cache_hit_weight * disk extension
 //!                + shared_cache_hit_weight * shared-storage extension
+//!                + active_prefix_credit * predicted extension
 //! prefill_blocks = max(request_blocks - credit, 0)
 //!                + in-flight prefill tokens on the key / block_size
 //! decode_blocks  = active blocks on the key
 //!                + the request's blocks (sequence hashes) not already active there
 //! cost           = prefill_load_scale * prefill_blocks + decode_blocks
 //! ```
+//!
+//! The predicted extension: leading prompt blocks past every cached tier that belong to a
+//! request active on the key (routed there and not freed): cached there by the time this
+//! request's prefill runs, though no KV event has said so yet.
 //!
 //! Temperature 0: the lowest cost wins, ties broken uniformly at random. Temperature
 //! `T > 0`: a key is drawn with probability ∝ `exp(-(cost / max_cost) / T)`.
@@ -29,6 +34,7 @@ pub struct CostParams {
     pub host_cache_hit_weight: f64,
     pub disk_cache_hit_weight: f64,
     pub shared_cache_hit_weight: f64,
+    pub active_prefix_credit: f64,
 }
 
 impl CostParams {
@@ -38,6 +44,14 @@ impl CostParams {
             + self.host_cache_hit_weight * f64::from(cached.host)
             + self.disk_cache_hit_weight * f64::from(cached.disk)
             + self.shared_cache_hit_weight * f64::from(cached.shared)
+    }
+
+    /// `credit` plus the predicted blocks: of the `active_prefix` leading blocks active on
+    /// the key, those past every cached tier, at `active_prefix_credit` each.
+    pub fn credit_with_predicted(&self, cached: &TierBlocks, active_prefix: u32) -> f64 {
+        let tiers = cached.device + cached.host + cached.disk + cached.shared;
+        self.credit(cached)
+            + self.active_prefix_credit * f64::from(active_prefix.saturating_sub(tiers))
     }
 }
 
@@ -61,18 +75,22 @@ pub fn uncached_prefill_tokens(prompt_tokens: usize, overlap_blocks: u32, block_
 
 /// The cost formula (see the module docs).
 ///
-/// `cached` is the key's overlap by tier; `new_blocks` is the number of the request's
-/// distinct blocks not already active on the key; `active_blocks` and
-/// `inflight_prefill_tokens` are the key's current load.
+/// `cached` is the key's overlap by tier; `active_prefix` the request's leading blocks
+/// active on the key; `new_blocks` is the number of the request's distinct blocks not
+/// already active on the key; `active_blocks` and `inflight_prefill_tokens` are the key's
+/// current load.
+#[allow(clippy::too_many_arguments)]
 pub fn key_cost(
     p: &CostParams,
     request_blocks: u64,
     cached: TierBlocks,
+    active_prefix: u32,
     inflight_prefill_tokens: u64,
     active_blocks: u64,
     new_blocks: u64,
 ) -> KeyCost {
-    let uncached = (request_blocks as f64 - p.credit(&cached)).max(0.0);
+    let uncached =
+        (request_blocks as f64 - p.credit_with_predicted(&cached, active_prefix)).max(0.0);
     let prefill_blocks = uncached + inflight_prefill_tokens as f64 / f64::from(p.block_size);
     let decode_blocks = active_blocks + new_blocks;
     KeyCost {
@@ -173,6 +191,7 @@ mod tests {
         host_cache_hit_weight: 0.75,
         disk_cache_hit_weight: 0.25,
         shared_cache_hit_weight: 0.25,
+        active_prefix_credit: 0.5,
     };
 
     #[test]
@@ -186,7 +205,7 @@ mod tests {
 
         // 3 request blocks, 1 cached, 8 in-flight prefill tokens (0.5 block),
         // 10 active blocks, 2 new ones.
-        let c = key_cost(&P, 3, TierBlocks::on_device(1), 8, 10, 2);
+        let c = key_cost(&P, 3, TierBlocks::on_device(1), 0, 8, 10, 2);
         assert_eq!(c.prefill_blocks, 2.5);
         assert_eq!(c.decode_blocks, 12);
         assert_eq!(c.cost, 14.5);
@@ -197,7 +216,7 @@ mod tests {
             prefill_load_scale: 3.0,
             ..P
         };
-        let c = key_cost(&p, 3, TierBlocks::on_device(2), 16, 0, 0);
+        let c = key_cost(&p, 3, TierBlocks::on_device(2), 0, 16, 0, 0);
         assert_eq!(c.prefill_blocks, 1.0);
         assert_eq!(c.cost, 3.0);
 
@@ -209,7 +228,7 @@ mod tests {
             shared: 2,
         };
         assert_eq!(P.credit(&cached), 2.0 + 3.0 + 1.0 + 0.5);
-        let c = key_cost(&P, 16, cached, 0, 0, 0);
+        let c = key_cost(&P, 16, cached, 0, 0, 0, 0);
         assert_eq!(c.prefill_blocks, 16.0 - 6.5);
         // A host hit is worth less than a device hit, more than none.
         let host = key_cost(
@@ -222,10 +241,29 @@ mod tests {
             0,
             0,
             0,
+            0,
         );
-        let device = key_cost(&P, 16, TierBlocks::on_device(8), 0, 0, 0);
-        let none = key_cost(&P, 16, TierBlocks::default(), 0, 0, 0);
+        let device = key_cost(&P, 16, TierBlocks::on_device(8), 0, 0, 0, 0);
+        let none = key_cost(&P, 16, TierBlocks::default(), 0, 0, 0, 0);
         assert!(device.cost < host.cost && host.cost < none.cost);
+    }
+
+    #[test]
+    fn predicted_blocks_count_past_the_cached_tiers() {
+        // 16 blocks, 4 on the device, 10 leading blocks active on the key: 6 predicted at
+        // 0.5 each.
+        let c = key_cost(&P, 16, TierBlocks::on_device(4), 10, 0, 0, 0);
+        assert_eq!(c.prefill_blocks, 16.0 - 4.0 - 3.0);
+        // An active prefix inside the cached prefix adds nothing.
+        let c = key_cost(&P, 16, TierBlocks::on_device(12), 10, 0, 0, 0);
+        assert_eq!(c.prefill_blocks, 4.0);
+        // Off: no credit.
+        let p = CostParams {
+            active_prefix_credit: 0.0,
+            ..P
+        };
+        let c = key_cost(&p, 16, TierBlocks::default(), 10, 0, 0, 0);
+        assert_eq!(c.prefill_blocks, 16.0);
     }
 
     #[test]

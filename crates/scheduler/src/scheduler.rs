@@ -52,6 +52,10 @@ pub struct Scheduler<P = ()> {
     shared_default: u32,
     hits_by_slot: Vec<u32>,
     touched: Vec<Slot>,
+    /// Leading request blocks active on each slot (predicted blocks; zero between calls)
+    /// and the slots with any.
+    prefix_by_slot: Vec<u32>,
+    prefix_touched: Vec<Slot>,
     hashes: Vec<SequenceHash>,
     candidates: Vec<Slot>,
     scored: Vec<(Slot, TierBlocks, KeyCost)>,
@@ -79,6 +83,7 @@ impl<P> Scheduler<P> {
                 host_cache_hit_weight: config.host_cache_hit_weight,
                 disk_cache_hit_weight: config.disk_cache_hit_weight,
                 shared_cache_hit_weight: config.shared_cache_hit_weight,
+                active_prefix_credit: config.active_prefix_credit,
             },
             rng: Rng::with_seed(config.seed),
             queue: RequestQueue::new(config.max_queued_requests),
@@ -88,6 +93,8 @@ impl<P> Scheduler<P> {
             shared_default: 0,
             hits_by_slot: Vec::new(),
             touched: Vec::new(),
+            prefix_by_slot: Vec::new(),
+            prefix_touched: Vec::new(),
             hashes: Vec::new(),
             candidates: Vec::new(),
             scored: Vec::new(),
@@ -520,6 +527,7 @@ impl<P> Scheduler<P> {
         if self.overlap_by_slot.len() < bound {
             self.overlap_by_slot.resize(bound, TierBlocks::default());
             self.hits_by_slot.resize(bound, 0);
+            self.prefix_by_slot.resize(bound, 0);
             self.peer_picks.resize(bound, EchoLoad::default());
         }
         for &(key, overlap) in overlaps {
@@ -549,8 +557,34 @@ impl<P> Scheduler<P> {
                     *n += 1;
                 });
             }
+            if self.params.active_prefix_credit > 0.0 {
+                self.active_prefixes(req.sequence_hashes);
+            }
         }
         self.hashes.len() as u64
+    }
+
+    /// Predicted blocks: for every slot, how many of the request's leading blocks belong
+    /// to requests active there (a slot's run ends at the first block it lacks).
+    fn active_prefixes(&mut self, hashes: &[SequenceHash]) {
+        let (prefix, touched) = (&mut self.prefix_by_slot, &mut self.prefix_touched);
+        for (i, &h) in hashes.iter().enumerate() {
+            let i = i as u32;
+            let mut extended = false;
+            self.active.for_each_holder(h, |slot| {
+                let n = &mut prefix[slot as usize];
+                if *n == i {
+                    if i == 0 {
+                        touched.push(slot);
+                    }
+                    *n += 1;
+                    extended = true;
+                }
+            });
+            if !extended {
+                break;
+            }
+        }
     }
 
     fn reset_scratch(&mut self, req: &RouteQuery<'_>, overlaps: &[(WorkerKey, u32)]) {
@@ -562,6 +596,9 @@ impl<P> Scheduler<P> {
         }
         for slot in self.touched.drain(..) {
             self.hits_by_slot[slot as usize] = 0;
+        }
+        for slot in self.prefix_touched.drain(..) {
+            self.prefix_by_slot[slot as usize] = 0;
         }
         for slot in self.charged.drain(..) {
             self.peer_picks[slot as usize] = EchoLoad::default();
@@ -591,6 +628,7 @@ impl<P> Scheduler<P> {
                     &self.params,
                     request_blocks,
                     TierBlocks::default(),
+                    0,
                     load.prefill_tokens + e.prefill_tokens + p.prefill_tokens,
                     load.active_blocks + e.blocks + p.blocks,
                     distinct,
@@ -637,6 +675,7 @@ impl<P> Scheduler<P> {
             params,
             request_blocks,
             cached,
+            self.prefix_by_slot[slot as usize],
             load.prefill_tokens + echo.prefill_tokens,
             load.active_blocks + echo.blocks,
             new_blocks,
@@ -1048,6 +1087,46 @@ mod tests {
         // The scratch is clean afterwards: the same query without tiers scores as before.
         let loads = s.potential_loads(&q, &[]);
         assert!(loads.iter().all(|l| l.potential_prefill_blocks == 8.0));
+    }
+
+    #[test]
+    fn predicted_blocks_pull_a_request_to_where_its_prefix_is_active() {
+        // A request of 8 full blocks went to key 2 a moment ago: nothing is indexed yet.
+        // A second one sharing its first 6 blocks arrives.
+        let first = hs(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        let second = hs(&[1, 2, 3, 4, 5, 6, 90, 91]);
+        let now = Instant::now();
+        let route_both = |credit: f64| {
+            let mut s = sched(|c| c.active_prefix_credit = credit);
+            s.add_worker_key(k(1, 0), 1000);
+            s.add_worker_key(k(2, 0), 1000);
+            let q = RouteQuery::new(32, &first);
+            let a = s.route(&q, &[], "a".into(), true, now).unwrap();
+            assert!(s.mark_prefill("a"));
+            let q = RouteQuery::new(32, &second);
+            let b = s.route(&q, &[], "b".into(), true, now).unwrap();
+            (a, b)
+        };
+        // Without the credit: key 2 holds 8 active blocks (6 shared), key 1 none: 8 + 2
+        // against 8 + 8; key 1 wins on load.
+        let (a, b) = route_both(0.0);
+        assert_ne!(a.key, b.key);
+        assert_eq!(b.prefill_blocks, 8.0);
+        // With it, the 6 leading blocks active on key 2 count as cached: 2 + 10 against
+        // 8 + 8.
+        let (a, b) = route_both(1.0);
+        assert_eq!(a.key, b.key);
+        assert_eq!(b.prefill_blocks, 2.0);
+        // The index's word is not changed: the overlap reported is the indexed one.
+        assert_eq!(b.overlap_blocks, 0);
+        // A run broken at its first block predicts nothing.
+        let mut s = sched(|c| c.active_prefix_credit = 1.0);
+        s.add_worker_key(k(1, 0), 1000);
+        s.route(&RouteQuery::new(32, &first), &[], "a".into(), true, now)
+            .unwrap();
+        let third = hs(&[99, 2, 3, 4, 5, 6, 7, 8]);
+        let c = s.select(&RouteQuery::new(32, &third), &[]).unwrap();
+        assert_eq!(c.prefill_blocks, 8.0 + 8.0);
     }
 
     #[test]

@@ -191,6 +191,8 @@ fn op() -> impl Strategy<Value = Op> {
 struct Cfg {
     overlap_credit: f64,
     prefill_load_scale: f64,
+    /// Credit per predicted block (leading blocks active on the key, past its cached tiers).
+    active_prefix_credit: f64,
     busy_frac: Option<f64>,
     busy_prefill: Option<u64>,
     max_queued: usize,
@@ -202,7 +204,10 @@ struct Cfg {
 fn cfg() -> impl Strategy<Value = Cfg> {
     (
         prop::sample::select(vec![0.0, 0.5, 1.0, 2.0]),
-        prop::sample::select(vec![0.0, 0.5, 1.0, 3.0]),
+        (
+            prop::sample::select(vec![0.0, 0.5, 1.0, 3.0]),
+            prop::sample::select(vec![0.0, 0.5, 1.0]),
+        ),
         prop::option::of(prop::sample::select(vec![0.3, 0.5, 1.0])),
         prop::option::of(prop::sample::select(vec![6u64, 20])),
         0usize..4,
@@ -212,7 +217,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         .prop_map(
             |(
                 overlap_credit,
-                prefill_load_scale,
+                (prefill_load_scale, active_prefix_credit),
                 busy_frac,
                 busy_prefill,
                 max_queued,
@@ -222,6 +227,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
                 Cfg {
                     overlap_credit,
                     prefill_load_scale,
+                    active_prefix_credit,
                     busy_frac,
                     busy_prefill,
                     max_queued,
@@ -435,10 +441,16 @@ impl Model {
         let request_blocks = (prompt_tokens as u64).div_ceil(u64::from(BS)) as f64;
         let t = Self::tiers(cached, key);
         let o = &cached.overrides;
+        // Predicted blocks: the request's leading blocks all active on the key, past the
+        // blocks its tiers hold.
+        let active = self.active_set(key);
+        let leading = hashes.iter().take_while(|h| active.contains(h)).count() as u32;
+        let predicted = leading.saturating_sub(t.device + t.host + t.disk + t.shared);
         let credit = o.overlap_credit.unwrap_or(self.cfg.overlap_credit) * f64::from(t.device)
             + o.host_cache_hit_weight.unwrap_or(HOST_W) * f64::from(t.host)
             + o.disk_cache_hit_weight.unwrap_or(DISK_W) * f64::from(t.disk)
-            + o.shared_cache_hit_weight.unwrap_or(SHARED_W) * f64::from(t.shared);
+            + o.shared_cache_hit_weight.unwrap_or(SHARED_W) * f64::from(t.shared)
+            + self.cfg.active_prefix_credit * f64::from(predicted);
         let prefill =
             (request_blocks - credit).max(0.0) + self.prefill_tokens(key) as f64 / f64::from(BS);
         let mut set = self.active_set(key);
@@ -597,6 +609,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         block_size: BS,
         overlap_credit: cfg.overlap_credit,
         prefill_load_scale: cfg.prefill_load_scale,
+        active_prefix_credit: cfg.active_prefix_credit,
         temperature: 0.0,
         busy_active_blocks_frac: cfg.busy_frac,
         busy_prefill_tokens: cfg.busy_prefill,

@@ -120,6 +120,64 @@ fn replay_plots_and_refuses_bad_settings() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("/nonexistent.jsonl"));
 }
 
+/// The default goodput objective is derived from the trace: 3 x round robin's p90 TTFT in an
+/// extra run at x0.1, printed with the report; `--slo-ttft-ms` overrides it.
+#[test]
+fn the_default_slo_is_derived_from_round_robin_unloaded() {
+    let trace = repo_file("data/mooncake_trace_1000.jsonl");
+    let replay = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--limit",
+            "120",
+            "--policies",
+            "kv,round-robin",
+            "--rate-scales",
+            "1,2",
+        ];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let v = json(&replay(&["--json"]));
+    let base = field(&v, "config.slo_base");
+    assert_eq!(base["policy"], "round-robin");
+    assert_eq!(base["rate_scale"].as_f64(), Some(0.1));
+    assert_eq!(base["factor"].as_f64(), Some(3.0));
+    let p90 = base["p90_ttft_ms"].as_f64().unwrap();
+    assert!(p90 > 0.0);
+    let slo = field(&v, "config.slo_ttft_ms").as_f64().unwrap();
+    assert!((slo - 3.0 * p90).abs() < 1e-6, "{slo} vs 3 x {p90}");
+    // The base run is not one of the report's runs.
+    assert_eq!(v["runs"].as_array().unwrap().len(), 4);
+    for key in ["saturation", "kv_vs_round_robin.saturation_ratio"] {
+        field(&v, key);
+    }
+
+    // Printed with the report.
+    let out = replay(&["--slo-factor", "2", "--slo-base-rate-scale", "0.2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("x round-robin's unloaded p90 at x0.2") && table.contains("= 2 x"),
+        "{table}"
+    );
+    assert!(table.contains("saturation throughput"), "{table}");
+
+    // An explicit objective is used as given, with no base run.
+    let v = json(&replay(&["--json", "--slo-ttft-ms", "1234"]));
+    assert_eq!(field(&v, "config.slo_ttft_ms").as_f64(), Some(1234.0));
+    assert!(v["config"]["slo_base"].is_null());
+    let bad = replay(&["--slo-ttft-ms", "0"]);
+    assert!(!bad.status.success());
+}
+
 /// `bench replay` with the replica-cluster set-ups: each flag reaches the replicas (their
 /// counters show it at work) and the report names the set-up.
 #[test]

@@ -4,7 +4,9 @@ use anyhow::{bail, Context};
 use clap::Args;
 use kvrouter_bench::replay::ideal::ideal_hit_rates;
 use kvrouter_bench::replay::plot::plot;
-use kvrouter_bench::replay::report::{render_table, ReplayReport, ReportSettings};
+use kvrouter_bench::replay::report::{
+    derived_slo_ttft_ms, render_table, summarize, ReplayReport, ReportSettings,
+};
 use kvrouter_bench::replay::requests::{build_requests, count_truncated, load_trace};
 use kvrouter_bench::replay::runner::{run_policy, virtual_runtime, ReplayConfig};
 use kvrouter_bench::replay::RunOutcome;
@@ -47,9 +49,21 @@ pub struct FleetArgs {
     /// namespace).
     #[arg(long, env = "KVROUTER_NATS")]
     nats: Option<String>,
-    /// TTFT objective for goodput: the highest rate whose p90 TTFT meets it.
-    #[arg(long, env = "KVROUTER_SLO_TTFT_MS", default_value_t = 2000.0)]
-    slo_ttft_ms: f64,
+    /// TTFT objective for goodput: the highest rate whose p90 TTFT meets it. Default: one
+    /// the trace can meet, --slo-factor x round robin's p90 TTFT at --slo-base-rate-scale
+    /// (an extra run, printed with the report).
+    #[arg(long, env = "KVROUTER_SLO_TTFT_MS")]
+    slo_ttft_ms: Option<f64>,
+    /// The derived SLO: this many times round robin's unloaded p90 TTFT.
+    #[arg(long, env = "KVROUTER_SLO_FACTOR", default_value_t = 3.0)]
+    slo_factor: f64,
+    /// The derived SLO: the rate scale at which round robin counts as unloaded.
+    #[arg(long, env = "KVROUTER_SLO_BASE_RATE_SCALE", default_value_t = 0.1)]
+    slo_base_rate_scale: f64,
+    /// Routes carry the trace's output length as their expected output tokens, so the
+    /// replicas count each request's whole decode as load from the start.
+    #[arg(long, env = "KVROUTER_EXPECTED_OUTPUT")]
+    expected_output: bool,
     /// Seed of the routers' tie-breaks (the replay is deterministic for a seed in-process).
     #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
     seed: u64,
@@ -65,6 +79,17 @@ pub struct FleetArgs {
     /// The replicas' cost: weight of prefill blocks against decode blocks.
     #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
     prefill_load_scale: f64,
+    /// The replicas' cost: credit per predicted block (a leading prompt block of a request
+    /// active on the worker, not yet in the index); 0: off.
+    #[arg(long, env = "KVROUTER_ACTIVE_PREFIX_CREDIT",
+          default_value_t = kvrouter_scheduler::DEFAULT_ACTIVE_PREFIX_CREDIT)]
+    active_prefix_credit: f64,
+    /// The replicas' request timeout: active requests never freed are dropped after this
+    /// many (simulated) seconds. The replay frees every request, and under overload a
+    /// request may queue in its engine for minutes: a shorter timeout would drop live load
+    /// from the routers' view.
+    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 3600.0)]
+    request_timeout_secs: f64,
     /// The replicas' sampling temperature (0: lowest cost wins).
     #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     router_temperature: f64,
@@ -198,6 +223,11 @@ fn replay(
             host_cache_hit_weight: fleet.host_cache_hit_weight,
             disk_cache_hit_weight: fleet.disk_cache_hit_weight,
             prefill_load_scale: fleet.prefill_load_scale,
+            active_prefix_credit: fleet.active_prefix_credit,
+            request_timeout: crate::cli::serve::secs(
+                "request-timeout-secs",
+                fleet.request_timeout_secs,
+            )?,
             temperature: fleet.router_temperature,
             ..SchedulerConfig::default()
         },
@@ -209,9 +239,20 @@ fn replay(
         )?,
         serve_indexer_replicas: fleet.serve_indexer_replicas,
         remote_indexer: fleet.remote_indexer,
+        expected_output: fleet.expected_output,
         ..ReplayConfig::default()
     };
     config.validate()?;
+    if let Some(slo) = fleet.slo_ttft_ms {
+        if !(slo.is_finite() && slo > 0.0) {
+            bail!("--slo-ttft-ms must be a number above 0, got {slo}");
+        }
+    } else if !(fleet.slo_factor.is_finite() && fleet.slo_factor > 0.0) {
+        bail!(
+            "--slo-factor must be a number above 0, got {}",
+            fleet.slo_factor
+        );
+    }
     let progress = Progress::new(fleet.json);
     let mut outcomes = Vec::new();
     let mut ideals = None;
@@ -239,6 +280,40 @@ fn replay(
             outcomes.push(outcome);
         }
     }
+    // The default SLO: round robin's p90 TTFT, unloaded, on this trace, times a factor.
+    let slo_base = match fleet.slo_ttft_ms {
+        Some(_) => None,
+        None => {
+            let rate = fleet.slo_base_rate_scale;
+            let requests = build_requests(&trace, rate)?;
+            let rr = RoutingPolicy::RoundRobin;
+            let label = format!("slo base: {rr} x{rate}");
+            let started = Instant::now();
+            let total = requests.len();
+            let on_done = |n: usize| progress.show(&label, n, total, started);
+            let outcome =
+                match config.nats {
+                    None => virtual_runtime()?
+                        .block_on(run_policy(&config, rr, rate, &requests, &on_done)),
+                    Some(_) => super::runtime()?
+                        .block_on(run_policy(&config, rr, rate, &requests, &on_done)),
+                }
+                .with_context(|| format!("the SLO base run ({rr} at x{rate}) failed"))?;
+            let summary = summarize(&outcome, config.block_size);
+            let base = derived_slo_ttft_ms(&summary, fleet.slo_factor).with_context(|| {
+                format!(
+                    "over 10% of the SLO base run's requests ({rr} at x{rate}) failed: \
+                     give --slo-ttft-ms"
+                )
+            })?;
+            Some(base)
+        }
+    };
+    let slo_ttft_ms = match (&slo_base, fleet.slo_ttft_ms) {
+        (Some(b), _) => b.slo_ttft_ms(),
+        (None, Some(s)) => s,
+        (None, None) => unreachable!("a derived SLO or an explicit one"),
+    };
     let settings = ReportSettings {
         workers: fleet.workers as usize,
         dp_size: fleet.dp_size,
@@ -252,7 +327,9 @@ fn replay(
         } else {
             0.0
         },
-        slo_ttft_ms: fleet.slo_ttft_ms,
+        slo_ttft_ms,
+        slo_base,
+        expected_output: fleet.expected_output,
         bus: if fleet.nats.is_some() {
             "nats"
         } else {

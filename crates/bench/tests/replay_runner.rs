@@ -92,3 +92,79 @@ fn kv_beats_round_robin_on_shared_prefixes() {
     // Every request reports the full prompt's blocks.
     assert!(kv.results.iter().all(|r| r.prompt_blocks == 40));
 }
+
+/// `n` requests with prompts of their own (nothing cached anywhere), all arriving at the
+/// same instant.
+fn burst(n: u64) -> Vec<ReplayRequest> {
+    let trace: Vec<TraceRequest> = (0..n)
+        .map(|i| TraceRequest {
+            timestamp: 0,
+            input_length: 8 * 512,
+            output_length: 16,
+            hash_ids: (0..8).map(|b| 1_000 * (i + 1) + b).collect(),
+        })
+        .collect();
+    build_requests(&trace, 1.0).expect("requests")
+}
+
+/// Requests per worker of one run, most loaded first.
+fn per_worker(o: &RunOutcome) -> Vec<usize> {
+    let mut counts = std::collections::BTreeMap::<u64, usize>::new();
+    for r in &o.results {
+        assert!(r.error.is_none(), "{r:?}");
+        *counts.entry(r.worker_id).or_default() += 1;
+    }
+    let mut v: Vec<usize> = counts.into_values().collect();
+    v.sort_unstable_by(|a, b| b.cmp(a));
+    v
+}
+
+/// A burst of 8 through three replicas onto 8 idle workers; requests per worker.
+fn burst_through_replicas(sync: bool, echo: std::time::Duration, seed: u64) -> Vec<usize> {
+    let config = ReplayConfig {
+        workers: 8,
+        replicas: 3,
+        replica_sync: sync,
+        replica_sync_echo: echo,
+        seed,
+        ..config()
+    };
+    let rt = virtual_runtime().expect("runtime");
+    let o = rt
+        .block_on(run_policy(
+            &config,
+            RoutingPolicy::Kv,
+            1.0,
+            &burst(8),
+            &|_| {},
+        ))
+        .expect("replay runs");
+    assert_eq!(o.results.len(), 8);
+    per_worker(&o)
+}
+
+#[test]
+fn a_burst_through_synced_replicas_spreads_across_workers() {
+    // Eight requests at one instant, nothing cached, eight idle workers, three replicas
+    // sharing the requests. Synced, each replica sees its peers' picks before deciding (the
+    // peer batches are applied before every decision): the burst lands on at least 7
+    // workers, at most 2 on one. Unsynced, each replica knows only its own third of the
+    // burst and the picks collide.
+    let echo = kvrouter_replica::DEFAULT_SYNC_ECHO;
+    let mut unsynced_collisions = 0;
+    for seed in 1..=6 {
+        let synced = burst_through_replicas(true, echo, seed);
+        assert!(
+            synced.len() >= 7 && synced[0] <= 2,
+            "seed {seed}: synced replicas put the burst on {synced:?}"
+        );
+        let unsynced = burst_through_replicas(false, echo, seed);
+        if unsynced.len() < 7 {
+            unsynced_collisions += 1;
+        }
+    }
+    assert!(
+        unsynced_collisions > 0,
+        "unsynced replicas spread every burst too: the test shows nothing"
+    );
+}

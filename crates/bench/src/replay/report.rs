@@ -265,6 +265,76 @@ pub fn goodput(runs: &[PolicySummary], slo_ttft_ms: f64) -> Vec<Goodput> {
     out
 }
 
+/// Where the default TTFT objective comes from: round robin's p90 TTFT on the same trace at
+/// a rate low enough for it to be unloaded, times a factor.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SloBase {
+    pub policy: String,
+    pub rate_scale: f64,
+    /// p90 TTFT at that rate (failed requests counting as never answered).
+    pub p90_ttft_ms: f64,
+    pub factor: f64,
+}
+
+/// The SLO a trace can meet: `factor` × round robin's unloaded p90 TTFT (`None` when that
+/// run has no p90: over 10% of its requests failed).
+pub fn derived_slo_ttft_ms(unloaded: &PolicySummary, factor: f64) -> Option<SloBase> {
+    unloaded.ttft_p90_incl_errors_ms.map(|p90| SloBase {
+        policy: unloaded.policy.clone(),
+        rate_scale: unloaded.rate_scale,
+        p90_ttft_ms: p90,
+        factor,
+    })
+}
+
+impl SloBase {
+    pub fn slo_ttft_ms(&self) -> f64 {
+        self.factor * self.p90_ttft_ms
+    }
+}
+
+/// A policy's saturation throughput: the most requests per second it completed at any rate
+/// tried (runs whose offered load exceeds what the fleet serves all complete at about that
+/// rate), and the lowest rate at which it reached 95% of it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Saturation {
+    pub policy: String,
+    pub requests_per_s: f64,
+    pub rate_scale: f64,
+    /// The lowest rate scale whose throughput is at least 95% of the maximum.
+    pub saturates_at_rate_scale: f64,
+}
+
+/// Saturation throughput of every policy in `runs`, in order of first appearance.
+pub fn saturation(runs: &[PolicySummary]) -> Vec<Saturation> {
+    let mut out: Vec<Saturation> = Vec::new();
+    for run in runs {
+        let rps = run.throughput.requests_per_s;
+        match out.iter_mut().find(|s| s.policy == run.policy) {
+            Some(s) if rps > s.requests_per_s => {
+                s.requests_per_s = rps;
+                s.rate_scale = run.rate_scale;
+            }
+            Some(_) => {}
+            None => out.push(Saturation {
+                policy: run.policy.clone(),
+                requests_per_s: rps,
+                rate_scale: run.rate_scale,
+                saturates_at_rate_scale: run.rate_scale,
+            }),
+        }
+    }
+    for s in &mut out {
+        s.saturates_at_rate_scale = runs
+            .iter()
+            .filter(|r| r.policy == s.policy)
+            .filter(|r| r.throughput.requests_per_s >= 0.95 * s.requests_per_s)
+            .map(|r| r.rate_scale)
+            .fold(f64::INFINITY, f64::min);
+    }
+    out
+}
+
 /// How the replay was run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct ReportSettings {
@@ -279,7 +349,12 @@ pub struct ReportSettings {
     pub replicas: usize,
     /// Simulated seconds per wall second; 0 for the in-process replay's virtual clock.
     pub speedup: f64,
+    /// The goodput objective (p90 TTFT), ms: `--slo-ttft-ms`, or derived (`slo_base`).
     pub slo_ttft_ms: f64,
+    /// How `slo_ttft_ms` was derived; `None` when given explicitly.
+    pub slo_base: Option<SloBase>,
+    /// Routes carried the trace's output length as their expected output.
+    pub expected_output: bool,
     /// `"in-process"` or `"nats"`.
     pub bus: String,
     /// Requests replayed from the trace.
@@ -330,6 +405,10 @@ pub struct KvVsRoundRobin {
     /// 0.8 × (bound − 1): the goodput gain the target asks for.
     pub target_goodput_gain: Option<f64>,
     pub meets_goodput_target: Option<bool>,
+    /// Saturation throughput (requests/s), kv / round robin.
+    pub saturation_ratio: Option<f64>,
+    /// The rate at which round robin saturates, and kv there (if kv ran at it).
+    pub at_rr_saturation: Option<RateComparison>,
 }
 
 /// Everything `bench replay --json` prints.
@@ -340,6 +419,7 @@ pub struct ReplayReport {
     pub ideals: Ideals,
     pub runs: Vec<PolicySummary>,
     pub goodput: Vec<Goodput>,
+    pub saturation: Vec<Saturation>,
     pub kv_vs_round_robin: Option<KvVsRoundRobin>,
 }
 
@@ -356,13 +436,15 @@ impl ReplayReport {
         runs: Vec<PolicySummary>,
     ) -> Self {
         let goodput = goodput(&runs, config.slo_ttft_ms);
-        let kv_vs_round_robin = compare(&runs, &goodput, &ideals, config.block_size);
+        let saturation = saturation(&runs);
+        let kv_vs_round_robin = compare(&runs, &goodput, &saturation, &ideals, config.block_size);
         Self {
             trace,
             config,
             ideals,
             runs,
             goodput,
+            saturation,
             kv_vs_round_robin,
         }
     }
@@ -385,6 +467,7 @@ impl ReplayReport {
 fn compare(
     runs: &[PolicySummary],
     goodput: &[Goodput],
+    saturation: &[Saturation],
     ideals: &Ideals,
     block_size: usize,
 ) -> Option<KvVsRoundRobin> {
@@ -438,7 +521,21 @@ fn compare(
         (Some(g), Some(t)) => Some(g >= t),
         _ => None,
     };
+    let sat = |is: &dyn Fn(&str) -> bool| saturation.iter().find(|s| is(&s.policy));
+    let (kv_sat, rr_sat) = (sat(&|p| p == KV_POLICY), sat(&is_round_robin));
+    let saturation_ratio = match (kv_sat, rr_sat) {
+        (Some(k), Some(r)) => ratio(k.requests_per_s, r.requests_per_s),
+        _ => None,
+    };
+    let at_rr_saturation = rr_sat.and_then(|r| {
+        per_rate
+            .iter()
+            .find(|c| same_rate(c.rate_scale, r.saturates_at_rate_scale))
+            .cloned()
+    });
     Some(KvVsRoundRobin {
+        saturation_ratio,
+        at_rr_saturation,
         at_rr_goodput,
         kv_goodput,
         rr_goodput,
@@ -586,12 +683,31 @@ pub fn render_table(report: &ReplayReport) -> String {
             .iter()
             .map(|g| format!("{} {}", g.policy, opt(g.rate_scale, |r| format!("x{r}"))))
             .collect();
+        let slo = match &c.slo_base {
+            Some(b) => format!(
+                "{:.0} ms = {} x {}'s unloaded p90 at x{}, {:.0} ms",
+                c.slo_ttft_ms, b.factor, b.policy, b.rate_scale, b.p90_ttft_ms
+            ),
+            None => format!("{} ms", c.slo_ttft_ms),
+        };
         let _ = writeln!(
             out,
-            "goodput (highest rate with p90 TTFT <= {} ms): {}",
-            c.slo_ttft_ms,
+            "goodput (highest rate with p90 TTFT <= {slo}): {}",
             list.join(", ")
         );
+    }
+    if !report.saturation.is_empty() {
+        let list: Vec<String> = report
+            .saturation
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} {:.2} req/s (x{}, 95% from x{})",
+                    s.policy, s.requests_per_s, s.rate_scale, s.saturates_at_rate_scale
+                )
+            })
+            .collect();
+        let _ = writeln!(out, "saturation throughput: {}", list.join(", "));
     }
     if let Some(cmp) = &report.kv_vs_round_robin {
         let _ = writeln!(out, "kv vs round-robin:");
@@ -630,6 +746,20 @@ pub fn render_table(report: &ReplayReport) -> String {
                 None => "",
             }
         );
+        let _ = writeln!(
+            out,
+            "  saturation throughput kv/rr = {}",
+            opt(cmp.saturation_ratio, times)
+        );
+        if let Some(at) = &cmp.at_rr_saturation {
+            let _ = writeln!(
+                out,
+                "  at round-robin's saturation rate x{}: kv hit rate {} = {} of pooled ideal",
+                at.rate_scale,
+                pct(at.kv_hit_rate),
+                opt(at.kv_hit_rate_vs_pooled, pct),
+            );
+        }
     }
     out
 }
@@ -733,6 +863,80 @@ mod tests {
         let s = summarize(&outcome, 1);
         assert_eq!(s.ttft_ms.p90, 1.0);
         assert_eq!(s.ttft_p90_incl_errors_ms, None);
-        assert_eq!(goodput(&[s], 1000.0)[0].rate_scale, None);
+        assert_eq!(goodput(&[s.clone()], 1000.0)[0].rate_scale, None);
+        // No p90, no derived SLO.
+        assert_eq!(derived_slo_ttft_ms(&s, 3.0), None);
+    }
+
+    fn run_at(policy: &str, rate: f64, p90_ms: u64, rps: f64) -> PolicySummary {
+        PolicySummary {
+            policy: policy.into(),
+            rate_scale: rate,
+            ttft_p90_incl_errors_ms: Some(p90_ms as f64),
+            throughput: Throughput {
+                requests_per_s: rps,
+                output_tokens_per_s: 0.0,
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn derived_slo_is_a_factor_of_the_unloaded_p90() {
+        let unloaded = run_at("round-robin", 0.1, 700, 0.5);
+        let base = derived_slo_ttft_ms(&unloaded, 3.0).unwrap();
+        assert_eq!(base.slo_ttft_ms(), 2100.0);
+        assert_eq!(
+            (base.policy.as_str(), base.rate_scale),
+            ("round-robin", 0.1)
+        );
+        // With it, the policy whose p90 grows slower keeps goodput at higher rates.
+        let runs = [
+            run_at("kv", 1.0, 900, 1.0),
+            run_at("round-robin", 1.0, 1500, 1.0),
+            run_at("kv", 2.0, 2000, 2.0),
+            run_at("round-robin", 2.0, 9000, 1.6),
+        ];
+        let settings = ReportSettings {
+            slo_ttft_ms: base.slo_ttft_ms(),
+            slo_base: Some(base),
+            ..Default::default()
+        };
+        let report = ReplayReport::new("t".into(), settings, Ideals::default(), runs.to_vec());
+        let rates: Vec<Option<f64>> = report.goodput.iter().map(|g| g.rate_scale).collect();
+        assert_eq!(rates, vec![Some(2.0), Some(1.0)]);
+        let table = render_table(&report);
+        assert!(
+            table.contains("2100 ms = 3 x round-robin's unloaded p90 at x0.1, 700 ms"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn saturation_is_the_most_requests_per_second() {
+        let runs = [
+            run_at("kv", 1.0, 0, 1.0),
+            run_at("round-robin", 1.0, 0, 1.0),
+            run_at("kv", 2.0, 0, 2.0),
+            run_at("round-robin", 2.0, 0, 1.9),
+            run_at("kv", 4.0, 0, 2.5),
+            run_at("round-robin", 4.0, 0, 1.95),
+        ];
+        let sat = saturation(&runs);
+        assert_eq!(sat[0].policy, "kv");
+        assert_eq!((sat[0].requests_per_s, sat[0].rate_scale), (2.5, 4.0));
+        assert_eq!(sat[0].saturates_at_rate_scale, 4.0);
+        assert_eq!((sat[1].requests_per_s, sat[1].rate_scale), (1.95, 4.0));
+        // 1.9 ≥ 0.95 × 1.95: round robin saturates from x2.
+        assert_eq!(sat[1].saturates_at_rate_scale, 2.0);
+        let report = ReplayReport::new(
+            "t".into(),
+            ReportSettings::default(),
+            Ideals::default(),
+            runs.to_vec(),
+        );
+        let cmp = report.kv_vs_round_robin.unwrap();
+        assert!((cmp.saturation_ratio.unwrap() - 2.5 / 1.95).abs() < 1e-12);
+        assert_eq!(cmp.at_rr_saturation.unwrap().rate_scale, 2.0);
     }
 }

@@ -61,6 +61,9 @@ pub struct ReplayConfig {
     pub serve_indexer_replicas: usize,
     /// Remote indexers: with `serve_indexer_replicas` 0, the first replica serves.
     pub remote_indexer: bool,
+    /// Each route carries the trace's output length as `expected_output_tokens`, so the
+    /// router counts a request's whole decode from the start (`--expected-output`).
+    pub expected_output: bool,
 }
 
 impl Default for ReplayConfig {
@@ -83,6 +86,7 @@ impl Default for ReplayConfig {
             replica_sync_echo: kvrouter_replica::DEFAULT_SYNC_ECHO,
             serve_indexer_replicas: 0,
             remote_indexer: false,
+            expected_output: false,
         }
     }
 }
@@ -320,6 +324,7 @@ pub async fn run_policy(
         let client = client.clone();
         let params = GenerateParams {
             request_id: Some(format!("r{}", req.index)),
+            expected_output_tokens: config.expected_output.then_some(req.output_tokens),
             ..GenerateParams::new(REPLAY_MODEL, req.tokens.clone(), req.output_tokens)
         };
         let (index, arrival_us) = (req.index, req.arrival.as_micros() as u64);

@@ -77,7 +77,8 @@ pub struct FleetArgs {
     #[arg(long, env = "KVROUTER_DISK_CACHE_HIT_WEIGHT", default_value_t = kvrouter_scheduler::DEFAULT_DISK_CACHE_HIT_WEIGHT)]
     disk_cache_hit_weight: f64,
     /// The replicas' cost: weight of prefill blocks against decode blocks.
-    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
+    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE",
+          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_LOAD_SCALE)]
     prefill_load_scale: f64,
     /// The replicas' cost: credit per predicted block (a leading prompt block of a request
     /// active on the worker, not yet in the index); 0: off.

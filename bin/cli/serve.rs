@@ -56,7 +56,8 @@ pub struct ServeArgs {
           default_value_t = kvrouter_scheduler::DEFAULT_SHARED_CACHE_HIT_WEIGHT)]
     shared_cache_hit_weight: f64,
     /// Weight of prefill blocks against decode blocks in the cost.
-    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
+    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE",
+          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_LOAD_SCALE)]
     prefill_load_scale: f64,
     /// Predicted blocks: prefill blocks saved per leading prompt block that belongs to a
     /// request active on the worker but is not in the index yet (its prefill under way, or

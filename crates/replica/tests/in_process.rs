@@ -326,9 +326,11 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 256))
         .await
         .unwrap();
-    // Any prefill in flight makes the only worker busy; one request may wait.
+    // Any prefill in flight makes the only worker busy; one request may wait. No
+    // predicted blocks, so the potential loads below are the plain formula's.
     let replica = Replica::start(
         replica_config(SchedulerConfig {
+            active_prefix_credit: 0.0,
             busy_prefill_tokens: Some(1),
             max_queued_requests: 1,
             queue_timeout: Duration::from_millis(600),

@@ -1131,7 +1131,11 @@ mod tests {
 
     #[test]
     fn overlap_and_load_drive_the_choice() {
-        let mut s = sched(|_| {});
+        // The formula's plain weights: prefill and decode blocks alike, no predicted blocks.
+        let mut s = sched(|c| {
+            c.prefill_load_scale = 1.0;
+            c.active_prefix_credit = 0.0;
+        });
         let now = Instant::now();
         s.add_worker_key(k(1, 0), 100);
         s.add_worker_key(k(2, 0), 100);

@@ -19,7 +19,7 @@ use crate::layouts::decode_candidates;
 use crate::metrics::Metrics;
 use crate::route_gate::RouteGate;
 use crate::scheduler_actor::{route_job, SchedulerMsg};
-use crate::serve::{forward_from_workers, serve_requests, subscribe, OneWay, Server};
+use crate::serve::{follow_workers, serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
 use kvrouter_protocol::{
@@ -77,23 +77,19 @@ pub async fn start(
             transfer_timeout,
             rx,
         )));
-        let what = WorkerSubject::KvTransfer;
-        for subject in [m.subjects.every_worker(what)]
-            .into_iter()
-            .chain(m.subjects.legacy(what))
-        {
-            let to = tx.clone();
-            back.push(forward_from_workers(
-                subscribe(bus, subject, None).await?,
-                m.subjects.clone(),
-                what,
-                shared.metrics.clone(),
-                "kv_transfer",
-                move |r: TransferReport| {
-                    let _ = to.send(TransferMsg::Report(r));
-                },
-            ));
-        }
+        let to = tx.clone();
+        follow_workers(
+            bus,
+            &m.subjects,
+            WorkerSubject::KvTransfer,
+            &shared.metrics,
+            "kv_transfer",
+            move |r: TransferReport| {
+                let _ = to.send(TransferMsg::Report(r));
+            },
+            &mut back,
+        )
+        .await?;
         let tick = tx.clone();
         back.push(tokio::spawn(async move {
             let mut every = tokio::time::interval(tick_every);

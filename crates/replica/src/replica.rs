@@ -11,7 +11,7 @@ use crate::remote_indexer::{DecisionPublisher, RemoteIndexer};
 use crate::replica_sync_bus;
 use crate::route_gate::RouteGate;
 use crate::scheduler_actor::{SchedulerActor, SchedulerArgs, SchedulerMsg, SyncLink};
-use crate::serve::{forward, forward_from_workers, subscribe, InFlight, Server};
+use crate::serve::{follow_workers, forward, subscribe, InFlight, Server};
 use crate::served_indexer;
 use crate::state::{ModelShared, ReplicaShared};
 use crate::status::ModelStatus;
@@ -233,15 +233,14 @@ async fn start_model(
 fn to_tracker<T: 'static>(
     tracker: &ActorRef<TrackerMsg>,
     wrap: fn(T) -> TrackerMsg,
-) -> impl FnMut(T) + Send + 'static {
+) -> impl FnMut(T) + Clone + Send + 'static {
     let tracker = tracker.clone();
     move |v| {
         let _ = tracker.send_message(wrap(v));
     }
 }
 
-/// `what` every worker publishes, on its own subject and (for one release) the model-wide
-/// legacy one, handed to the model's worker tracker.
+/// `what` every worker publishes, handed to the model's worker tracker.
 async fn follow<T: Wire + FromWorker + Send + 'static>(
     bus: &Bus,
     m: &ModelShared,
@@ -251,20 +250,8 @@ async fn follow<T: Wire + FromWorker + Send + 'static>(
     wrap: fn(T) -> TrackerMsg,
     back: &mut Vec<JoinHandle<()>>,
 ) -> Result<(), ReplicaError> {
-    let s = &m.subjects;
-    for subject in [s.every_worker(what)].into_iter().chain(s.legacy(what)) {
-        let sub = subscribe(bus, subject, None).await?;
-        let to = to_tracker(&m.tracker, wrap);
-        back.push(forward_from_workers(
-            sub,
-            s.clone(),
-            what,
-            metrics.clone(),
-            kind,
-            to,
-        ));
-    }
-    Ok(())
+    let to = to_tracker(&m.tracker, wrap);
+    follow_workers(bus, &m.subjects, what, metrics, kind, to, back).await
 }
 
 /// What workers publish, handed to the model's worker tracker.

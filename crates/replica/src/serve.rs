@@ -181,6 +181,38 @@ pub fn forward_from_workers<T: Wire + FromWorker + Send + 'static>(
     forward_checked(sub, metrics, kind, check, to)
 }
 
+/// [`forward_from_workers`] on every worker's subject for `what` and, for one release, the
+/// model-wide legacy one: a task each, both handing to `to`.
+pub async fn follow_workers<T, F>(
+    bus: &Bus,
+    subjects: &ModelSubjects,
+    what: WorkerSubject,
+    metrics: &Arc<Metrics>,
+    kind: &'static str,
+    to: F,
+    back: &mut Vec<JoinHandle<()>>,
+) -> Result<(), ReplicaError>
+where
+    T: Wire + FromWorker + Send + 'static,
+    F: FnMut(T) + Clone + Send + 'static,
+{
+    for subject in [subjects.every_worker(what)]
+        .into_iter()
+        .chain(subjects.legacy(what))
+    {
+        let sub = subscribe(bus, subject, None).await?;
+        back.push(forward_from_workers(
+            sub,
+            subjects.clone(),
+            what,
+            metrics.clone(),
+            kind,
+            to.clone(),
+        ));
+    }
+    Ok(())
+}
+
 fn forward_checked<T: Wire + Send + 'static>(
     mut sub: Subscription,
     metrics: Arc<Metrics>,

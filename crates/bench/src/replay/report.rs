@@ -863,7 +863,10 @@ mod tests {
         let s = summarize(&outcome, 1);
         assert_eq!(s.ttft_ms.p90, 1.0);
         assert_eq!(s.ttft_p90_incl_errors_ms, None);
-        assert_eq!(goodput(&[s.clone()], 1000.0)[0].rate_scale, None);
+        assert_eq!(
+            goodput(std::slice::from_ref(&s), 1000.0)[0].rate_scale,
+            None
+        );
         // No p90, no derived SLO.
         assert_eq!(derived_slo_ttft_ms(&s, 3.0), None);
     }

@@ -57,6 +57,15 @@ impl ModelStatus {
         (!was_met && known < self.min_initial_workers).then_some(known)
     }
 
+    /// The workers discovery knows now. Reaching `min_initial_workers` once is enough:
+    /// losing workers later does not take the replica out of service.
+    pub fn set_workers(&self, workers: usize) {
+        self.workers.store(workers, Ordering::Relaxed);
+        if workers >= self.min_initial_workers {
+            self.min_workers_met.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// Whether the model can route (and its index answer): the first roll call had its
     /// window, at least `min_initial_workers` workers were known once (or the wait timed
     /// out), no rank is in its first fetch, and any approximate index is loaded. A rank
@@ -65,16 +74,12 @@ impl ModelStatus {
         if !self.discovered.load(Ordering::Relaxed) {
             return Err("discovering workers".into());
         }
-        if !self.min_workers_met.load(Ordering::Relaxed) {
-            let known = self.workers.load(Ordering::Relaxed);
-            if known < self.min_initial_workers {
-                return Err(format!(
-                    "{known} of {} workers known (--min-initial-workers)",
-                    self.min_initial_workers
-                ));
-            }
-            // Initial only: losing workers later does not take the replica out of service.
-            self.min_workers_met.store(true, Ordering::Relaxed);
+        let known = self.workers.load(Ordering::Relaxed);
+        if !self.min_workers_met.load(Ordering::Relaxed) && known < self.min_initial_workers {
+            return Err(format!(
+                "{known} of {} workers known (--min-initial-workers)",
+                self.min_initial_workers
+            ));
         }
         if self.index_catching_up.load(Ordering::Relaxed) {
             return Err("loading the approximate index from a peer".into());
@@ -137,14 +142,14 @@ mod tests {
     fn min_initial_workers_holds_readiness_once() {
         let st = ModelStatus::with_min_initial_workers(2);
         st.discovered.store(true, Ordering::Relaxed);
-        st.workers.store(1, Ordering::Relaxed);
+        st.set_workers(1);
         assert_eq!(
             st.ready().unwrap_err(),
             "1 of 2 workers known (--min-initial-workers)"
         );
-        st.workers.store(2, Ordering::Relaxed);
+        st.set_workers(2);
         assert!(st.ready().is_ok());
-        st.workers.store(0, Ordering::Relaxed);
+        st.set_workers(0);
         assert!(st.ready().is_ok(), "only the initial count holds it");
         assert_eq!(
             st.waive_min_workers(),
@@ -154,7 +159,7 @@ mod tests {
 
         let timed_out = ModelStatus::with_min_initial_workers(3);
         timed_out.discovered.store(true, Ordering::Relaxed);
-        timed_out.workers.store(1, Ordering::Relaxed);
+        timed_out.set_workers(1);
         assert!(timed_out.ready().is_err());
         assert_eq!(timed_out.waive_min_workers(), Some(1));
         assert!(timed_out.ready().is_ok());

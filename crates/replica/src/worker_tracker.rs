@@ -86,8 +86,7 @@ impl TrackerState {
         let st = &self.args.status;
         let ranks = self.discovery.keys().count();
         st.ranks.store(ranks, Ordering::Relaxed);
-        st.workers
-            .store(self.discovery.worker_count(), Ordering::Relaxed);
+        st.set_workers(self.discovery.worker_count());
         st.unsynced.store(self.sync.unsynced(), Ordering::Relaxed);
         let now = Instant::now();
         st.first_syncs

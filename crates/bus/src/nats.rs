@@ -1,6 +1,7 @@
 //! The NATS implementation: a thin layer over `async-nats` that maps its errors onto
 //! [`BusError`] and logs connection events.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -90,6 +91,7 @@ impl NatsBus {
         let events_url = shown.clone();
         let disconnects = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let counted = disconnects.clone();
+        let errors_seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
         co = co
             .connection_timeout(opts.connect_timeout)
             .max_reconnects(None)
@@ -98,7 +100,16 @@ impl NatsBus {
                 if matches!(event, Event::Disconnected) {
                     counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
-                async move { log_event(&url, event) }
+                // Every failed reconnect attempt is a client error: one warning per outage.
+                let repeated = match event {
+                    Event::ClientError(_) => errors_seen.swap(true, Ordering::Relaxed),
+                    Event::Connected => {
+                        errors_seen.store(false, Ordering::Relaxed);
+                        false
+                    }
+                    _ => false,
+                };
+                async move { log_event(&url, event, repeated) }
             });
 
         let client = co.connect(addrs).await.map_err(|e| {
@@ -259,7 +270,9 @@ pub(crate) fn from_nats(m: async_nats::Message) -> Message {
     }
 }
 
-fn log_event(url: &str, event: Event) {
+/// Logs a connection event; `repeated`: a client error after another in the same outage
+/// (logged at debug).
+fn log_event(url: &str, event: Event, repeated: bool) {
     match event {
         Event::Connected => tracing::info!(%url, "NATS connection established"),
         Event::Disconnected => tracing::warn!(
@@ -279,6 +292,13 @@ fn log_event(url: &str, event: Event) {
             "NATS slow consumer: subscription dropped messages because its reader fell behind"
         ),
         Event::ServerError(e) => tracing::error!(%url, error = %e, "NATS server error"),
-        Event::ClientError(e) => tracing::warn!(%url, error = %e, "NATS client error"),
+        Event::ClientError(e) if repeated => {
+            tracing::debug!(%url, error = %e, "NATS client error (again)")
+        }
+        Event::ClientError(e) => tracing::warn!(
+            %url,
+            error = %e,
+            "NATS client error (repeats of it until the connection is back are logged at debug)"
+        ),
     }
 }

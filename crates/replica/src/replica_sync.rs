@@ -78,6 +78,10 @@ pub enum SeqCheck {
     Stale,
     /// Batches between this one and the last were lost.
     Lost { missed: u64 },
+    /// The peer restarted under its id (another instance than the last heard): the requests
+    /// of its previous instance died with it (nobody will free them), and `unheard` says
+    /// whether batches of the new one came before this.
+    Restarted { unheard: bool },
 }
 
 impl ReplicaSync {
@@ -117,12 +121,13 @@ impl ReplicaSync {
                     SeqCheck::Lost { missed }
                 }
             }
-            _ => {
+            known => {
+                let restarted = known.is_some();
                 self.seqs.insert(from.to_string(), (instance, seq));
-                if seq > 1 {
-                    SeqCheck::Unheard
-                } else {
-                    SeqCheck::InOrder
+                match (restarted, seq > 1) {
+                    (true, unheard) => SeqCheck::Restarted { unheard },
+                    (false, true) => SeqCheck::Unheard,
+                    (false, false) => SeqCheck::InOrder,
                 }
             }
         }
@@ -626,7 +631,15 @@ mod tests {
         assert_eq!(s.check_seq("r2", a, 6), SeqCheck::Stale);
         assert_eq!(s.check_seq("r2", a, 9), SeqCheck::Lost { missed: 2 });
         assert_eq!(s.check_seq("r2", a, 10), SeqCheck::InOrder);
-        assert_eq!(s.check_seq("r2", b, 1), SeqCheck::InOrder, "a new instance");
+        assert_eq!(
+            s.check_seq("r2", b, 1),
+            SeqCheck::Restarted { unheard: false },
+            "a new instance"
+        );
+        assert_eq!(
+            s.check_seq("r2", a, 4),
+            SeqCheck::Restarted { unheard: true }
+        );
         assert_eq!(s.check_seq("r2", b, 0), SeqCheck::InOrder, "unsequenced");
         assert_eq!(
             s.check_seq("r3", a, 1),

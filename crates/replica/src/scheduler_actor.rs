@@ -278,6 +278,14 @@ impl SchedulerState {
                 .check_seq(&batch.replica_id, batch.instance_id, batch.seq)
             {
                 SeqCheck::InOrder => {}
+                SeqCheck::Restarted { unheard } => {
+                    let dropped = self.drop_requests_of(&batch.replica_id);
+                    tracing::info!(model = %self.model, peer = %batch.replica_id, dropped_sequences = dropped, "peer replica restarted: the sequences of its previous instance are dropped");
+                    if unheard {
+                        self.ids.start_resync(&batch.replica_id);
+                        self.send_fetches();
+                    }
+                }
                 SeqCheck::Unheard => {
                     tracing::debug!(model = %self.model, peer = %batch.replica_id, "first heard from a peer mid-sequence: fetching its active sequences");
                     self.ids.start_resync(&batch.replica_id);
@@ -344,6 +352,21 @@ impl SchedulerState {
             .set(peers as i64);
     }
 
+    /// Frees every active sequence `peer` routed (it is gone, or a new instance of it is
+    /// here); returns how many.
+    fn drop_requests_of(&mut self, peer: &str) -> usize {
+        let ids: Vec<String> = self
+            .core
+            .active_sequences()
+            .filter(|(id, ..)| ReplicaSync::is_from(id, peer))
+            .map(|(id, ..)| id.clone())
+            .collect();
+        for id in &ids {
+            self.core.free(id);
+        }
+        ids.len()
+    }
+
     /// Drops peers silent past their lease, with the sequences they routed.
     fn expire_peers(&mut self, now: Instant) {
         let gone = self.ids.expire_peers(now);
@@ -351,16 +374,8 @@ impl SchedulerState {
             return;
         }
         for peer in &gone {
-            let ids: Vec<String> = self
-                .core
-                .active_sequences()
-                .filter(|(id, ..)| ReplicaSync::is_from(id, peer))
-                .map(|(id, ..)| id.clone())
-                .collect();
-            for id in &ids {
-                self.core.free(id);
-            }
-            tracing::warn!(model = %self.model, peer = %peer, dropped_sequences = ids.len(), "peer replica silent past its lease: its active sequences are dropped");
+            let dropped = self.drop_requests_of(peer);
+            tracing::warn!(model = %self.model, peer = %peer, dropped_sequences = dropped, "peer replica silent past its lease: its active sequences are dropped");
             self.metrics
                 .sync_peers_lost
                 .get_or_create(&self.labels)

@@ -843,3 +843,50 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     }
     fleet.shutdown().await.unwrap();
 }
+
+/// A replica restarted under its id: its peers drop what its previous instance routed as
+/// soon as they hear the new one (no lease to wait out: the peer never looked lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_instance_takes_its_old_requests_with_it() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap();
+    let named = |id: &str| ReplicaConfig {
+        replica_id: Some(id.to_string()),
+        sync: Some(SyncConfig::default()),
+        ..replica_config(SchedulerConfig::default())
+    };
+    let a = Replica::start(named("a"), bus.clone()).await.unwrap();
+    let b = Replica::start(named("b"), bus.clone()).await.unwrap();
+    assert!(a.wait_ready(Duration::from_secs(5)).await);
+    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let mut on_a = 0;
+    for i in 0..8u32 {
+        let d = client
+            .route(&route_request(&format!("q{i}"), prompt(i, i, 4)))
+            .await
+            .unwrap();
+        on_a += i64::from(d.replica_id == "a");
+    }
+    assert!(on_a > 0, "a routed some");
+    let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
+    eventually("b sees all eight", || active(&b) == 8).await;
+    a.shutdown().await;
+    let a = Replica::start(named("a"), bus.clone()).await.unwrap();
+    assert!(a.wait_ready(Duration::from_secs(5)).await);
+    eventually("b dropped the old instance's requests", || {
+        active(&b) == 8 - on_a
+    })
+    .await;
+    assert_eq!(
+        gauge_sum(&b, "kvrouter_replica_sync_peers_lost_total"),
+        0,
+        "a never looked lost: its new instance told"
+    );
+    for r in [a, b] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
+}

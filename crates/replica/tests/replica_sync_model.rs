@@ -264,6 +264,7 @@ impl World {
                 SeqCheck::InOrder => {}
                 SeqCheck::Stale => batch.clear(),
                 SeqCheck::Lost { .. } | SeqCheck::Unheard => rep.sync.start_resync(&from_id),
+                SeqCheck::Restarted { .. } => unreachable!("no replica restarts here"),
             }
             let (apply, _) = rep.sync.on_peer_batch(&from_id, batch, now);
             apply_changes(&mut rep.core, apply, now);

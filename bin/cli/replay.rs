@@ -51,7 +51,8 @@ pub struct FleetArgs {
     nats: Option<String>,
     /// TTFT objective for goodput: the highest rate whose p90 TTFT meets it. Default: one
     /// the trace can meet, --slo-factor x round robin's p90 TTFT at --slo-base-rate-scale
-    /// (an extra run, printed with the report).
+    /// (an extra run, printed with the report; over NATS it runs in real time, so give
+    /// this to skip it).
     #[arg(long, env = "KVROUTER_SLO_TTFT_MS")]
     slo_ttft_ms: Option<f64>,
     /// The derived SLO: this many times round robin's unloaded p90 TTFT.

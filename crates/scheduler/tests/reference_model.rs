@@ -3,7 +3,8 @@
 //! After every step the scheduler's per-key load (active blocks deduplicated by sequence
 //! hash, prefill tokens, request counts) must equal the model's; every route answer must
 //! match the model's filter / busy verdict, and at temperature 0 the chosen key must be a
-//! non-busy allowed candidate whose cost equals the model's minimum. Overlaps come by tier
+//! non-busy allowed candidate whose cost equals the model's minimum (a request's own
+//! temperature above 0 may pick any non-busy allowed candidate, priced the same way). Overlaps come by tier
 //! (device overlaps, keys a lower tier extends, a shared-storage prefix) with per-request
 //! weight overrides, and the model credits each tier at its weight. Queued requests are
 //! replayed through `drain_ready` and checked the same way, in the queue policy's order
@@ -113,9 +114,10 @@ fn cached() -> impl Strategy<Value = Cached> {
         prop::collection::vec((key(), tier_blocks()), 0..3),
         prop_oneof![3 => Just(0u32), 1 => 1u32..6],
         (weight(), weight(), weight(), weight()),
+        prop::sample::select(vec![None, None, None, Some(0.0), Some(1.0)]),
     )
         .prop_map(
-            |(overlaps, lower, shared, (credit, host, disk, sh))| Cached {
+            |(overlaps, lower, shared, (credit, host, disk, sh), temperature)| Cached {
                 overlaps,
                 lower,
                 shared,
@@ -124,7 +126,7 @@ fn cached() -> impl Strategy<Value = Cached> {
                     host_cache_hit_weight: host,
                     disk_cache_hit_weight: disk,
                     shared_cache_hit_weight: sh,
-                    ..RouteOverrides::default()
+                    temperature,
                 },
             },
         )
@@ -498,6 +500,11 @@ impl Model {
         let tiers = Self::tiers(cached, sel.key);
         assert_eq!(sel.overlap_blocks, tiers.device);
         assert_eq!(sel.tier_overlap_blocks, tiers, "{sel:?}");
+        // A request's own temperature above 0 samples among the free keys (any of them,
+        // priced as above); at 0 (the scheduler's, or its own) the cheapest is chosen.
+        if cached.overrides.temperature.unwrap_or(0.0) > 0.0 {
+            return;
+        }
         let min = free
             .iter()
             .map(|&k| self.cost(k, prompt_tokens, hashes, cached).2)

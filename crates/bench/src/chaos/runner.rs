@@ -3,7 +3,7 @@
 
 use super::compare::{index_prefixes, metric_sum, truth_prefixes, FleetDiff, Prefixes};
 use super::fleet::{
-    free_port, free_ports, http_get, BridgeProc, Engine, FleetError, Mocker, Nats, Replica,
+    free_port, free_ports, http_get, BridgeProc, Engine, FleetError, Mocker, Nats, Proc, Replica,
 };
 use super::report::{ChaosReport, FaultResult};
 use super::schedule::{FaultKind, FleetShape, Schedule, Step, Timing};
@@ -484,21 +484,31 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
     Ok(report)
 }
 
+/// A kill step: SIGKILL `name`'s process (if running).
+fn kill(proc: &mut Option<Proc>, name: &str) -> (String, Option<String>) {
+    if let Some(p) = proc.as_mut() {
+        p.kill();
+    }
+    (name.to_string(), None)
+}
+
+/// A restart step's outcome: the start's own note, or why it failed.
+fn restarted(name: &str, started: Result<Option<String>, FleetError>) -> (String, Option<String>) {
+    let note = started.unwrap_or_else(|e| Some(format!("restart of {name} failed: {e}")));
+    (name.to_string(), note)
+}
+
 impl Run {
     /// Performs one fault step; returns a description of its target and a note when
     /// something did not go as planned.
     async fn apply(&mut self, step: &Step, traffic: &Arc<Traffic>) -> (String, Option<String>) {
-        let exe = self.cfg.exe.clone();
+        let (exe, log) = (self.cfg.exe.clone(), self.cfg.log_dir.clone());
         match step {
             Step::KillReplica(i) => {
                 let r = &mut self.replicas[*i];
-                if let Some(p) = r.proc.as_mut() {
-                    p.kill();
-                }
-                (r.id.clone(), None)
+                kill(&mut r.proc, &r.id)
             }
             Step::RestartReplica(i) => {
-                let log = self.cfg.log_dir.clone();
                 let r = &mut self.replicas[*i];
                 if let Err(e) = r.start(&exe, log.as_deref()) {
                     return (
@@ -543,53 +553,30 @@ impl Run {
             }
             Step::KillMocker(j) => {
                 let m = &mut self.mockers[*j];
-                if let Some(p) = m.proc.as_mut() {
-                    p.kill();
-                }
-                (m.name.clone(), None)
+                kill(&mut m.proc, &m.name)
             }
             Step::RestartMocker(j) => {
-                let log = self.cfg.log_dir.clone();
                 let m = &mut self.mockers[*j];
-                let note = m
-                    .start(&exe, log.as_deref())
-                    .await
-                    .err()
-                    .map(|e| format!("restart of {} failed: {e}", m.name));
-                (m.name.clone(), note)
+                let started = m.start(&exe, log.as_deref()).await.map(|()| None);
+                restarted(&m.name, started)
             }
             Step::KillBridge(k) => {
                 let b = &mut self.bridges[*k];
-                if let Some(p) = b.proc.as_mut() {
-                    p.kill();
-                }
-                (b.name.clone(), None)
+                kill(&mut b.proc, &b.name)
             }
             Step::RestartBridge(k) => {
-                let log = self.cfg.log_dir.clone();
                 let b = &mut self.bridges[*k];
-                let note = match b.start(&exe, log.as_deref()).await {
-                    Ok(note) => note,
-                    Err(e) => Some(format!("restart of {} failed: {e}", b.name)),
-                };
-                (b.name.clone(), note)
+                let started = b.start(&exe, log.as_deref()).await;
+                restarted(&b.name, started)
             }
             Step::KillEngine(k) => {
                 let e = &mut self.engines[*k];
-                if let Some(p) = e.proc.as_mut() {
-                    p.kill();
-                }
-                (e.name.clone(), None)
+                kill(&mut e.proc, &e.name)
             }
             Step::RestartEngine(k) => {
-                let log = self.cfg.log_dir.clone();
                 let e = &mut self.engines[*k];
-                let note = e
-                    .start(&exe, log.as_deref())
-                    .await
-                    .err()
-                    .map(|err| format!("restart of {} failed: {err}", e.name));
-                (e.name.clone(), note)
+                let started = e.start(&exe, log.as_deref()).await.map(|()| None);
+                restarted(&e.name, started)
             }
             Step::DropEvents { worker_id, batches } => {
                 let target = format!("worker {worker_id} ({batches} batches)");

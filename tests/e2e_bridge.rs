@@ -137,6 +137,7 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
             overrides: None,
             priority_jump: 0.0,
             expected_output_tokens: None,
+            call_id: 0,
         })
         .unwrap();
     assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));

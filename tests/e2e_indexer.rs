@@ -49,6 +49,7 @@ fn request(tokens: &[u32], request_id: &str) -> RouteRequest {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     }
 }
 

@@ -106,6 +106,7 @@ fn route_request(tokens: &[u32], pin: Option<Pin>) -> RouteRequest {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     }
 }
 

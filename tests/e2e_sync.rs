@@ -46,6 +46,7 @@ fn synced_replicas_share_requests_catch_up_and_drop_a_killed_peer() {
                 overrides: None,
                 priority_jump: 0.0,
                 expected_output_tokens: None,
+                call_id: 0,
             })
             .expect("route");
         by_a += usize::from(d.replica_id == "a");

@@ -132,6 +132,7 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         overrides: None,
         priority_jump: args.hints.priority_jump,
         expected_output_tokens: args.hints.expected_output_tokens,
+        call_id: 0,
     };
     let d = client.route(&req).await?;
     let mut fields = vec![

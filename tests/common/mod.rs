@@ -475,6 +475,7 @@ pub fn plain_route(tokens: &[u32]) -> kvrouter_protocol::RouteRequest {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     }
 }
 

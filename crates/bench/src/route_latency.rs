@@ -287,6 +287,7 @@ pub async fn run_route_latency(
                     overrides: None,
                     priority_jump: 0.0,
                     expected_output_tokens: None,
+                    call_id: 0,
                 };
                 let now = Instant::now();
                 if intended > now {

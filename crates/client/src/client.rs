@@ -4,7 +4,7 @@ use crate::error::ClientError;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
-    decode, encode, max_prompt_tokens_for, ErrorKind, OutputBlock, OverlapRequest,
+    decode, encode, max_prompt_tokens_for, Abandon, ErrorKind, OutputBlock, OverlapRequest,
     OverlapScoresReply, PotentialLoad, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects,
     Wire,
 };
@@ -23,6 +23,11 @@ const NO_ROUTER_BACKOFF: Duration = Duration::from_millis(100);
 pub const FREE_RETRY_FOR: Duration = Duration::from_secs(15);
 /// Wait between its attempts.
 const FREE_RETRY_EVERY: Duration = Duration::from_millis(250);
+
+/// A fresh route call id (random, never 0).
+pub fn new_call_id() -> u64 {
+    uuid::Uuid::new_v4().as_u64_pair().0.max(1)
+}
 
 /// A fresh request id (a uuid v4), for callers that have none.
 pub fn new_request_id() -> String {
@@ -45,6 +50,7 @@ pub fn route_request(model: impl Into<String>, tokens: Vec<u32>) -> RouteRequest
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     }
 }
 
@@ -109,18 +115,20 @@ impl KvRouterClient {
 
     /// Asks a replica which worker rank should serve the request. An empty `request_id` is
     /// replaced by a fresh one (set one yourself when `update_states` is on: `mark_prefill`
-    /// and `free` need it).
+    /// and `free` need it), as is a `call_id` of 0.
+    ///
+    /// With `update_states`, when an attempt may have been booked by a replica that did not
+    /// answer in time (a timeout, a lost connection), every replica but the one that
+    /// answered is told to drop its booking ([`Abandon`]): otherwise that load would stay
+    /// until the replica's request-timeout sweep.
     pub async fn route(&self, req: &RouteRequest) -> Result<RouteDecision, ClientError> {
-        let filled;
-        let req = if req.request_id.is_empty() {
-            filled = RouteRequest {
-                request_id: new_request_id(),
-                ..req.clone()
-            };
-            &filled
-        } else {
-            req
-        };
+        let mut req = std::borrow::Cow::Borrowed(req);
+        if req.request_id.is_empty() {
+            req.to_mut().request_id = new_request_id();
+        }
+        if req.call_id == 0 {
+            req.to_mut().call_id = new_call_id();
+        }
         let span = tracing::debug_span!(
             "route",
             model = %req.model,
@@ -129,9 +137,41 @@ impl KvRouterClient {
             update_states = req.update_states,
         );
         let subject = self.subjects.route();
-        self.call_any(&subject, req, req.tokens.len())
-            .instrument(span)
-            .await
+        let (result, unsure) = self
+            .call_any_counted(&subject, &*req, req.tokens.len())
+            .instrument(span.clone())
+            .await;
+        if unsure && req.update_states {
+            let kept_by = result
+                .as_ref()
+                .ok()
+                .map(|d: &RouteDecision| d.replica_id.clone());
+            self.abandon(&req, kept_by).instrument(span).await;
+        }
+        result
+    }
+
+    /// Tells every replica but `kept_by` to drop its booking of the route call (best effort:
+    /// a lost one leaves the booking to the request-timeout sweep).
+    async fn abandon(&self, req: &RouteRequest, kept_by: Option<String>) {
+        let abandon = Abandon {
+            model: req.model.clone(),
+            request_id: req.request_id.clone(),
+            call_id: req.call_id,
+            kept_by,
+        };
+        tracing::debug!(kept_by = ?abandon.kept_by, "a retried route may be booked elsewhere: abandoning it there");
+        let sent = match encode(&abandon) {
+            Ok(bytes) => self
+                .bus
+                .publish(&self.subjects.abandon(), Bytes::from(bytes))
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, request_id = %req.request_id, "could not abandon a retried route's other bookings: they stay until the replicas' request-timeout sweep");
+        }
     }
 
     /// How many leading blocks of the tokens each worker rank holds.
@@ -286,15 +326,32 @@ impl KvRouterClient {
         req: &Req,
         tokens: usize,
     ) -> Result<T, ClientError> {
+        self.call_any_counted(subject, req, tokens).await.0
+    }
+
+    /// [`Self::call_any`], and whether an attempt may have reached a replica that did not
+    /// answer (it timed out, or the connection failed under it).
+    async fn call_any_counted<Req: Wire, T: Wire>(
+        &self,
+        subject: &str,
+        req: &Req,
+        tokens: usize,
+    ) -> (Result<T, ClientError>, bool) {
         let mut retried = 0;
+        let mut unsure = false;
         loop {
             if !self.connected().await {
-                return Err(ClientError::Bus(BusError::Stalled {
+                let stalled = ClientError::Bus(BusError::Stalled {
                     what: format!("request on '{subject}' (not connected to NATS)"),
                     after: self.timeout,
-                }));
+                });
+                return (Err(stalled), unsure);
             }
             let result = self.call(subject, req, tokens).await;
+            unsure |= matches!(
+                result,
+                Err(ClientError::Timeout { .. } | ClientError::Bus(_))
+            );
             let again = match &result {
                 Err(ClientError::Timeout { .. }) => Some(Duration::ZERO),
                 // Nobody there: give a restarting replica a moment.
@@ -312,7 +369,7 @@ impl KvRouterClient {
                     }
                     tokio::time::sleep(wait).await;
                 }
-                _ => return result,
+                _ => return (result, unsure),
             }
         }
     }
@@ -429,5 +486,81 @@ mod tests {
             Err(ClientError::PromptTooLarge { .. })
         ));
         assert!(encode_checked(&update, 0, 1 << 20).is_ok());
+    }
+
+    /// A route attempt that timed out may have been booked by the replica that got it: once
+    /// another replica answers, the client abandons the call everywhere else, naming the
+    /// replica it kept; every attempt of the call carries the same call id.
+    #[tokio::test]
+    async fn a_retried_route_is_abandoned_everywhere_but_where_it_was_answered() {
+        let bus = Bus::local();
+        let client = KvRouterClient::new(bus.clone(), "ns")
+            .unwrap()
+            .with_timeout(Duration::from_millis(100));
+        let mut routes = bus.subscribe(&client.subjects.route()).await.unwrap();
+        let mut abandons = bus.subscribe(&client.subjects.abandon()).await.unwrap();
+        let replica = {
+            let bus = bus.clone();
+            tokio::spawn(async move {
+                let mut calls = Vec::new();
+                // The first attempt is never answered (a paused replica); the second is.
+                while let Some(msg) = routes.next().await {
+                    let req: RouteRequest = decode(&msg.payload).unwrap();
+                    calls.push(req.call_id);
+                    if calls.len() == 2 {
+                        let decision = Reply::Ok(RouteDecision {
+                            worker_id: 1,
+                            dp_rank: 0,
+                            overlap_blocks: 0,
+                            replica_id: "r2".into(),
+                            base_url: String::new(),
+                            tier_overlap_blocks: Default::default(),
+                            block_size: 16,
+                        });
+                        let reply = Bytes::from(encode(&decision).unwrap());
+                        bus.publish(&msg.reply.unwrap(), reply).await.unwrap();
+                        return calls;
+                    }
+                }
+                calls
+            })
+        };
+        let d = client
+            .route(&route_request("m", vec![1; 32]))
+            .await
+            .unwrap();
+        assert_eq!(d.replica_id, "r2");
+        let calls = replica.await.unwrap();
+        assert_eq!(calls.len(), 2);
+        assert!(calls[0] != 0 && calls[0] == calls[1], "{calls:?}");
+        let msg = tokio::time::timeout(Duration::from_secs(2), abandons.next())
+            .await
+            .expect("an abandon is published")
+            .unwrap();
+        let abandon: Abandon = decode(&msg.payload).unwrap();
+        assert_eq!(abandon.kept_by.as_deref(), Some("r2"));
+        assert_eq!((abandon.call_id, abandon.model.as_str()), (calls[0], "m"));
+
+        // A call answered at once, or one that books nothing, abandons nothing.
+        let mut routes = bus.subscribe(&client.subjects.route()).await.unwrap();
+        let answering = {
+            let bus = bus.clone();
+            tokio::spawn(async move {
+                while let Some(msg) = routes.next().await {
+                    let reply: Reply<RouteDecision> = Reply::Err(
+                        kvrouter_protocol::ErrorReply::new(ErrorKind::NoWorkers, "none"),
+                    );
+                    let reply = Bytes::from(encode(&reply).unwrap());
+                    bus.publish(&msg.reply.unwrap(), reply).await.unwrap();
+                }
+            })
+        };
+        assert!(client
+            .route(&route_request("m", vec![1; 32]))
+            .await
+            .is_err());
+        let none = tokio::time::timeout(Duration::from_millis(300), abandons.next()).await;
+        assert!(none.is_err(), "nothing to abandon: {none:?}");
+        answering.abort();
     }
 }

@@ -138,6 +138,7 @@ impl KvRouterClient {
             overrides: None,
             priority_jump: params.priority_jump,
             expected_output_tokens: params.expected_output_tokens,
+            call_id: 0,
         };
         let decision = self.route(&route).await?;
         let route_wall_us = micros(t0);

@@ -28,7 +28,7 @@ mod error;
 mod generate;
 
 pub use client::{
-    new_request_id, route_request, KvRouterClient, DEFAULT_GENERATE_IDLE_TIMEOUT,
+    new_call_id, new_request_id, route_request, KvRouterClient, DEFAULT_GENERATE_IDLE_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT, DEFAULT_RETRIES,
 };
 pub use disagg::{DisaggOutcome, StageOutcome};

@@ -228,6 +228,7 @@ impl Frontend {
             overrides: req.router.overrides,
             priority_jump: req.router.priority_jump,
             expected_output_tokens: req.router.expected_output_tokens,
+            call_id: 0,
         };
         let mut body = req.rest.clone();
         body.insert("model".into(), req.model.clone().into());

@@ -503,6 +503,7 @@ mod tests {
             }),
             priority_jump: 2.5,
             expected_output_tokens: Some(300),
+            call_id: 0,
         }
     }
 

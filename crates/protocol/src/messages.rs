@@ -297,6 +297,11 @@ pub struct RouteRequest {
     /// Output tokens the caller expects: their blocks count in the rank's decode load from
     /// the start (`None`: only what `add_output_block` reports).
     pub expected_output_tokens: Option<u32>,
+    /// The caller's id for this route call, the same on every retry of it (0: none). When a
+    /// retried call may have been booked by a replica that did not answer in time, the
+    /// caller sends [`Abandon`] with it: a copy of the call that reaches a replica late is
+    /// then turned away, while a new call for the same request id is not.
+    pub call_id: u64,
 }
 
 impl RouteRequest {
@@ -466,6 +471,19 @@ impl OutputBlock {
     pub fn invalid_decay_fraction(&self) -> Option<f64> {
         self.decay_fraction.filter(|f| !(0.0..=1.0).contains(f))
     }
+}
+
+/// A route call its caller sent more than once (an attempt timed out, or its answer was lost
+/// in a NATS outage), broadcast to every replica on `NS.router.abandon`: each replica but
+/// `kept_by` (the one whose answer the caller holds; `None`: it got none) frees its booking
+/// of `request_id` (and of its prefill half) and turns away a copy of call `call_id` that
+/// reaches it later. New in format version 5.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Abandon {
+    pub model: String,
+    pub request_id: String,
+    pub call_id: u64,
+    pub kept_by: Option<String>,
 }
 
 /// One change to a replica's active sequences, shared with its peers (`--replica-sync`).

@@ -109,6 +109,12 @@ impl Subjects {
         format!("{}.router.replica.{replica_id}.sync_state", self.ns)
     }
 
+    /// `Abandon`, published by a caller whose route call may have been booked by a replica
+    /// that did not answer in time; every replica subscribes (no queue group).
+    pub fn abandon(&self) -> String {
+        format!("{}.router.abandon", self.ns)
+    }
+
     /// `SyncBatch`, published by every replica with `--replica-sync` to all the others.
     pub fn sync(&self) -> String {
         format!("{}.router.sync", self.ns)
@@ -335,6 +341,7 @@ pub fn fleet_subjects(
         ("mark_prefill", s.mark_prefill("*")),
         ("free", s.free("*")),
         ("add_output_block", s.add_output_block("*")),
+        ("abandon", s.abandon()),
         ("sync", s.sync()),
         ("sync_state", s.sync_state()),
         ("sync_own", s.sync_own("*")),

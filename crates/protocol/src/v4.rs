@@ -1,9 +1,9 @@
 //! Format version 4, the previous version: the types version 5 changed, as version 4 encodes
-//! them, and how they convert. Version 5 added `RouteRequest::priority_jump` and
-//! `expected_output_tokens`, the output blocks of `SeqChange` (`Add::output_blocks`, the
+//! them, and how they convert. Version 5 added `RouteRequest::priority_jump`,
+//! `expected_output_tokens` and `call_id`, the output blocks of `SeqChange` (`Add::output_blocks`, the
 //! `Output` change), the sender's instance and sequence number on `SyncBatch` and the block
-//! size on `RouteDecision` (so on `DisaggDecision`); the new `OutputBlock` message is never
-//! sent to a version-4 peer.
+//! size on `RouteDecision` (so on `DisaggDecision`); the new `OutputBlock` and `Abandon`
+//! messages are never sent to a version-4 peer.
 //!
 //! FROZEN: these types are what version-4 peers send and read. Never change them (fields,
 //! their order, their types, enum variants); a test pins their bytes. The current types they
@@ -31,7 +31,7 @@ pub struct RouteRequest {
     pub overrides: Option<RouteOverrides>,
 }
 
-/// A version-4 request jumps no queue and expects no output.
+/// A version-4 request jumps no queue, expects no output and has no call id.
 impl Wire for crate::messages::RouteRequest {
     type Previous = RouteRequest;
 
@@ -49,6 +49,7 @@ impl Wire for crate::messages::RouteRequest {
             overrides: p.overrides,
             priority_jump: 0.0,
             expected_output_tokens: None,
+            call_id: 0,
         }
     }
 
@@ -233,11 +234,11 @@ impl Wire for crate::messages::SyncBatch {
     }
 }
 
-// Every message encoded the same in versions 4 and 5 (`OutputBlock` is new in 5: it goes
-// only to a replica that routed with `update_states`, and a version-4 replica never
-// subscribes to its subject).
+// Every message encoded the same in versions 4 and 5 (`OutputBlock` and `Abandon` are new
+// in 5: they go to subjects a version-4 replica never subscribes to).
 unchanged_since_previous!(
     OutputBlock,
+    Abandon,
     crate::types::KvEvent,
     KvEventBatch,
     StateChunk,

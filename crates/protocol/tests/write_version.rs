@@ -23,6 +23,7 @@ fn request() -> RouteRequest {
         }),
         priority_jump: 1.5,
         expected_output_tokens: Some(64),
+        call_id: 0,
     }
 }
 

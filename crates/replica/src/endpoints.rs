@@ -9,9 +9,9 @@ use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    prompt_local_hashes, sequence_hashes, ErrorKind, ErrorReply, LocalBlockHash, OutputBlock,
-    OverlapRequest, OverlapScoresReply, Pin, PotentialLoad, PromptExtras, RequestUpdate,
-    RouteDecision, RouteRequest, SequenceHash, Tier, WorkerKey,
+    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, LocalBlockHash,
+    OutputBlock, OverlapRequest, OverlapScoresReply, Pin, PotentialLoad, PromptExtras,
+    RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier, WorkerKey,
 };
 use kvrouter_scheduler::Selection;
 use std::sync::Arc;
@@ -29,6 +29,7 @@ pub enum Endpoint {
     MarkPrefill,
     Free,
     OutputBlock,
+    Abandon,
 }
 
 impl Endpoint {
@@ -41,6 +42,7 @@ impl Endpoint {
             Self::MarkPrefill => "mark_prefill",
             Self::Free => "free",
             Self::OutputBlock => "add_output_block",
+            Self::Abandon => "abandon",
         }
     }
 }
@@ -121,6 +123,16 @@ pub fn serve(
             move |req| {
                 let shared = shared.clone();
                 async move { output_block(&shared, req).await }
+            },
+        )),
+        Endpoint::Abandon => Box::pin(serve_requests(
+            sub,
+            server,
+            kind,
+            OneWay::Handle,
+            move |req| {
+                let shared = shared.clone();
+                async move { abandon(&shared, req) }
             },
         )),
     }
@@ -306,6 +318,7 @@ pub(crate) async fn route(
         overlaps,
         req.update_states,
     );
+    job.token.call_id = req.call_id;
     // Aggregated workers only, when the model also has prefill/decode ones.
     job.allowed_workers =
         aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
@@ -445,6 +458,21 @@ pub(crate) async fn output_block(
         reply: tx,
     };
     ask_known(shared, m, msg, rx, &req.request_id).await
+}
+
+/// A caller abandoned a route call after asking more than one replica: unless this replica's
+/// answer is the one it kept, the model's scheduler drops its booking of it.
+fn abandon(shared: &ReplicaShared, req: Abandon) -> Result<(), ErrorReply> {
+    if req.kept_by.as_deref() == Some(shared.replica_id.as_str()) {
+        return Ok(());
+    }
+    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    m.scheduler
+        .send_message(SchedulerMsg::Abandon {
+            request_id: req.request_id,
+            call_id: req.call_id,
+        })
+        .map_err(|_| unavailable(shared, &m.name))
 }
 
 /// Sends an update about one request to the model's scheduler actor; `UnknownRequest` when

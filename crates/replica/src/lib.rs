@@ -18,6 +18,7 @@
 //! Only the cores other crates test or read are public (`worker_state`, `replica_sync`,
 //! `metrics`); the rest is reached through [`Replica`] and the re-exports below.
 
+mod abandoned;
 mod admin;
 mod approx;
 mod breaker;

@@ -102,6 +102,7 @@ pub struct Metrics {
     /// Peers' sync batches lost (gaps in their sequence numbers), each followed by a fetch
     /// of that peer's active sequences.
     pub sync_batches_lost: Family<ModelLabels, Counter>,
+    pub routes_abandoned: Family<ModelLabels, Counter>,
     pub index_blocks: Family<ModelLabels, Gauge>,
     /// Approximate mode (`--no-kv-events`): route decisions recorded in the index.
     pub approx_records: Family<ModelLabels, Counter>,
@@ -249,6 +250,11 @@ impl Metrics {
             sync_batches_lost: reg!(
                 "replica_sync_batches_lost",
                 "Peers' replica-sync batches lost (gaps in their sequence numbers); each gap fetches that peer's active sequences again (--replica-sync)",
+                Family::default()
+            ),
+            routes_abandoned: reg!(
+                "replica_routes_abandoned",
+                "Route bookings dropped, or late copies of route calls turned away, because the caller abandoned the call after asking another replica (a timeout or a lost answer)",
                 Family::default()
             ),
             index_blocks: reg!(

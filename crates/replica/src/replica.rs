@@ -382,6 +382,7 @@ async fn serve_router_endpoints(
         (subjects.mark_prefill(replica_id), Endpoint::MarkPrefill),
         (subjects.free(replica_id), Endpoint::Free),
         (subjects.add_output_block(replica_id), Endpoint::OutputBlock),
+        (subjects.abandon(), Endpoint::Abandon),
     ] {
         let sub = subscribe(bus, subject, None).await?;
         back.push(endpoints::spawn(

@@ -4,6 +4,7 @@
 //! directly), so a decision costs one actor hop. Requests that find every worker busy wait in
 //! the core's bounded queue with their reply channel and are answered when load drops.
 
+use crate::abandoned::Abandoned;
 use crate::metrics::{KeyLabels, Metrics, ModelLabels};
 use crate::replica_sync::{self, ReplicaSync, SeqCheck};
 use kvrouter_indexer::OverlapScores;
@@ -30,6 +31,8 @@ pub type RouteReply = oneshot::Sender<Result<Selection, ErrorReply>>;
 pub struct RouteToken {
     pub reply: RouteReply,
     pub request_id: String,
+    /// The caller's route call (0: none), to turn away a copy of an abandoned one.
+    pub call_id: u64,
 }
 
 /// A route request, hashed and scored against the index, with its reply channel: the same
@@ -67,6 +70,7 @@ pub fn route_job(
         token: RouteToken {
             reply: tx,
             request_id: String::new(),
+            call_id: 0,
         },
     };
     (job, rx)
@@ -118,6 +122,12 @@ pub enum SchedulerMsg {
     /// Replies whether the request was known.
     MarkPrefill(String, oneshot::Sender<bool>),
     Free(String, oneshot::Sender<bool>),
+    /// The caller of a route call kept another replica's answer (or none): drop ours, now
+    /// and if a copy of the call arrives later ([`kvrouter_protocol::Abandon`]).
+    Abandon {
+        request_id: String,
+        call_id: u64,
+    },
     /// `add_output_block`: replies whether the request was known.
     OutputBlock {
         request_id: String,
@@ -163,6 +173,14 @@ pub enum SchedulerMsg {
     Tick,
 }
 
+/// The answer to a copy of an abandoned call (its caller no longer listens).
+fn abandoned_reply() -> ErrorReply {
+    ErrorReply::new(
+        ErrorKind::Unavailable,
+        "this route call was abandoned by its caller (it kept another replica's answer)",
+    )
+}
+
 /// Maps a scheduling failure to the error a client sees.
 pub fn schedule_error_reply(e: &ScheduleError) -> ErrorReply {
     let kind = match e {
@@ -201,12 +219,18 @@ pub struct SchedulerState {
     /// Keys whose load series exist, so departed ones can be dropped.
     exported: FxHashSet<WorkerKey>,
     echo_window: Duration,
+    /// Route calls whose callers went elsewhere, by global request id.
+    abandoned: Abandoned,
 }
 
 impl SchedulerState {
     fn route(&mut self, mut job: RouteJob, now: Instant) {
         job.request_id = self.ids.global_id(&job.request_id);
         job.token.request_id.clone_from(&job.request_id);
+        if job.update_states && self.is_abandoned(&job.token, now) {
+            let _ = job.token.reply.send(Err(abandoned_reply()));
+            return;
+        }
         let result = self.core.route(
             &job.query(),
             &job.overlaps,
@@ -230,6 +254,12 @@ impl SchedulerState {
     /// nobody will free.
     fn answer(&mut self, token: RouteToken, result: Result<Selection, ScheduleError>) {
         let placed = result.is_ok();
+        // Queued while its caller abandoned it.
+        if placed && self.is_abandoned(&token, crate::clock::now()) {
+            self.core.free(&token.request_id);
+            let _ = token.reply.send(Err(abandoned_reply()));
+            return;
+        }
         let delivered = token
             .reply
             .send(result.map_err(|e| schedule_error_reply(&e)))
@@ -240,6 +270,49 @@ impl SchedulerState {
             } else if self.core.free(&token.request_id) {
                 tracing::debug!(model = %self.model, request_id = %token.request_id, "placed a request whose caller is gone: freed");
             }
+        }
+    }
+
+    /// Whether the call is a copy of one its caller abandoned (counted and logged if so).
+    fn is_abandoned(&mut self, token: &RouteToken, now: Instant) -> bool {
+        if !self
+            .abandoned
+            .contains(&token.request_id, token.call_id, now)
+        {
+            return false;
+        }
+        tracing::info!(model = %self.model, request_id = %token.request_id, "a route call arrived after its caller abandoned it (it asked another replica): not booked");
+        self.metrics
+            .routes_abandoned
+            .get_or_create(&self.labels)
+            .inc();
+        true
+    }
+
+    /// Drops our booking of an abandoned call (and of its prefill half), and remembers the
+    /// call so a late copy of it is turned away.
+    fn abandon(&mut self, request_id: &str, call_id: u64, now: Instant) {
+        self.abandoned
+            .insert(&self.ids.global_id(request_id), call_id, now);
+        let mut freed = 0;
+        for local in [
+            request_id.to_string(),
+            kvrouter_protocol::prefill_request_id(request_id),
+        ] {
+            if self.core.free(&self.ids.global_id(&local)) {
+                freed += 1;
+                if self.sync_out.is_some() {
+                    self.ids.freed(&local);
+                }
+            }
+        }
+        if freed > 0 {
+            tracing::info!(model = %self.model, request_id, "route booked for a caller that went elsewhere (its answer came too late or was lost): freed");
+            self.metrics
+                .routes_abandoned
+                .get_or_create(&self.labels)
+                .inc();
+            self.drain(now);
         }
     }
 
@@ -440,6 +513,7 @@ impl Actor for SchedulerActor {
             metrics: args.metrics,
             exported: FxHashSet::default(),
             echo_window,
+            abandoned: Abandoned::default(),
         })
     }
 
@@ -468,6 +542,10 @@ impl Actor for SchedulerActor {
                 let _ = reply.send(known);
                 state.drain(now);
             }
+            SchedulerMsg::Abandon {
+                request_id,
+                call_id,
+            } => state.abandon(&request_id, call_id, now),
             SchedulerMsg::Free(id, reply) => {
                 let known = state.core.free(&state.ids.global_id(&id));
                 if known && state.sync_out.is_some() {

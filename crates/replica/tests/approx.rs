@@ -59,6 +59,7 @@ fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     }
 }
 

@@ -6,8 +6,8 @@ use kvrouter_bus::Bus;
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    decode, encode, hashing::stored_sequence_hashes, ErrorKind, KvEvent, Reply, RouteRequest,
-    SeqChange, SequenceHash, StateChunk, StateQuery, Subjects, SyncBatch, WorkerKey,
+    decode, encode, hashing::stored_sequence_hashes, Abandon, ErrorKind, KvEvent, Reply,
+    RouteRequest, SeqChange, SequenceHash, StateChunk, StateQuery, Subjects, SyncBatch, WorkerKey,
 };
 use kvrouter_replica::{Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::SchedulerConfig;
@@ -355,6 +355,7 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     };
     // potential_loads answers for every rank, before and after a request is tracked.
     let overlap = kvrouter_protocol::OverlapRequest {
@@ -468,6 +469,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
             overrides: None,
             priority_jump: 0.0,
             expected_output_tokens: None,
+            call_id: 0,
         };
         decisions.push(client.route(&req).await.unwrap());
     }
@@ -565,6 +567,7 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     };
     for r in [4, 5] {
         let d = client.route(&pinned(10, Some(r))).await.unwrap();
@@ -885,6 +888,71 @@ async fn a_restarted_peer_instance_takes_its_old_requests_with_it() {
         0,
         "a never looked lost: its new instance told"
     );
+    for r in [a, b] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
+}
+
+/// A caller that abandons a route call (it asked another replica after a timeout) frees the
+/// booking everywhere but on the replica it kept, peers included; a copy of the call that
+/// arrives after the abandon is turned away, a new call for the same request id is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap();
+    let (a, b) = (synced(&bus).await, synced(&bus).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let subjects = client.subjects().clone();
+    let abandon = |id: &str, call_id: u64, kept_by: Option<String>| {
+        let (bus, subject) = (bus.clone(), subjects.abandon());
+        let msg = Abandon {
+            model: MODEL.into(),
+            request_id: id.into(),
+            call_id,
+            kept_by,
+        };
+        async move {
+            let bytes = encode(&msg).unwrap();
+            bus.publish(&subject, bytes.into()).await.unwrap();
+        }
+    };
+    let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
+    let mut req = route_request("q", prompt(1, 1, 4));
+    req.call_id = 7;
+    let d = client.route(&req).await.unwrap();
+    eventually("both see it", || active(&a) == 1 && active(&b) == 1).await;
+    // Kept where it was answered: nothing changes.
+    abandon("q", 7, Some(d.replica_id.clone())).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!((active(&a), active(&b)), (1, 1));
+    // Kept elsewhere: the booking goes, on the peer too.
+    abandon("q", 7, Some("another".into())).await;
+    eventually("freed everywhere", || active(&a) == 0 && active(&b) == 0).await;
+    let abandoned = |r: &Replica| gauge_sum(r, "kvrouter_replica_routes_abandoned_total");
+    assert_eq!(abandoned(&a) + abandoned(&b), 1);
+
+    // Abandoned before it arrives (the copy waited in a stopped replica's socket).
+    abandon("late", 9, None).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut late = route_request("late", prompt(2, 2, 4));
+    late.call_id = 9;
+    let refused = client.route(&late).await.unwrap_err();
+    assert!(
+        matches!(&refused, ClientError::Router(e) if e.kind == ErrorKind::Unavailable
+            && e.message.contains("abandoned")),
+        "{refused:?}"
+    );
+    late.call_id = 10;
+    let d = client.route(&late).await.unwrap();
+    eventually("the new call is booked everywhere", || {
+        active(&a) == 1 && active(&b) == 1
+    })
+    .await;
+    client.free(&d.replica_id, MODEL, "late").await.unwrap();
+    eventually("and freed", || active(&a) == 0 && active(&b) == 0).await;
     for r in [a, b] {
         r.shutdown().await;
     }

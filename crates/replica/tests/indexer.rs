@@ -91,6 +91,7 @@ fn route_req(tokens: Vec<u32>) -> RouteRequest {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     }
 }
 

@@ -169,6 +169,7 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
             overrides: None,
             priority_jump: 0.0,
             expected_output_tokens: None,
+            call_id: 0,
         })
         .await;
     assert!(pinned.is_err(), "{pinned:?}");
@@ -347,6 +348,7 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         overrides: None,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        call_id: 0,
     };
     for version in [MIN_READ_VERSION, FORMAT_VERSION] {
         let bytes = Bytes::from(encode_as(&req, version).unwrap());

@@ -95,13 +95,19 @@ fn filter() -> impl Strategy<Value = Filter> {
     ]
 }
 
+/// A listed key's tiers: never all zero, as the index lists only keys a lower tier extends
+/// (an all-zero entry would read as "holds nothing", where the shared prefix applies).
 fn tier_blocks() -> impl Strategy<Value = TierBlocks> {
-    (0u32..6, 0u32..6, 0u32..6, 0u32..4).prop_map(|(device, host, disk, shared)| TierBlocks {
-        device,
-        host,
-        disk,
-        shared,
-    })
+    (0u32..6, 0u32..6, 0u32..6, 0u32..4)
+        .prop_map(|(device, host, disk, shared)| TierBlocks {
+            device,
+            host,
+            disk,
+            shared,
+        })
+        .prop_filter("the index never lists a key holding nothing", |t| {
+            *t != TierBlocks::default()
+        })
 }
 
 fn weight() -> impl Strategy<Value = Option<f64>> {

@@ -138,6 +138,7 @@ impl RouteBody {
             overrides,
             priority_jump: self.priority_jump,
             expected_output_tokens: self.expected_output_tokens,
+            call_id: 0,
         })
     }
 }

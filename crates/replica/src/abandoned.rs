@@ -1,0 +1,105 @@
+//! Route calls their callers abandoned ([`kvrouter_protocol::Abandon`]): a caller that asked
+//! more than one replica keeps the answer it got, and a copy of the call that reaches this
+//! replica later (it was stopped, or its socket backed up) must not book load nobody frees.
+//!
+//! Remembered for [`KEEP`] by (request id, call id): a new call for the same request id (a
+//! frontend routing again around a failed worker) has a new call id and is not turned away.
+
+use rustc_hash::FxHashSet;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// How long an abandoned call is remembered: far longer than a copy of it can wait in a
+/// replica's socket before the stall watch turns it away anyway.
+pub const KEEP: Duration = Duration::from_secs(60);
+/// At most this many are remembered (the oldest go first): abandons are rare, a flood of
+/// them must not grow memory.
+const MAX: usize = 1 << 16;
+
+#[derive(Default)]
+pub struct Abandoned {
+    calls: FxHashSet<(String, u64)>,
+    order: VecDeque<(Instant, String, u64)>,
+}
+
+impl Abandoned {
+    /// Remembers call `call_id` of `request_id` as abandoned (call id 0 names no call).
+    pub fn insert(&mut self, request_id: &str, call_id: u64, now: Instant) {
+        self.expire(now);
+        if call_id == 0 || !self.calls.insert((request_id.to_string(), call_id)) {
+            return;
+        }
+        if self.order.len() == MAX {
+            if let Some((_, id, call)) = self.order.pop_front() {
+                self.calls.remove(&(id, call));
+            }
+        }
+        self.order.push_back((now, request_id.to_string(), call_id));
+    }
+
+    /// Whether this call was abandoned (within [`KEEP`]).
+    pub fn contains(&mut self, request_id: &str, call_id: u64, now: Instant) -> bool {
+        if call_id == 0 || self.calls.is_empty() {
+            return false;
+        }
+        self.expire(now);
+        // The set is keyed by owned strings; abandons are rare, so the lookup's allocation
+        // only happens while some are remembered.
+        self.calls.contains(&(request_id.to_string(), call_id))
+    }
+
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while let Some((at, ..)) = self.order.front() {
+            if now.saturating_duration_since(*at) < KEEP {
+                break;
+            }
+            if let Some((_, id, call)) = self.order.pop_front() {
+                self.calls.remove(&(id, call));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remembers_the_call_not_the_request_and_forgets_after_keep() {
+        let t0 = Instant::now();
+        let mut a = Abandoned::default();
+        a.insert("r1", 7, t0);
+        assert!(a.contains("r1", 7, t0 + Duration::from_secs(1)));
+        // Another call for the same request, another request, no call id: not abandoned.
+        assert!(!a.contains("r1", 8, t0));
+        assert!(!a.contains("r2", 7, t0));
+        a.insert("r3", 0, t0);
+        assert!(!a.contains("r3", 0, t0));
+        assert_eq!(a.len(), 1);
+        assert!(!a.contains("r1", 7, t0 + KEEP));
+        assert!(a.is_empty());
+    }
+
+    #[test]
+    fn holds_at_most_max_dropping_the_oldest() {
+        let t0 = Instant::now();
+        let mut a = Abandoned::default();
+        for i in 0..(MAX as u64 + 10) {
+            a.insert(&format!("r{i}"), i + 1, t0);
+        }
+        assert_eq!(a.len(), MAX);
+        assert_eq!(a.order.len(), MAX);
+        assert!(!a.contains("r0", 1, t0));
+        assert!(a.contains(&format!("r{}", MAX + 9), MAX as u64 + 10, t0));
+    }
+}

@@ -86,6 +86,11 @@ pub struct FleetArgs {
     #[arg(long, env = "KVROUTER_ACTIVE_PREFIX_CREDIT",
           default_value_t = kvrouter_scheduler::DEFAULT_ACTIVE_PREFIX_CREDIT)]
     active_prefix_credit: f64,
+    /// The replicas' cost: in-flight prefill tokens on a worker past this many count no
+    /// more (0: no cap).
+    #[arg(long, env = "KVROUTER_PREFILL_QUEUE_CAP_TOKENS",
+          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_QUEUE_CAP_TOKENS)]
+    prefill_queue_cap_tokens: u64,
     /// The replicas' request timeout: active requests never freed are dropped after this
     /// many (simulated) seconds. The replay frees every request, and under overload a
     /// request may queue in its engine for minutes: a shorter timeout would drop live load
@@ -226,6 +231,7 @@ fn replay(
             disk_cache_hit_weight: fleet.disk_cache_hit_weight,
             prefill_load_scale: fleet.prefill_load_scale,
             active_prefix_credit: fleet.active_prefix_credit,
+            prefill_queue_cap_tokens: fleet.prefill_queue_cap_tokens,
             request_timeout: crate::cli::serve::secs(
                 "request-timeout-secs",
                 fleet.request_timeout_secs,

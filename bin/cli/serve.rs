@@ -65,6 +65,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTER_ACTIVE_PREFIX_CREDIT",
           default_value_t = kvrouter_scheduler::DEFAULT_ACTIVE_PREFIX_CREDIT)]
     active_prefix_credit: f64,
+    /// In-flight prefill tokens on a worker rank past this many no longer count against it
+    /// in the cost: once every candidate has seconds of prefill queued, the cached prefix
+    /// decides, not the slightly shorter backlog. 0: no cap.
+    #[arg(long, env = "KVROUTER_PREFILL_QUEUE_CAP_TOKENS",
+          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_QUEUE_CAP_TOKENS)]
+    prefill_queue_cap_tokens: u64,
     /// 0: lowest cost wins; > 0: sample with probability ∝ exp(-(cost/max cost)/T).
     #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     router_temperature: f64,
@@ -205,6 +211,7 @@ impl ServeArgs {
             shared_cache_hit_weight: self.shared_cache_hit_weight,
             prefill_load_scale: self.prefill_load_scale,
             active_prefix_credit: self.active_prefix_credit,
+            prefill_queue_cap_tokens: self.prefill_queue_cap_tokens,
             temperature: self.router_temperature,
             busy_active_blocks_frac: self.busy_active_blocks_frac,
             busy_prefill_tokens: self.busy_prefill_tokens,

@@ -111,6 +111,10 @@ pub struct SchedulerConfig {
     /// evicted). The prediction lasts as long as that request is active; KV events confirm
     /// it meanwhile. 0 turns it off. ≥ 0.
     pub active_prefix_credit: f64,
+    /// In-flight prefill tokens on a key past this many no longer count against it in the
+    /// cost (0: no cap): once every candidate has seconds of prefill queued, the cached
+    /// prefix decides, not which backlog is a little shorter.
+    pub prefill_queue_cap_tokens: u64,
     /// 0: lowest cost wins (random tie-break). > 0: softmax sampling over normalised costs.
     pub temperature: f64,
     /// A key is busy when its active blocks ≥ `frac × capacity_blocks` (in (0, 1]).
@@ -149,6 +153,10 @@ pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 4.0;
 /// Default of [`SchedulerConfig::active_prefix_credit`] (chosen by replaying the shipped and
 /// generated traces; see docs/benchmarks.md).
 pub const DEFAULT_ACTIVE_PREFIX_CREDIT: f64 = 1.0;
+/// Default of [`SchedulerConfig::prefill_queue_cap_tokens`]: about 4 s of the mocker's prefill
+/// (60 µs a token), or a few seconds of a large model's on one GPU (chosen by replaying the
+/// shipped and generated traces; see docs/benchmarks.md).
+pub const DEFAULT_PREFILL_QUEUE_CAP_TOKENS: u64 = 65_536;
 /// Default credit of a shared-storage hit.
 pub const DEFAULT_SHARED_CACHE_HIT_WEIGHT: f64 = 0.25;
 
@@ -166,6 +174,7 @@ impl Default for SchedulerConfig {
             shared_cache_hit_weight: DEFAULT_SHARED_CACHE_HIT_WEIGHT,
             prefill_load_scale: DEFAULT_PREFILL_LOAD_SCALE,
             active_prefix_credit: DEFAULT_ACTIVE_PREFIX_CREDIT,
+            prefill_queue_cap_tokens: DEFAULT_PREFILL_QUEUE_CAP_TOKENS,
             temperature: 0.0,
             busy_active_blocks_frac: None,
             busy_prefill_tokens: None,

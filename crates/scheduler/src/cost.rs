@@ -9,7 +9,8 @@
 //!                + shared_cache_hit_weight * shared-storage extension
 //!                + active_prefix_credit * predicted extension
 //! prefill_blocks = max(request_blocks - credit, 0)
-//!                + in-flight prefill tokens on the key / block_size
+//!                + min(in-flight prefill tokens on the key, prefill_queue_cap_tokens)
+//!                  / block_size
 //! decode_blocks  = active blocks on the key
 //!                + the request's blocks (sequence hashes) not already active there
 //! cost           = prefill_load_scale * prefill_blocks + decode_blocks
@@ -18,6 +19,11 @@
 //! The predicted extension: leading prompt blocks past every cached tier that belong to a
 //! request active on the key (routed there and not freed): cached there by the time this
 //! request's prefill runs, though no KV event has said so yet.
+//!
+//! The cap (`prefill_queue_cap_tokens`, 0: none): past seconds of queued prefill on every
+//! candidate, a shorter queue drains no sooner than the work a cached prefix saves, so queue
+//! depth stops outweighing the cache (under overload, spreading off the cache holders loses
+//! the hits that set throughput).
 //!
 //! Temperature 0: the lowest cost wins, ties broken uniformly at random. Temperature
 //! `T > 0`: a key is drawn with probability ∝ `exp(-(cost / max_cost) / T)`.
@@ -35,6 +41,8 @@ pub struct CostParams {
     pub disk_cache_hit_weight: f64,
     pub shared_cache_hit_weight: f64,
     pub active_prefix_credit: f64,
+    /// In-flight prefill tokens past this many count no more (0: no cap).
+    pub prefill_queue_cap_tokens: u64,
 }
 
 impl CostParams {
@@ -91,7 +99,11 @@ pub fn key_cost(
 ) -> KeyCost {
     let uncached =
         (request_blocks as f64 - p.credit_with_predicted(&cached, active_prefix)).max(0.0);
-    let prefill_blocks = uncached + inflight_prefill_tokens as f64 / f64::from(p.block_size);
+    let queued = match p.prefill_queue_cap_tokens {
+        0 => inflight_prefill_tokens,
+        cap => inflight_prefill_tokens.min(cap),
+    };
+    let prefill_blocks = uncached + queued as f64 / f64::from(p.block_size);
     let decode_blocks = active_blocks + new_blocks;
     KeyCost {
         prefill_blocks,
@@ -192,6 +204,7 @@ mod tests {
         disk_cache_hit_weight: 0.25,
         shared_cache_hit_weight: 0.25,
         active_prefix_credit: 0.5,
+        prefill_queue_cap_tokens: 0,
     };
 
     #[test]
@@ -264,6 +277,35 @@ mod tests {
         };
         let c = key_cost(&p, 16, TierBlocks::default(), 10, 0, 0, 0);
         assert_eq!(c.prefill_blocks, 16.0);
+    }
+
+    #[test]
+    fn queued_prefill_past_the_cap_stops_counting() {
+        let p = CostParams {
+            prefill_queue_cap_tokens: 160, // 10 blocks
+            ..P
+        };
+        // Under the cap a queue counts whole; past it, only up to the cap.
+        assert_eq!(
+            key_cost(&p, 4, TierBlocks::default(), 0, 80, 0, 0).prefill_blocks,
+            9.0
+        );
+        assert_eq!(
+            key_cost(&p, 4, TierBlocks::default(), 0, 800, 0, 0).prefill_blocks,
+            14.0
+        );
+        // Two backlogged keys: the one holding the prefix wins however deep its queue ...
+        let holder = key_cost(&p, 4, TierBlocks::on_device(3), 0, 8000, 0, 0);
+        let other = key_cost(&p, 4, TierBlocks::default(), 0, 400, 0, 0);
+        assert!(holder.cost < other.cost);
+        // ... while without the cap the shorter queue would.
+        let holder = key_cost(&P, 4, TierBlocks::on_device(3), 0, 8000, 0, 0);
+        let other = key_cost(&P, 4, TierBlocks::default(), 0, 400, 0, 0);
+        assert!(holder.cost > other.cost);
+        // A key under the cap still beats a backlogged holder by the difference.
+        let idle = key_cost(&p, 4, TierBlocks::default(), 0, 0, 0, 0);
+        let holder = key_cost(&p, 4, TierBlocks::on_device(3), 0, 8000, 0, 0);
+        assert!(idle.cost < holder.cost);
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub use active::{KeyLoad, ReportedLoad, RequestId};
 pub use config::{
     QueuePolicy, RoutingPolicy, SchedulerConfig, DEFAULT_ACTIVE_PREFIX_CREDIT,
     DEFAULT_DISK_CACHE_HIT_WEIGHT, DEFAULT_HOST_CACHE_HIT_WEIGHT, DEFAULT_PREFILL_LOAD_SCALE,
-    DEFAULT_SHARED_CACHE_HIT_WEIGHT,
+    DEFAULT_PREFILL_QUEUE_CAP_TOKENS, DEFAULT_SHARED_CACHE_HIT_WEIGHT,
 };
 pub use error::ScheduleError;
 pub use queue::{Overloaded, Queued};

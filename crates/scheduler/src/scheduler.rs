@@ -84,6 +84,7 @@ impl<P> Scheduler<P> {
                 disk_cache_hit_weight: config.disk_cache_hit_weight,
                 shared_cache_hit_weight: config.shared_cache_hit_weight,
                 active_prefix_credit: config.active_prefix_credit,
+                prefill_queue_cap_tokens: config.prefill_queue_cap_tokens,
             },
             rng: Rng::with_seed(config.seed),
             queue: RequestQueue::new(config.max_queued_requests),

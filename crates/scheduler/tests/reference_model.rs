@@ -201,6 +201,8 @@ struct Cfg {
     prefill_load_scale: f64,
     /// Credit per predicted block (leading blocks active on the key, past its cached tiers).
     active_prefix_credit: f64,
+    /// In-flight prefill tokens past this count no more (0: no cap).
+    prefill_queue_cap: u64,
     busy_frac: Option<f64>,
     busy_prefill: Option<u64>,
     max_queued: usize,
@@ -215,6 +217,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         (
             prop::sample::select(vec![0.0, 0.5, 1.0, 3.0]),
             prop::sample::select(vec![0.0, 0.5, 1.0]),
+            prop::sample::select(vec![0u64, 0, 8, 24]),
         ),
         prop::option::of(prop::sample::select(vec![0.3, 0.5, 1.0])),
         prop::option::of(prop::sample::select(vec![6u64, 20])),
@@ -225,7 +228,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         .prop_map(
             |(
                 overlap_credit,
-                (prefill_load_scale, active_prefix_credit),
+                (prefill_load_scale, active_prefix_credit, prefill_queue_cap),
                 busy_frac,
                 busy_prefill,
                 max_queued,
@@ -236,6 +239,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
                     overlap_credit,
                     prefill_load_scale,
                     active_prefix_credit,
+                    prefill_queue_cap,
                     busy_frac,
                     busy_prefill,
                     max_queued,
@@ -459,8 +463,11 @@ impl Model {
             + o.disk_cache_hit_weight.unwrap_or(DISK_W) * f64::from(t.disk)
             + o.shared_cache_hit_weight.unwrap_or(SHARED_W) * f64::from(t.shared)
             + self.cfg.active_prefix_credit * f64::from(predicted);
-        let prefill =
-            (request_blocks - credit).max(0.0) + self.prefill_tokens(key) as f64 / f64::from(BS);
+        let queued = match self.cfg.prefill_queue_cap {
+            0 => self.prefill_tokens(key),
+            cap => self.prefill_tokens(key).min(cap),
+        };
+        let prefill = (request_blocks - credit).max(0.0) + queued as f64 / f64::from(BS);
         let mut set = self.active_set(key);
         set.extend(hashes.iter().copied());
         let decode = set.len() as u64 + self.output_blocks(key);
@@ -623,6 +630,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         overlap_credit: cfg.overlap_credit,
         prefill_load_scale: cfg.prefill_load_scale,
         active_prefix_credit: cfg.active_prefix_credit,
+        prefill_queue_cap_tokens: cfg.prefill_queue_cap,
         temperature: 0.0,
         busy_active_blocks_frac: cfg.busy_frac,
         busy_prefill_tokens: cfg.busy_prefill,

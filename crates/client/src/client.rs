@@ -266,8 +266,20 @@ impl KvRouterClient {
         model: &str,
         request_id: &str,
     ) -> Result<(), ClientError> {
+        self.free_retrying(replica_id, model, request_id, false)
+            .await
+    }
+
+    /// [`Self::free_until_delivered`]; `failed`: an earlier attempt failed already (it may
+    /// have landed).
+    async fn free_retrying(
+        &self,
+        replica_id: &str,
+        model: &str,
+        request_id: &str,
+        mut failed: bool,
+    ) -> Result<(), ClientError> {
         let deadline = tokio::time::Instant::now() + FREE_RETRY_FOR;
-        let mut failed = false;
         loop {
             let result = self.free(replica_id, model, request_id).await;
             let transient = result.as_ref().is_err_and(may_pass);
@@ -305,7 +317,9 @@ impl KvRouterClient {
                     request_id.to_string(),
                 );
                 tokio::spawn(async move {
-                    if let Err(e) = client.free_until_delivered(&replica, &model, &id).await {
+                    // The first attempt may have landed: `unknown_request` then means done.
+                    let retried = client.free_retrying(&replica, &model, &id, true).await;
+                    if let Err(e) = retried {
                         tracing::warn!(error = %e, replica_id = %replica, request_id = %id, "free never reached the replica: its request-timeout sweep frees the load");
                     }
                 });

@@ -146,18 +146,26 @@ impl KvRouterClient {
                 .as_ref()
                 .ok()
                 .map(|d: &RouteDecision| d.replica_id.clone());
-            self.abandon(&req, kept_by).instrument(span).await;
+            self.abandon(&req.model, &req.request_id, req.call_id, kept_by)
+                .instrument(span)
+                .await;
         }
         result
     }
 
-    /// Tells every replica but `kept_by` to drop its booking of the route call (best effort:
-    /// a lost one leaves the booking to the request-timeout sweep).
-    async fn abandon(&self, req: &RouteRequest, kept_by: Option<String>) {
+    /// Tells every replica but `kept_by` to drop its booking of the route call `call_id` of
+    /// `request_id` (best effort: a lost one leaves the booking to the request-timeout sweep).
+    pub(crate) async fn abandon(
+        &self,
+        model: &str,
+        request_id: &str,
+        call_id: u64,
+        kept_by: Option<String>,
+    ) {
         let abandon = Abandon {
-            model: req.model.clone(),
-            request_id: req.request_id.clone(),
-            call_id: req.call_id,
+            model: model.to_string(),
+            request_id: request_id.to_string(),
+            call_id,
             kept_by,
         };
         tracing::debug!(kept_by = ?abandon.kept_by, "a retried route may be booked elsewhere: abandoning it there");
@@ -170,7 +178,7 @@ impl KvRouterClient {
             Err(e) => Err(e.to_string()),
         };
         if let Err(e) = sent {
-            tracing::warn!(error = %e, request_id = %req.request_id, "could not abandon a retried route's other bookings: they stay until the replicas' request-timeout sweep");
+            tracing::warn!(error = %e, request_id, "could not abandon a retried route's other bookings: they stay until the replicas' request-timeout sweep");
         }
     }
 
@@ -345,7 +353,7 @@ impl KvRouterClient {
 
     /// [`Self::call_any`], and whether an attempt may have reached a replica that did not
     /// answer (it timed out, or the connection failed under it).
-    async fn call_any_counted<Req: Wire, T: Wire>(
+    pub(crate) async fn call_any_counted<Req: Wire, T: Wire>(
         &self,
         subject: &str,
         req: &Req,

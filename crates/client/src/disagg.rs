@@ -63,9 +63,22 @@ impl KvRouterClient {
             tokens = req.tokens.len(),
         );
         let subject = self.subjects.route_disagg();
-        self.call_any(&subject, req, req.tokens.len())
-            .instrument(span)
-            .await
+        let (result, unsure) = self
+            .call_any_counted(&subject, req, req.tokens.len())
+            .instrument(span.clone())
+            .await;
+        if unsure && req.update_states {
+            // No call id in a disaggregated request: bookings are freed, a late copy is left
+            // to the replicas' stall watch.
+            let kept_by = result
+                .as_ref()
+                .ok()
+                .map(|d: &DisaggDecision| d.replica_id.clone());
+            self.abandon(&req.model, &req.request_id, 0, kept_by)
+                .instrument(span)
+                .await;
+        }
+        result
     }
 
     /// Routes the request to a prefill and a decode worker (`update_states` on), runs the

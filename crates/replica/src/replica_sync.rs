@@ -266,6 +266,17 @@ impl ReplicaSync {
         });
     }
 
+    /// The core dropped a request by its global id (its worker went away, or the sweep):
+    /// if it is ours, peers are told, since their own view of the worker may differ (a
+    /// worker restarted within one replica's lease but not another's).
+    pub fn dropped_global(&mut self, global_id: &str) {
+        if Self::is_from(global_id, &self.replica_id) {
+            self.outbox.push(SeqChange::Free {
+                request_id: global_id.to_string(),
+            });
+        }
+    }
+
     pub fn pending(&self) -> usize {
         self.outbox.len()
     }

@@ -273,6 +273,15 @@ impl SchedulerState {
         }
     }
 
+    /// Tells peers about our requests the core dropped by itself (replica sync).
+    fn tell_dropped(&mut self, global_ids: &[String]) {
+        if self.sync_out.is_some() {
+            for id in global_ids {
+                self.ids.dropped_global(id);
+            }
+        }
+    }
+
     /// Whether the call is a copy of one its caller abandoned (counted and logged if so).
     fn is_abandoned(&mut self, token: &RouteToken, now: Instant) -> bool {
         if !self
@@ -592,12 +601,14 @@ impl Actor for SchedulerActor {
                 state.export_loads();
             }
             SchedulerMsg::RemoveKey(key) => {
-                state.core.remove_worker_key(key);
+                let dropped = state.core.remove_worker_key(key);
+                state.tell_dropped(&dropped);
                 state.forget(key);
                 state.drain(now);
             }
             SchedulerMsg::RemoveWorker(worker_id) => {
-                state.core.remove_worker(worker_id);
+                let dropped = state.core.remove_worker(worker_id);
+                state.tell_dropped(&dropped);
                 let gone: Vec<WorkerKey> = state
                     .exported
                     .iter()
@@ -676,7 +687,8 @@ impl Actor for SchedulerActor {
                 }
             }
             SchedulerMsg::Tick => {
-                state.core.sweep(now);
+                let swept = state.core.sweep(now);
+                state.tell_dropped(&swept);
                 if state.sync_out.is_some() {
                     state.expire_peers(now);
                 }

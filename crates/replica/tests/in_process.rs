@@ -958,3 +958,57 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
     }
     fleet.shutdown().await.unwrap();
 }
+
+/// A replica that drops one of its own requests by itself (here its request-timeout sweep;
+/// likewise when its view of a worker ends) tells its peers, whose own view or timeout may
+/// differ: otherwise they would hold the request until their sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_replica_drops_by_itself_leaves_its_peers_too() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap();
+    let config = |id: &str, timeout: Duration| ReplicaConfig {
+        replica_id: Some(id.to_string()),
+        sync: Some(SyncConfig::default()),
+        ..replica_config(SchedulerConfig {
+            request_timeout: timeout,
+            ..SchedulerConfig::default()
+        })
+    };
+    let a = Replica::start(config("a", Duration::from_secs(1)), bus.clone())
+        .await
+        .unwrap();
+    let b = Replica::start(config("b", Duration::from_secs(300)), bus.clone())
+        .await
+        .unwrap();
+    assert!(a.wait_ready(Duration::from_secs(5)).await);
+    assert!(b.wait_ready(Duration::from_secs(5)).await);
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
+    // Until `a` decides one (the queue group picks either); `b`'s are freed at once.
+    let mut on_a = false;
+    for i in 0..64u32 {
+        let id = format!("q{i}");
+        let d = client
+            .route(&route_request(&id, prompt(i, i, 4)))
+            .await
+            .unwrap();
+        if d.replica_id == "a" {
+            on_a = true;
+            break;
+        }
+        client.free("b", MODEL, &id).await.unwrap();
+    }
+    assert!(on_a, "replica a decided none of 64 routes");
+    eventually("b sees a's request", || active(&b) == 1).await;
+    // `a` sweeps it after 1 s; `b` would keep it for 300 s unless told.
+    eventually("swept on a, and so gone from b", || {
+        active(&a) == 0 && active(&b) == 0
+    })
+    .await;
+    for r in [a, b] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
+}

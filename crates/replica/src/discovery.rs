@@ -63,6 +63,10 @@ struct Entry {
 /// its refusal is logged once per this period, not on every re-announcement.
 pub const REFUSAL_MEMORY: Duration = Duration::from_secs(60);
 
+/// Checks of the leases this far apart mean this process was stopped or starved meanwhile
+/// (they run every 250 ms): the heartbeats sent during that time wait unread in its socket.
+pub const STALLED_CHECKS: Duration = Duration::from_secs(2);
+
 /// Live workers of one model.
 pub struct Discovery {
     model: String,
@@ -71,6 +75,8 @@ pub struct Discovery {
     workers: FxHashMap<WorkerId, Entry>,
     /// Refused instances and when they were first refused (pruned after REFUSAL_MEMORY).
     refused: FxHashMap<(WorkerId, Uuid), Instant>,
+    /// When the leases were last checked.
+    last_check: Option<Instant>,
 }
 
 impl Discovery {
@@ -82,6 +88,7 @@ impl Discovery {
             lease,
             workers: FxHashMap::default(),
             refused: FxHashMap::default(),
+            last_check: None,
         }
     }
 
@@ -289,8 +296,21 @@ impl Discovery {
         }
     }
 
-    /// Workers whose last registration or heartbeat is older than the lease.
+    /// Workers whose last registration or heartbeat is older than the lease. Time this
+    /// process did not run (checks [`STALLED_CHECKS`] or more apart) does not count against
+    /// them: their heartbeats of that time are still unread, and dropping every worker (its
+    /// index, its routed requests) on waking would be a storm of state fetches for nothing.
     pub fn expire(&mut self, now: Instant) -> Vec<Change> {
+        if let Some(gap) = self
+            .last_check
+            .map(|t| now.saturating_duration_since(t))
+            .filter(|gap| *gap >= STALLED_CHECKS)
+        {
+            for e in self.workers.values_mut() {
+                e.last_seen = (e.last_seen + gap).min(now);
+            }
+        }
+        self.last_check = Some(now);
         let lease = self.lease;
         let gone: Vec<WorkerId> = self
             .workers
@@ -447,6 +467,25 @@ mod tests {
             Change::WorkerRemoved { worker_id: 1, .. }
         ));
         assert_eq!(d.worker_count(), 1);
+    }
+
+    #[test]
+    fn a_stall_of_this_process_does_not_count_against_the_leases() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut d = Discovery::new("m", None, Duration::from_secs(3));
+        d.on_registration(&reg(1, 1, &[0]), t0);
+        // Checked every 250 ms, then nothing for 5 s (stopped): 2 s of the lease were used,
+        // 1 s is left after the stall.
+        for ms in (250..=2000).step_by(250) {
+            assert!(d.expire(at(ms)).is_empty());
+        }
+        assert!(d.expire(at(7000)).is_empty(), "the stall counted");
+        assert!(d.expire(at(7250)).is_empty());
+        assert!(d.expire(at(7750)).is_empty());
+        // No heartbeat read since: the rest of the lease runs out as usual.
+        let gone = d.expire(at(8250));
+        assert_eq!(gone.len(), 1, "{gone:?}");
     }
 
     #[test]

@@ -57,10 +57,10 @@ pub struct ChaosArgs {
     /// Retries of a failed request (route + generate) before it counts as failed.
     #[arg(long, env = "KVROUTER_MAX_RETRIES", default_value_t = 3)]
     pub max_retries: u32,
-    /// The replicas' --request-timeout-secs: the lease that reclaims a route booked for a
-    /// caller that never learned of it (its answer lost in a NATS restart or a stall) and so
-    /// never frees it; a checkpoint waits up to this for one (serve's default is 300).
-    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 10)]
+    /// The replicas' --request-timeout-secs, serve's default: the sweep of requests nobody
+    /// frees. A fleet that leaks none converges without it; a short one hides leaks as slow
+    /// convergence.
+    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 300)]
     pub request_timeout_secs: u64,
     /// Longest fault, in milliseconds (each lasts between an eighth of it and it).
     #[arg(long, env = "KVROUTER_MAX_DOWN_MS", default_value_t = 4000)]

@@ -77,9 +77,8 @@ pub struct ChaosConfig {
     pub speedup: f64,
     pub concurrency: usize,
     pub max_retries: u32,
-    /// The replicas' `--request-timeout-secs`: the lease that reclaims a route booked for a
-    /// caller that never learned of it (the answer lost in a NATS restart or a stall), which
-    /// nobody frees; a checkpoint waits up to this for one.
+    /// The replicas' `--request-timeout-secs` (serve's 300 s by default): the sweep of
+    /// requests nobody frees; shorter, it would hide leaks as slow convergence.
     pub request_timeout_secs: u64,
     /// How long a checkpoint polls for convergence.
     pub converge_timeout: Duration,
@@ -114,7 +113,7 @@ impl ChaosConfig {
             speedup: 100.0,
             concurrency: 4,
             max_retries: 3,
-            request_timeout_secs: 10,
+            request_timeout_secs: 300,
             converge_timeout: Duration::from_secs(30),
             stability: Duration::from_secs(1),
             quiet: Duration::from_secs(2),

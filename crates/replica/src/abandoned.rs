@@ -5,7 +5,7 @@
 //! Remembered for [`KEEP`] by (request id, call id): a new call for the same request id (a
 //! frontend routing again around a failed worker) has a new call id and is not turned away.
 
-use rustc_hash::FxHashSet;
+use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -16,25 +16,28 @@ pub const KEEP: Duration = Duration::from_secs(60);
 /// them must not grow memory.
 const MAX: usize = 1 << 16;
 
+/// Keyed by call id (random, so unique in practice) with the request id it belongs to: the
+/// lookup on every route allocates nothing.
 #[derive(Default)]
 pub struct Abandoned {
-    calls: FxHashSet<(String, u64)>,
-    order: VecDeque<(Instant, String, u64)>,
+    calls: FxHashMap<u64, String>,
+    order: VecDeque<(Instant, u64)>,
 }
 
 impl Abandoned {
     /// Remembers call `call_id` of `request_id` as abandoned (call id 0 names no call).
     pub fn insert(&mut self, request_id: &str, call_id: u64, now: Instant) {
         self.expire(now);
-        if call_id == 0 || !self.calls.insert((request_id.to_string(), call_id)) {
+        if call_id == 0 || self.calls.contains_key(&call_id) {
             return;
         }
         if self.order.len() == MAX {
-            if let Some((_, id, call)) = self.order.pop_front() {
-                self.calls.remove(&(id, call));
+            if let Some((_, call)) = self.order.pop_front() {
+                self.calls.remove(&call);
             }
         }
-        self.order.push_back((now, request_id.to_string(), call_id));
+        self.calls.insert(call_id, request_id.to_string());
+        self.order.push_back((now, call_id));
     }
 
     /// Whether this call was abandoned (within [`KEEP`]).
@@ -43,9 +46,7 @@ impl Abandoned {
             return false;
         }
         self.expire(now);
-        // The set is keyed by owned strings; abandons are rare, so the lookup's allocation
-        // only happens while some are remembered.
-        self.calls.contains(&(request_id.to_string(), call_id))
+        self.calls.get(&call_id).is_some_and(|id| id == request_id)
     }
 
     #[cfg(test)]
@@ -59,13 +60,12 @@ impl Abandoned {
     }
 
     fn expire(&mut self, now: Instant) {
-        while let Some((at, ..)) = self.order.front() {
-            if now.saturating_duration_since(*at) < KEEP {
+        while let Some(&(at, call)) = self.order.front() {
+            if now.saturating_duration_since(at) < KEEP {
                 break;
             }
-            if let Some((_, id, call)) = self.order.pop_front() {
-                self.calls.remove(&(id, call));
-            }
+            self.order.pop_front();
+            self.calls.remove(&call);
         }
     }
 }

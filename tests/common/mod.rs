@@ -1,12 +1,13 @@
-//! Helpers for end-to-end tests: the real binary and a real nats-server.
+//! What the root suites share: the real `kvrouter` binary (only this package knows its
+//! path) and the fleets the end-to-end tests start with it. Generic process, port, HTTP and
+//! NATS helpers come from `kvrouter-testkit`.
 
-#![allow(dead_code)]
+// Each suite uses its own part of it.
+#![allow(dead_code, unused_imports)]
 
-use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
 pub fn kvrouter() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvrouter"));
@@ -22,262 +23,21 @@ pub fn repo_file(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)
 }
 
-/// A nats-server on a free loopback port, stopped by PID when dropped.
-pub struct NatsServer {
-    child: Child,
-    pub port: u16,
+pub use kvrouter_testkit::{
+    free_port, free_ports, http_get, http_post, metric_sum_in, wait_until, NatsServer, Proc,
+};
+
+/// Starts `kvrouter ARGS`; stdout is piped (read it with [`Proc::first_line`]).
+pub fn kvrouter_proc(name: &str, args: &[&str]) -> Proc {
+    let mut cmd = kvrouter();
+    cmd.args(args);
+    spawn_proc(name, cmd)
 }
 
-impl NatsServer {
-    pub fn start() -> Self {
-        Self::start_with_args(&[])
-    }
-
-    /// Like [`NatsServer::start`], with extra nats-server arguments (e.g. `["--auth", "s3cret"]`).
-    /// A free port can be taken by another test before nats-server binds it: then it exits,
-    /// and we try again on another port.
-    pub fn start_with_args(args: &[&str]) -> Self {
-        for _ in 0..5 {
-            if let Some(server) = Self::try_start(free_port(), args) {
-                return server;
-            }
-        }
-        panic!("nats-server did not start on any of 5 free ports");
-    }
-
-    /// A nats-server on the given loopback port (e.g. to restart one where a stopped one ran).
-    pub fn start_on_port(port: u16, args: &[&str]) -> Self {
-        Self::try_start(port, args).unwrap_or_else(|| panic!("nats-server did not start on {port}"))
-    }
-
-    /// Starts nats-server and waits until it, not some other process, answers on `port`
-    /// (it is alive and the port speaks NATS); `None` if it exited or never answered.
-    fn try_start(port: u16, args: &[&str]) -> Option<Self> {
-        let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nats-server on PATH (scripts/test.sh installs it)");
-        let mut server = Self { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if !matches!(server.child.try_wait(), Ok(None)) {
-                return None;
-            }
-            if server.try_info().is_some_and(|l| l.starts_with("INFO")) {
-                // The probe is alive and answered: the port is ours unless the child just died.
-                if matches!(server.child.try_wait(), Ok(None)) {
-                    return Some(server);
-                }
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None // Drop kills it.
-    }
-
-    fn try_info(&self) -> Option<String> {
-        let stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        let mut line = String::new();
-        BufReader::new(stream).read_line(&mut line).ok()?;
-        Some(line)
-    }
-
-    pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// The server's INFO line, as a client sees it on connect.
-    pub fn info(&self) -> String {
-        self.try_info().expect("the INFO line")
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg(self.child.id().to_string())
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-/// A free loopback TCP port (for admin addresses).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// A running `kvrouter` process, killed (SIGKILL) by PID when dropped.
-pub struct Proc {
-    pub child: Child,
-    pub name: String,
-}
-
-impl Proc {
-    /// Starts `kvrouter ARGS`; stdout is piped (read it with [`Proc::first_line`]).
-    pub fn start(name: &str, args: &[&str]) -> Self {
-        let child = kvrouter()
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("kvrouter starts");
-        Self {
-            child,
-            name: name.to_string(),
-        }
-    }
-
-    /// Starts a prepared `kvrouter` command (from [`kvrouter`], with its own env or stderr);
-    /// stdout is piped.
-    pub fn spawn(name: &str, mut cmd: Command) -> Self {
-        let child = cmd.stdout(Stdio::piped()).spawn().expect("kvrouter starts");
-        Self {
-            child,
-            name: name.to_string(),
-        }
-    }
-
-    /// Waits up to `timeout` for the process to exit (after a signal, say).
-    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Whether the process is still running.
-    pub fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    /// The first line the process prints on stdout.
-    pub fn first_line(&mut self) -> String {
-        let out = self.child.stdout.take().expect("stdout piped");
-        let mut line = String::new();
-        BufReader::new(out).read_line(&mut line).expect("a line");
-        line
-    }
-
-    /// The first line the process prints on stdout, as JSON.
-    pub fn first_json(&mut self) -> serde_json::Value {
-        let line = self.first_line();
-        serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("{}: first line {line:?} is not JSON: {e}", self.name))
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub fn signal(&self, sig: &str) {
-        let _ = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status();
-    }
-
-    /// SIGKILL, then reap.
-    pub fn kill(mut self) {
-        self.signal("-KILL");
-        let _ = self.child.wait();
-    }
-
-    /// SIGTERM, then wait up to `timeout` for the exit status.
-    pub fn terminate(mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        self.signal("-TERM");
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            self.signal("-KILL");
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// `GET path` on a loopback port: (status code, body). (0, "") when nothing listens.
-pub fn http_get(port: u16, path: &str) -> (u16, String) {
-    http_call(
-        port,
-        &format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"),
-    )
-}
-
-/// `POST path` with a JSON body and extra headers on a loopback port: (status, body).
-/// (0, "") when nothing listens.
-pub fn http_post(port: u16, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-    let mut req = format!(
-        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    http_call(port, &req)
-}
-
-/// Sends one raw HTTP/1.1 request (with `Connection: close`) and reads the whole answer.
-fn http_call(port: u16, request: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    if s.write_all(request.as_bytes()).is_err() {
-        return (0, String::new());
-    }
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
-/// The first of `n` consecutive free loopback ports (engines that offset ports by rank).
-pub fn free_ports(n: u16) -> u16 {
-    loop {
-        let p = free_port();
-        if p < 60000 && (1..n).all(|i| TcpListener::bind(("127.0.0.1", p + i)).is_ok()) {
-            return p;
-        }
-    }
+/// Starts a prepared `kvrouter` command (from [`kvrouter`], with its own env or stderr);
+/// stdout is piped.
+pub fn spawn_proc(name: &str, cmd: Command) -> Proc {
+    Proc::spawn(name, cmd).unwrap_or_else(|e| panic!("{name}: kvrouter does not start: {e}"))
 }
 
 /// Gives nats-server time to read the EOF of a process just killed and drop its
@@ -285,20 +45,6 @@ pub fn free_ports(n: u16) -> u16 {
 /// member in that window is lost and its caller times out.
 pub fn let_nats_notice() {
     std::thread::sleep(Duration::from_millis(300));
-}
-
-/// Polls `f` every 50 ms until it returns true or `timeout` passes; returns the last answer.
-pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The model the end-to-end fleets serve, and their block size.
@@ -321,7 +67,7 @@ pub fn serve(nats: &NatsServer, id: &str, admin: u16, extra: &[&str]) -> Proc {
         &addr,
     ];
     args.extend_from_slice(extra);
-    Proc::start(id, &args)
+    kvrouter_proc(id, &args)
 }
 
 /// `kvrouter mocker --nats URL ARGS...`, named `name` in logs; waits for its start line.
@@ -329,7 +75,7 @@ pub fn mocker_with(nats: &NatsServer, name: &str, args: &[&str]) -> Proc {
     let url = nats.url();
     let mut all = vec!["mocker", "--nats", &url];
     all.extend_from_slice(args);
-    let mut p = Proc::start(name, &all);
+    let mut p = kvrouter_proc(name, &all);
     let line = p.first_line();
     assert!(line.contains("worker_ids"), "{name} start line: {line:?}");
     p
@@ -380,14 +126,7 @@ pub fn metrics(port: u16) -> String {
 
 /// The sum of a metric's series on a `/metrics` port (0 when absent).
 pub fn metric_sum(port: u16, name: &str) -> f64 {
-    metrics(port)
-        .lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    metric_sum_in(&metrics(port), name)
 }
 
 /// `blocks` full blocks of [`E2E_BLOCK`] tokens, distinct per `seed`.
@@ -445,6 +184,25 @@ impl E2eClient {
         wait_until(Duration::from_secs(10), || {
             (0..6).all(|_| self.overlap(tokens, key) == want)
         })
+    }
+
+    /// A plain route of `tokens` for [`E2E_MODEL`] (panics on an error).
+    pub fn route(&self, tokens: &[u32]) -> kvrouter_protocol::RouteDecision {
+        self.route_req(plain_route(tokens)).expect("route")
+    }
+
+    /// Routes `tokens` for [`E2E_MODEL`] (4 output tokens, on `pin` if given) and runs it on
+    /// the chosen worker to its end, as a frontend does.
+    pub fn generate(
+        &self,
+        tokens: &[u32],
+        pin: Option<kvrouter_protocol::Pin>,
+    ) -> kvrouter_client::GenerateOutcome {
+        let mut p = kvrouter_client::GenerateParams::new(E2E_MODEL, tokens.to_vec(), 4);
+        p.pin = pin;
+        self.rt
+            .block_on(self.client.generate(&p))
+            .expect("generate")
     }
 
     /// A plain route of `tokens` for [`E2E_MODEL`] (`None` on an error).
@@ -536,7 +294,7 @@ pub fn bridge_with(nats: &NatsServer, e: &EngineAt, admin: u16, extra: &[&str]) 
         args.extend_from_slice(&["--replay-endpoint", r]);
     }
     args.extend_from_slice(extra);
-    let mut p = Proc::start("bridge", &args);
+    let mut p = kvrouter_proc("bridge", &args);
     let id = p.first_json()["worker_id"].as_u64().expect("worker_id");
     (p, id)
 }

@@ -1,0 +1,4 @@
+//! The index against a reference model, and the sharded index.
+
+mod reference_model;
+mod sharded;

@@ -1,0 +1,10 @@
+//! Replicas in-process: routing, approximate mode, disaggregation, served indexers, peers,
+//! and replica sync against reference models.
+
+mod approx;
+mod disagg;
+mod in_process;
+mod indexer;
+mod peers;
+mod replica_sync_model;
+mod sync_model;

@@ -1,0 +1,35 @@
+//! The test kit: what tests and `kvrouter bench chaos` need to drive real processes. A real
+//! nats-server on a loopback port ([`NatsServer`]), child processes stopped by PID
+//! ([`Proc`]), free ports, blocking HTTP probes and Prometheus text sums. Blocking on
+//! purpose: tests call it from plain threads, async callers from `spawn_blocking`.
+//!
+//! Nothing here knows kvrouter's command line; the suites that start `kvrouter` build the
+//! command themselves (the binary's path is only known to the package that owns it).
+
+mod http;
+mod metrics;
+mod nats;
+mod ports;
+mod proc;
+
+pub use http::{dechunk, http_get, http_post};
+pub use metrics::metric_sum_in;
+pub use nats::{NatsError, NatsServer};
+pub use ports::{free_port, free_ports};
+pub use proc::Proc;
+
+use std::time::{Duration, Instant};
+
+/// Polls `f` every 50 ms until it returns true or `timeout` passes; returns the last answer.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

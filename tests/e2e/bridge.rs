@@ -1,0 +1,283 @@
+//! `kvrouter bridge` end to end: a stand-in engine publishing vLLM's ZMQ wire (Python,
+//! msgspec + pyzmq, tests/engines/fake_engine.py), the real bridge binary, real `serve`
+//! replicas and a real nats-server.
+
+use crate::common;
+
+use common::*;
+use kvrouter_protocol::{RouteRequest, WorkerKey};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 16;
+
+/// The stand-in engine, driven by JSON lines (see fake_engine.py).
+struct FakeEngine {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    zmq: u16,
+    replay: u16,
+    http: u16,
+}
+
+impl FakeEngine {
+    fn start(dp: u32, wire: &str) -> Self {
+        let (zmq, replay, http) = (free_ports(dp as u16), free_ports(dp as u16), free_port());
+        let script = repo_file("tests/engines/fake_engine.py");
+        let mut child = Command::new("python3")
+            .arg(&script)
+            .args([
+                "--zmq-port",
+                &zmq.to_string(),
+                "--replay-port",
+                &replay.to_string(),
+            ])
+            .args([
+                "--http-port",
+                &http.to_string(),
+                "--dp-size",
+                &dp.to_string(),
+            ])
+            .args(["--block-size", &BLOCK.to_string(), "--wire", wire])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 runs (source scripts/setup.sh for msgspec and pyzmq)");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(
+            line.contains("ready"),
+            "fake engine did not start: {line:?}"
+        );
+        Self {
+            child,
+            stdin,
+            stdout,
+            zmq,
+            replay,
+            http,
+        }
+    }
+
+    /// How a bridge finds it.
+    fn at(&self, dp: u32, replay: bool) -> EngineAt {
+        EngineAt {
+            kind: "vllm",
+            zmq: self.zmq,
+            replay: replay.then_some(self.replay),
+            http: self.http,
+            dp,
+            capacity_blocks: 1000,
+        }
+    }
+
+    fn cmd(&mut self, c: Value) -> Value {
+        writeln!(self.stdin, "{c}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+    }
+
+    fn store(&mut self, rank: u32, tokens: &[u32]) -> Vec<u64> {
+        let v = self.cmd(json!({"store": {"rank": rank, "tokens": tokens, "parent": null}}));
+        serde_json::from_value(v["hashes"].clone()).unwrap()
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    metric_sum_in(text, name) as u64
+}
+
+#[test]
+fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
+    let nats = NatsServer::start();
+    let mut engine = FakeEngine::start(2, "map");
+    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let _r2 = serve(&nats, "r2", a2, &[]);
+    let (_bridge, worker) = bridge(&nats, &engine.at(2, true), ab);
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert!(ready(a1) && ready(a2));
+    let client = E2eClient::new(&nats);
+    let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
+
+    // A prefix stored on rank 1 is seen there, in full, by the replicas.
+    let a = e2e_tokens(1, 4);
+    engine.store(1, &a);
+    assert!(client.overlap_becomes(&a, k1, 4));
+    assert_eq!(client.overlap(&a, k0), 0);
+    // A route goes there, and names the engine's HTTP address from the registration.
+    let d = client
+        .route_req(RouteRequest {
+            model: E2E_MODEL.into(),
+            request_id: String::new(),
+            tokens: a.clone(),
+            lora: None,
+            allowed_workers: None,
+            pin: None,
+            update_states: false,
+            extras: None,
+            excluded_workers: Vec::new(),
+            overrides: None,
+            priority_jump: 0.0,
+            expected_output_tokens: None,
+            call_id: 0,
+        })
+        .unwrap();
+    assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));
+    assert_eq!(d.base_url, format!("http://127.0.0.1:{}", engine.http));
+
+    // Two batches of rank 0 lost on the wire, then one more: the bridge replays the two.
+    // (The first batch a bridge sees is never a gap: rank 0 gets one before.)
+    let warm = e2e_tokens(9, 1);
+    engine.store(0, &warm);
+    assert!(client.overlap_becomes(&warm, k0, 1));
+    let (b, c, d) = (e2e_tokens(2, 3), e2e_tokens(3, 2), e2e_tokens(4, 2));
+    engine.cmd(json!({"drop": {"rank": 0, "count": 2}}));
+    engine.store(0, &b);
+    engine.store(0, &c);
+    engine.store(0, &d);
+    assert!(client.overlap_becomes(&b, k0, 3), "replayed batch B");
+    assert!(client.overlap_becomes(&c, k0, 2), "replayed batch C");
+    assert!(client.overlap_becomes(&d, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(metric(&m, "kvrouter_bridge_gaps_replayed_total"), 1, "{m}");
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 0, "{m}");
+
+    // The engine restarts (sequence numbers from 0, caches empty), seen first on rank 1:
+    // every rank's old blocks are gone everywhere, and rank 0's own restart signal (its
+    // next batch) is the same restart, not another.
+    engine.cmd(json!({"restart": {"rank": 1}}));
+    engine.cmd(json!({"restart": {"rank": 0}}));
+    let e = e2e_tokens(5, 2);
+    engine.store(1, &e);
+    assert!(
+        client.overlap_becomes(&a, k1, 0),
+        "restarted rank's old blocks"
+    );
+    assert!(client.overlap_becomes(&e, k1, 2));
+    assert!(
+        client.overlap_becomes(&b, k0, 0),
+        "the other rank's old blocks"
+    );
+    let f = e2e_tokens(6, 2);
+    engine.store(0, &f);
+    assert!(client.overlap_becomes(&f, k0, 2));
+    assert!(
+        client.overlap_becomes(&e, k1, 2),
+        "rank 1 kept after rank 0's signal"
+    );
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(
+        metric(&m, "kvrouter_bridge_engine_restarts_total"),
+        1,
+        "{m}"
+    );
+
+    // The engine's own load (its metrics, scraped by the bridge) reaches the replicas.
+    engine.cmd(json!({"load": {"rank": 0, "running": 2, "waiting": 5, "usage": 0.5}}));
+    let labels = format!("{{model=\"{E2E_MODEL}\",worker=\"{worker}\",dp_rank=\"0\"}}");
+    let waiting = format!("kvrouter_worker_reported_waiting_requests{labels} 5");
+    let blocks = format!("kvrouter_worker_reported_active_blocks{labels} 500");
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let m = metrics(a1);
+            m.contains(&waiting) && m.contains(&blocks)
+        }),
+        "{}",
+        metrics(a1)
+    );
+
+    // The engine's health check fails: its ranks leave routing within a second or so.
+    engine.cmd(json!({"health": false}));
+    let t = Instant::now();
+    assert!(wait_until(Duration::from_secs(5), || {
+        client.overlap(&f, k0) == 0 && client.overlap(&f, k0) == 0
+    }));
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "unroutable after {took:?}"
+    );
+    assert_eq!(http_get(ab, "/readyz").0, 503);
+    // Back: taken for a restart (a new instance), then rebuilt from the engine's replay
+    // buffer, which here still holds everything since sequence number 0 (this engine did not
+    // really restart): the blocks from before the failure are back, with the new ones.
+    engine.cmd(json!({"health": true}));
+    let g = e2e_tokens(7, 3);
+    assert!(wait_until(Duration::from_secs(10), || {
+        engine.store(0, &g);
+        client.overlap(&g, k0) == 3
+    }));
+    assert!(
+        client.overlap_becomes(&f, k0, 2),
+        "rebuilt from the replay buffer"
+    );
+    assert!(ready(ab));
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(
+        metric(&m, "kvrouter_bridge_engine_restarts_total"),
+        2,
+        "{m}"
+    );
+}
+
+#[test]
+fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
+    let nats = NatsServer::start();
+    let mut engine = FakeEngine::start(1, "array");
+    let (a1, ab) = (free_port(), free_port());
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let (bridge, worker) = bridge(&nats, &engine.at(1, false), ab);
+    assert!(ready(ab) && ready(a1));
+    let client = E2eClient::new(&nats);
+    let k0 = WorkerKey::new(worker, 0);
+
+    let a = e2e_tokens(1, 3);
+    engine.store(0, &a);
+    assert!(client.overlap_becomes(&a, k0, 3));
+    engine.cmd(json!({"drop": {"rank": 0, "count": 1}}));
+    engine.store(0, &e2e_tokens(2, 2));
+    let c = e2e_tokens(3, 2);
+    engine.store(0, &c);
+    // The rank was cleared, then the batch after the gap applied.
+    assert!(client.overlap_becomes(&a, k0, 0));
+    assert!(client.overlap_becomes(&c, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 1, "{m}");
+
+    // Malformed messages are counted by kind; the good batch after them still lands. (An
+    // unreadable payload loses what it held, so the rank is cleared once more.)
+    for kind in ["frames", "seq", "payload"] {
+        engine.cmd(json!({"garbage": {"rank": 0, "kind": kind}}));
+    }
+    let after = e2e_tokens(4, 2);
+    engine.store(0, &after);
+    assert!(client.overlap_becomes(&after, k0, 2));
+    let m = http_get(ab, "/metrics").1;
+    for kind in ["frames", "sequence", "payload"] {
+        let line = format!("kvrouter_bridge_malformed_total{{reason=\"{kind}\"}} 1");
+        assert!(m.contains(&line), "{line} in {m}");
+    }
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 2, "{m}");
+
+    // A killed bridge's worker leaves within its lease.
+    bridge.kill();
+    assert!(
+        wait_until(Duration::from_secs(10), || client.overlap(&after, k0) == 0),
+        "the worker of a killed bridge is still routable"
+    );
+}

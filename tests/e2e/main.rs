@@ -1,0 +1,16 @@
+//! End to end: the real binary as separate processes (replicas, mockers, bridges with
+//! emulated engines, the frontend) over a real nats-server, as a fleet runs.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod bridge;
+mod disagg;
+mod emulate;
+mod frontend;
+mod indexer;
+mod lifecycle;
+mod peer_api;
+mod readiness;
+mod replica;
+mod sync;

@@ -304,7 +304,101 @@ pub struct RouteRequest {
     pub call_id: u64,
 }
 
+/// Building a request: [`RouteRequest::new`] is a plain lookup (no request id, nothing
+/// booked, no filters, no hints); the `with_*` methods set the rest.
+///
+/// ```
+/// # use kvrouter_protocol::{Pin, RouteRequest};
+/// let lookup = RouteRequest::new("m", vec![1, 2, 3]);
+/// assert!(!lookup.update_states && lookup.request_id.is_empty());
+/// let booked = RouteRequest::new("m", vec![1, 2, 3])
+///     .booked("req-1")
+///     .with_pin(Pin { worker_id: 7, dp_rank: None })
+///     .with_expected_output_tokens(128);
+/// assert!(booked.update_states && booked.request_id == "req-1");
+/// ```
 impl RouteRequest {
+    /// A lookup of `tokens` for `model`: `update_states` false, every other field empty.
+    pub fn new(model: impl Into<String>, tokens: Vec<u32>) -> Self {
+        Self {
+            model: model.into(),
+            tokens,
+            ..Self::default()
+        }
+    }
+
+    /// Book the request as active load under `request_id` (`update_states`: `mark_prefill`
+    /// and `free` must follow).
+    pub fn booked(self, request_id: impl Into<String>) -> Self {
+        self.with_request_id(request_id).with_update_states(true)
+    }
+
+    /// Name the request (booked or not: see [`RouteRequest::with_update_states`]).
+    pub fn with_request_id(mut self, request_id: impl Into<String>) -> Self {
+        self.request_id = request_id.into();
+        self
+    }
+
+    /// Track the request as active load (`true`) or only look it up (`false`).
+    pub fn with_update_states(mut self, update_states: bool) -> Self {
+        self.update_states = update_states;
+        self
+    }
+
+    /// The LoRA adapter the prompt runs with (`None`: the base model).
+    pub fn with_lora(mut self, lora: impl Into<Option<String>>) -> Self {
+        self.lora = lora.into();
+        self
+    }
+
+    /// Only these workers may be chosen (`None`: any).
+    pub fn with_allowed_workers(mut self, allowed: impl Into<Option<Vec<WorkerId>>>) -> Self {
+        self.allowed_workers = allowed.into();
+        self
+    }
+
+    /// These workers must not be chosen.
+    pub fn with_excluded_workers(mut self, excluded: Vec<WorkerId>) -> Self {
+        self.excluded_workers = excluded;
+        self
+    }
+
+    /// Serve on this worker (and rank, if given), or not at all.
+    pub fn with_pin(mut self, pin: impl Into<Option<Pin>>) -> Self {
+        self.pin = pin.into();
+        self
+    }
+
+    /// What the engine's cache keys depend on besides the tokens.
+    pub fn with_extras(mut self, extras: impl Into<Option<PromptExtras>>) -> Self {
+        self.extras = extras.into();
+        self
+    }
+
+    /// This request's own cost settings, in place of the replica's.
+    pub fn with_overrides(mut self, overrides: impl Into<Option<RouteOverrides>>) -> Self {
+        self.overrides = overrides.into();
+        self
+    }
+
+    /// Seconds this request counts as having waited already when it must queue.
+    pub fn with_priority_jump(mut self, seconds: f64) -> Self {
+        self.priority_jump = seconds;
+        self
+    }
+
+    /// Output tokens the caller expects (their blocks count as decode load from the start).
+    pub fn with_expected_output_tokens(mut self, tokens: impl Into<Option<u32>>) -> Self {
+        self.expected_output_tokens = tokens.into();
+        self
+    }
+
+    /// The caller's id for this route call, the same on every retry of it (0: none).
+    pub fn with_call_id(mut self, call_id: u64) -> Self {
+        self.call_id = call_id;
+        self
+    }
+
     /// Why `priority_jump` is unusable, if it is.
     pub fn invalid_priority_jump(&self) -> Option<f64> {
         let j = self.priority_jump;
@@ -790,6 +884,88 @@ mod tests {
         );
         assert_eq!(err(""), "worker \"\" is not a worker id (a u64)");
         assert_eq!(err("-1"), "worker \"-1\" is not a worker id (a u64)");
+    }
+
+    #[test]
+    fn route_requests_build_from_a_plain_lookup() {
+        let lookup = RouteRequest::new("m", vec![1, 2, 3]);
+        assert_eq!(
+            lookup,
+            RouteRequest {
+                model: "m".into(),
+                request_id: String::new(),
+                tokens: vec![1, 2, 3],
+                lora: None,
+                allowed_workers: None,
+                pin: None,
+                update_states: false,
+                extras: None,
+                excluded_workers: Vec::new(),
+                overrides: None,
+                priority_jump: 0.0,
+                expected_output_tokens: None,
+                call_id: 0,
+            }
+        );
+        let pin = Pin {
+            worker_id: 7,
+            dp_rank: Some(1),
+        };
+        let extras = PromptExtras {
+            block_extras: Vec::new(),
+            cache_salt: Some("salt".into()),
+        };
+        let overrides = RouteOverrides {
+            temperature: Some(0.5),
+            ..RouteOverrides::default()
+        };
+        let full = RouteRequest::new("m", vec![4])
+            .booked("req-1")
+            .with_lora("adapter".to_string())
+            .with_allowed_workers(vec![7, 8])
+            .with_excluded_workers(vec![9])
+            .with_pin(pin)
+            .with_extras(extras.clone())
+            .with_overrides(overrides)
+            .with_priority_jump(2.5)
+            .with_expected_output_tokens(64)
+            .with_call_id(42);
+        assert_eq!(
+            full,
+            RouteRequest {
+                model: "m".into(),
+                request_id: "req-1".into(),
+                tokens: vec![4],
+                lora: Some("adapter".into()),
+                allowed_workers: Some(vec![7, 8]),
+                pin: Some(pin),
+                update_states: true,
+                extras: Some(extras),
+                excluded_workers: vec![9],
+                overrides: Some(overrides),
+                priority_jump: 2.5,
+                expected_output_tokens: Some(64),
+                call_id: 42,
+            }
+        );
+        // Options pass through as they are; a named but untracked request stays a lookup.
+        let named = RouteRequest::new("m", vec![])
+            .with_request_id("r")
+            .with_lora(None)
+            .with_pin(None)
+            .with_expected_output_tokens(None);
+        assert_eq!(
+            (named.request_id.as_str(), named.update_states),
+            ("r", false)
+        );
+        assert_eq!(
+            (named.lora, named.pin, named.expected_output_tokens),
+            (None, None, None)
+        );
+        let unbooked = RouteRequest::new("m", vec![])
+            .booked("r")
+            .with_update_states(false);
+        assert!(!unbooked.update_states);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! its own OS thread (`std::thread::sleep` is precise to tens of µs; the tokio timer ticks in
 //! milliseconds) and every request runs as its own task.
 
-use crate::percentile::percentile;
+use crate::stats::percentile;
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_protocol::RouteRequest;
 use serde::Serialize;
@@ -274,21 +274,8 @@ pub async fn run_route_latency(
         .spawn(move || {
             for i in 0..total {
                 let intended = intended_send_time(start, rate, i);
-                let req = RouteRequest {
-                    model: model.clone(),
-                    request_id: format!("bench-{i}"),
-                    tokens: prompts.next_prompt(),
-                    lora: None,
-                    allowed_workers: None,
-                    pin: None,
-                    update_states: false,
-                    extras: None,
-                    excluded_workers: Vec::new(),
-                    overrides: None,
-                    priority_jump: 0.0,
-                    expected_output_tokens: None,
-                    call_id: 0,
-                };
+                let req = RouteRequest::new(model.clone(), prompts.next_prompt())
+                    .with_request_id(format!("bench-{i}"));
                 let now = Instant::now();
                 if intended > now {
                     std::thread::sleep(intended - now);

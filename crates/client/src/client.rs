@@ -37,21 +37,7 @@ pub fn new_request_id() -> String {
 /// A route request for `tokens` that tracks the request as active load (`update_states`),
 /// with a fresh request id and no filters.
 pub fn route_request(model: impl Into<String>, tokens: Vec<u32>) -> RouteRequest {
-    RouteRequest {
-        model: model.into(),
-        request_id: new_request_id(),
-        tokens,
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: true,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    }
+    RouteRequest::new(model, tokens).booked(new_request_id())
 }
 
 /// A client of the kvrouter replicas of one namespace. Cheap to clone; share one per process.

@@ -125,21 +125,13 @@ impl KvRouterClient {
         let t0 = Instant::now();
         // Checked before routing, so a bad model name never leaves active load behind.
         let model_subjects = self.subjects.model(&params.model)?;
-        let route = RouteRequest {
-            model: params.model.clone(),
-            request_id: request_id.clone(),
-            tokens: params.tokens.clone(),
-            lora: params.lora.clone(),
-            allowed_workers: params.allowed_workers.clone(),
-            pin: params.pin,
-            update_states: true,
-            extras: None,
-            excluded_workers: Vec::new(),
-            overrides: None,
-            priority_jump: params.priority_jump,
-            expected_output_tokens: params.expected_output_tokens,
-            call_id: 0,
-        };
+        let route = RouteRequest::new(params.model.clone(), params.tokens.clone())
+            .booked(request_id.clone())
+            .with_lora(params.lora.clone())
+            .with_allowed_workers(params.allowed_workers.clone())
+            .with_pin(params.pin)
+            .with_priority_jump(params.priority_jump)
+            .with_expected_output_tokens(params.expected_output_tokens);
         let decision = self.route(&route).await?;
         let route_wall_us = micros(t0);
         tracing::debug!(

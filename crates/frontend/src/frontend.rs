@@ -212,24 +212,18 @@ impl Frontend {
             .input_tokens
             .get_or_create(&labels)
             .inc_by(tokens.len() as u64);
-        let mut route = RouteRequest {
-            model: model.name().to_string(),
-            request_id: request_id.to_string(),
-            tokens,
-            lora,
-            allowed_workers: req.router.allowed_workers.clone(),
-            pin: req.router.pin,
-            update_states: true,
-            extras: req.cache_salt.as_ref().map(|s| PromptExtras {
+        let mut route = RouteRequest::new(model.name(), tokens)
+            .booked(request_id.to_string())
+            .with_lora(lora)
+            .with_allowed_workers(req.router.allowed_workers.clone())
+            .with_pin(req.router.pin)
+            .with_extras(req.cache_salt.as_ref().map(|s| PromptExtras {
                 block_extras: Vec::new(),
                 cache_salt: Some(s.clone()),
-            }),
-            excluded_workers: Vec::new(),
-            overrides: req.router.overrides,
-            priority_jump: req.router.priority_jump,
-            expected_output_tokens: req.router.expected_output_tokens,
-            call_id: 0,
-        };
+            }))
+            .with_overrides(req.router.overrides)
+            .with_priority_jump(req.router.priority_jump)
+            .with_expected_output_tokens(req.router.expected_output_tokens);
         let mut body = req.rest.clone();
         body.insert("model".into(), req.model.clone().into());
         body.insert("stream".into(), true.into());

@@ -10,7 +10,7 @@ use http_body_util::BodyExt;
 use hyper::header::{HeaderName, HeaderValue};
 use kvrouter_client::{route_request, ClientError, GenerateParams, KvRouterClient};
 use kvrouter_frontend::upstream::{Upstream, UpstreamError};
-use kvrouter_protocol::{Pin, RouteRequest, WorkerId};
+use kvrouter_protocol::{Pin, WorkerId};
 use parking_lot::Mutex;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -244,11 +244,9 @@ impl Traffic {
     /// post it to the chosen engine naming the rank, `mark_prefill` once the answer starts,
     /// and `free` whatever happened.
     async fn on_engine(&self, params: &GenerateParams) -> Result<(), EngineFailure> {
-        let req = RouteRequest {
-            allowed_workers: params.allowed_workers.clone(),
-            pin: params.pin,
-            ..route_request(params.model.clone(), params.tokens.clone())
-        };
+        let req = route_request(params.model.clone(), params.tokens.clone())
+            .with_allowed_workers(params.allowed_workers.clone())
+            .with_pin(params.pin);
         let d = self
             .client
             .route(&req)

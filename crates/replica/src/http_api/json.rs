@@ -125,21 +125,17 @@ impl RouteBody {
             None if self.update_states => new_id(),
             None => String::new(),
         };
-        Ok(RouteRequest {
-            model: self.model,
-            request_id,
-            tokens: self.tokens,
-            lora: self.lora,
-            allowed_workers: self.allowed_workers,
-            pin,
-            update_states: self.update_states,
-            extras,
-            excluded_workers: self.excluded_workers.unwrap_or_default(),
-            overrides,
-            priority_jump: self.priority_jump,
-            expected_output_tokens: self.expected_output_tokens,
-            call_id: 0,
-        })
+        Ok(RouteRequest::new(self.model, self.tokens)
+            .with_request_id(request_id)
+            .with_update_states(self.update_states)
+            .with_lora(self.lora)
+            .with_allowed_workers(self.allowed_workers)
+            .with_excluded_workers(self.excluded_workers.unwrap_or_default())
+            .with_pin(pin)
+            .with_extras(extras)
+            .with_overrides(overrides)
+            .with_priority_jump(self.priority_jump)
+            .with_expected_output_tokens(self.expected_output_tokens))
     }
 }
 

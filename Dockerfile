@@ -3,6 +3,8 @@
 #   docker run --rm kvrouter:0.1.0 serve --help
 # Kubernetes manifests that use it: deploy/kubernetes (README.md, "Deploying").
 
+# The operator's set only: no benchmark or chaos commands (--no-default-features leaves out
+# the bench feature; docs/architecture.md, "The binary and its features").
 # The builder and the runtime share Debian 12 (bookworm), so the binary's glibc matches.
 ARG RUST_VERSION=1.95
 FROM rust:${RUST_VERSION}-slim-bookworm AS builder
@@ -12,7 +14,7 @@ COPY . .
 # out of the cached target directory.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --bin kvrouter \
+    cargo build --release --locked --no-default-features --bin kvrouter \
     && install -m 0755 target/release/kvrouter /usr/local/bin/kvrouter
 
 # glibc, libgcc and CA certificates, no shell; runs as uid 65532.

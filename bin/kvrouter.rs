@@ -42,6 +42,7 @@ enum Command {
     /// simulated fleet, kv routing against round robin, and print what kv bought.
     Demo(cli::replay::DemoArgs),
     /// Benchmarks.
+    #[cfg(feature = "bench")]
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
     /// Ask the router replicas for one routing decision; prints it as JSON.
@@ -84,6 +85,7 @@ fn main() -> std::process::ExitCode {
         Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
         Command::Bridge(args) => cli::block_on(cli::bridge::run(args)),
         Command::Frontend(args) => cli::block_on(cli::frontend::run(args)),
+        #[cfg(feature = "bench")]
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::replay::run_demo(args),
         Command::Route(args) => cli::block_on(cli::route::run(args)),

@@ -4,10 +4,11 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use kvrouter_bench::indexer_bench::{
     build_stream, measure_rss, median_figures, timed_run, transparent_huge_pages, IndexMode,
-    RssFigures, RunFigures, Spread,
+    RssFigures, RunFigures,
 };
 use kvrouter_bench::indexer_scale::{run_scale, ScaleConfig, ScaleFigures};
 use kvrouter_bench::indexer_stream::StreamConfig;
+use kvrouter_bench::stats::Spread;
 use kvrouter_bench::trace::load_trace;
 use kvrouter_bench::trace_gen::{generate, write_trace, ChatModel, TraceKind};
 use kvrouter_bench::trace_stats::TraceStats;
@@ -288,7 +289,7 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
         runs.push(r);
     }
     let m = median_figures(&runs).context("no runs")?;
-    let spread = |f: fn(&RunFigures) -> f64| Spread::of(&runs, f);
+    let spread = |f: fn(&RunFigures) -> f64| Spread::of(runs.iter().map(f));
     let spreads = serde_json::json!({
         "block_ops_per_s": spread(|r| r.block_ops_per_s),
         "lookup_p50_us": spread(|r| r.lookup_p50_us),
@@ -413,7 +414,7 @@ async fn indexer_scale(args: IndexerArgs) -> anyhow::Result<()> {
         );
         runs.push(f);
     }
-    let spread = |f: fn(&ScaleFigures) -> f64| Spread::of(&runs, f);
+    let spread = |f: fn(&ScaleFigures) -> f64| Spread::of(runs.iter().map(f));
     let report = serde_json::json!({
         "scale": cfg,
         "mode": args.mode,

@@ -96,7 +96,7 @@ fn print_report(r: &FrontendBenchReport) {
                 );
             }
         }
-        let s = |x: &kvrouter_bench::frontend_bench::Spread| {
+        let s = |x: &kvrouter_bench::stats::Spread| {
             format!("{:.0} / {:.0} / {:.0}", x.min, x.median, x.max)
         };
         println!(

@@ -1,11 +1,17 @@
 //! Subcommand implementations: argument parsing and output only; the work lives in crates/.
 
+#[cfg(feature = "bench")]
 pub mod bench;
+#[cfg(feature = "bench")]
 pub mod bench_bridge;
+#[cfg(feature = "bench")]
 pub mod bench_chaos;
+#[cfg(feature = "bench")]
 pub mod bench_frontend;
+#[cfg(feature = "bench")]
 pub mod bench_route;
 pub mod bridge;
+pub mod cost_args;
 pub mod frontend;
 pub mod generate;
 pub mod hash;

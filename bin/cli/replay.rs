@@ -1,20 +1,18 @@
-//! `kvrouter bench replay` and `kvrouter demo`: a trace through replicas and a mocker fleet.
+//! `kvrouter bench replay` and `kvrouter demo`: a trace through replicas and a mocker fleet
+//! (the work is kvrouter-replay's [`Experiment`]; this parses flags and prints).
 
-use anyhow::{bail, Context};
+use super::cost_args::CostArgs;
+use anyhow::Context;
 use clap::Args;
-use kvrouter_bench::replay::ideal::ideal_hit_rates;
-use kvrouter_bench::replay::plot::plot;
-use kvrouter_bench::replay::report::{
-    derived_slo_ttft_ms, render_table, summarize, ReplayReport, ReportSettings,
-};
-use kvrouter_bench::replay::requests::{build_requests, count_truncated, load_trace};
-use kvrouter_bench::replay::runner::{run_policy, virtual_runtime, ReplayConfig};
-use kvrouter_bench::replay::RunOutcome;
 use kvrouter_bus::NatsOptions;
+use kvrouter_replay::experiment::{Experiment, Progress, Slo};
+use kvrouter_replay::report::{render_table, ReplayReport};
+use kvrouter_replay::requests::load_trace;
+use kvrouter_replay::runner::ReplayConfig;
+use kvrouter_replay::RunOutcome;
 use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// The fleet, router and output flags `bench replay` and `demo` share.
 #[derive(Args, Clone, Debug)]
@@ -68,38 +66,15 @@ pub struct FleetArgs {
     /// Seed of the routers' tie-breaks (the replay is deterministic for a seed in-process).
     #[arg(long, env = "KVROUTER_SEED", default_value_t = 1)]
     seed: u64,
-    /// The replicas' cost: prefill blocks one cached block saves.
-    #[arg(long, env = "KVROUTER_OVERLAP_CREDIT", default_value_t = 1.0)]
-    overlap_credit: f64,
-    /// The replicas' cost: credit per block found in a worker's host memory.
-    #[arg(long, env = "KVROUTER_HOST_CACHE_HIT_WEIGHT", default_value_t = kvrouter_scheduler::DEFAULT_HOST_CACHE_HIT_WEIGHT)]
-    host_cache_hit_weight: f64,
-    /// The replicas' cost: credit per block found on a worker's disk.
-    #[arg(long, env = "KVROUTER_DISK_CACHE_HIT_WEIGHT", default_value_t = kvrouter_scheduler::DEFAULT_DISK_CACHE_HIT_WEIGHT)]
-    disk_cache_hit_weight: f64,
-    /// The replicas' cost: weight of prefill blocks against decode blocks.
-    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE",
-          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_LOAD_SCALE)]
-    prefill_load_scale: f64,
-    /// The replicas' cost: credit per predicted block (a leading prompt block of a request
-    /// active on the worker, not yet in the index); 0: off.
-    #[arg(long, env = "KVROUTER_ACTIVE_PREFIX_CREDIT",
-          default_value_t = kvrouter_scheduler::DEFAULT_ACTIVE_PREFIX_CREDIT)]
-    active_prefix_credit: f64,
-    /// The replicas' cost: in-flight prefill tokens on a worker past this many count no
-    /// more (0: no cap).
-    #[arg(long, env = "KVROUTER_PREFILL_QUEUE_CAP_TOKENS",
-          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_QUEUE_CAP_TOKENS)]
-    prefill_queue_cap_tokens: u64,
+    /// The replicas' cost (as `serve` takes it).
+    #[command(flatten)]
+    cost: CostArgs,
     /// The replicas' request timeout: active requests never freed are dropped after this
     /// many (simulated) seconds. The replay frees every request, and under overload a
     /// request may queue in its engine for minutes: a shorter timeout would drop live load
     /// from the routers' view.
     #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 3600.0)]
     request_timeout_secs: f64,
-    /// The replicas' sampling temperature (0: lowest cost wins).
-    #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
-    router_temperature: f64,
     /// The replicas share their active sequences, so each routes on the whole load.
     #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
     replica_sync: bool,
@@ -130,6 +105,7 @@ pub struct FleetArgs {
     json: bool,
 }
 
+#[cfg(feature = "bench")]
 #[derive(Args)]
 pub struct ReplayArgs {
     /// Mooncake-format trace (JSONL).
@@ -170,32 +146,26 @@ fn default_trace() -> PathBuf {
 }
 
 /// A one-line progress display on a terminal (stderr), nothing otherwise.
-struct Progress {
-    enabled: bool,
-}
-
-impl Progress {
-    fn new(quiet: bool) -> Self {
-        Self {
-            enabled: !quiet && std::io::stderr().is_terminal(),
-        }
-    }
-
-    fn show(&self, label: &str, done: usize, total: usize, started: Instant) {
-        if !self.enabled {
+fn progress_bar(quiet: bool) -> impl Fn(Progress) + Sync {
+    let enabled = !quiet && std::io::stderr().is_terminal();
+    move |p: Progress| {
+        if !enabled {
             return;
         }
         let width = 30;
-        let filled = done * width / total.max(1);
+        let filled = p.done * width / p.total.max(1);
         let mut err = std::io::stderr().lock();
         let _ = write!(
             err,
-            "\r{label:<28} [{}{}] {done}/{total} {:.0}s",
+            "\r{:<28} [{}{}] {}/{} {:.0}s",
+            p.label,
             "#".repeat(filled),
             "-".repeat(width - filled),
-            started.elapsed().as_secs_f64()
+            p.done,
+            p.total,
+            p.elapsed.as_secs_f64()
         );
-        if done == total {
+        if p.done == p.total {
             let _ = writeln!(err);
         }
         let _ = err.flush();
@@ -209,162 +179,74 @@ fn replay(
     rates: &[f64],
     fleet: &FleetArgs,
 ) -> anyhow::Result<(ReplayReport, Vec<RunOutcome>)> {
-    if policies.is_empty() || rates.is_empty() {
-        bail!("give at least one policy and one rate scale");
+    #[cfg(not(feature = "bench"))]
+    if fleet.plot.is_some() {
+        anyhow::bail!(
+            "--plot: this kvrouter was built without plots (the bench feature); build it with \
+             `cargo build --release` (default features)"
+        );
     }
     let trace = load_trace(trace_path, fleet.limit)
         .with_context(|| format!("cannot load the trace {}", trace_path.display()))?;
-    let config = ReplayConfig {
-        workers: fleet.workers,
-        dp_size: fleet.dp_size,
-        block_size: fleet.block_size,
-        capacity_blocks: fleet.capacity_blocks,
-        host_capacity_blocks: fleet.host_capacity_blocks,
-        disk_capacity_blocks: fleet.disk_capacity_blocks,
-        speedup: fleet.speedup,
-        replicas: fleet.replicas,
-        nats: fleet.nats.as_ref().map(NatsOptions::new),
-        seed: fleet.seed,
-        scheduler: SchedulerConfig {
-            overlap_credit: fleet.overlap_credit,
-            host_cache_hit_weight: fleet.host_cache_hit_weight,
-            disk_cache_hit_weight: fleet.disk_cache_hit_weight,
-            prefill_load_scale: fleet.prefill_load_scale,
-            active_prefix_credit: fleet.active_prefix_credit,
-            prefill_queue_cap_tokens: fleet.prefill_queue_cap_tokens,
-            request_timeout: crate::cli::serve::secs(
-                "request-timeout-secs",
-                fleet.request_timeout_secs,
+    let experiment = Experiment {
+        trace_name: trace_path.display().to_string(),
+        trace,
+        policies: policies.to_vec(),
+        rates: rates.to_vec(),
+        config: fleet.config()?,
+        slo: match fleet.slo_ttft_ms {
+            Some(ttft_ms) => Slo::Fixed { ttft_ms },
+            None => Slo::Derived {
+                factor: fleet.slo_factor,
+                base_rate_scale: fleet.slo_base_rate_scale,
+            },
+        },
+    };
+    Ok(experiment.run(&progress_bar(fleet.json))?)
+}
+
+impl FleetArgs {
+    fn config(&self) -> anyhow::Result<ReplayConfig> {
+        Ok(ReplayConfig {
+            workers: self.workers,
+            dp_size: self.dp_size,
+            block_size: self.block_size,
+            capacity_blocks: self.capacity_blocks,
+            host_capacity_blocks: self.host_capacity_blocks,
+            disk_capacity_blocks: self.disk_capacity_blocks,
+            speedup: self.speedup,
+            replicas: self.replicas,
+            nats: self.nats.as_ref().map(NatsOptions::new),
+            seed: self.seed,
+            scheduler: self.cost.apply(SchedulerConfig {
+                request_timeout: crate::cli::serve::secs(
+                    "request-timeout-secs",
+                    self.request_timeout_secs,
+                )?,
+                ..SchedulerConfig::default()
+            }),
+            no_kv_events: self.no_kv_events,
+            replica_sync: self.replica_sync,
+            replica_sync_echo: crate::cli::serve::millis(
+                "replica-sync-echo-ms",
+                self.replica_sync_echo_ms,
             )?,
-            temperature: fleet.router_temperature,
-            ..SchedulerConfig::default()
-        },
-        no_kv_events: fleet.no_kv_events,
-        replica_sync: fleet.replica_sync,
-        replica_sync_echo: crate::cli::serve::millis(
-            "replica-sync-echo-ms",
-            fleet.replica_sync_echo_ms,
-        )?,
-        serve_indexer_replicas: fleet.serve_indexer_replicas,
-        remote_indexer: fleet.remote_indexer,
-        expected_output: fleet.expected_output,
-        ..ReplayConfig::default()
-    };
-    config.validate()?;
-    if let Some(slo) = fleet.slo_ttft_ms {
-        if !(slo.is_finite() && slo > 0.0) {
-            bail!("--slo-ttft-ms must be a number above 0, got {slo}");
-        }
-    } else if !(fleet.slo_factor.is_finite() && fleet.slo_factor > 0.0) {
-        bail!(
-            "--slo-factor must be a number above 0, got {}",
-            fleet.slo_factor
-        );
+            serve_indexer_replicas: self.serve_indexer_replicas,
+            remote_indexer: self.remote_indexer,
+            expected_output: self.expected_output,
+            ..ReplayConfig::default()
+        })
     }
-    let progress = Progress::new(fleet.json);
-    let mut outcomes = Vec::new();
-    let mut ideals = None;
-    for &rate in rates {
-        let requests = build_requests(&trace, rate)?;
-        if ideals.is_none() {
-            ideals = Some(ideal_hit_rates(
-                &requests,
-                config.block_size,
-                config.fleet_capacity_blocks(),
-            ));
-        }
-        for &policy in policies {
-            let label = format!("{policy} x{rate}");
-            let started = Instant::now();
-            let total = requests.len();
-            let on_done = |n: usize| progress.show(&label, n, total, started);
-            let outcome = match config.nats {
-                None => virtual_runtime()?
-                    .block_on(run_policy(&config, policy, rate, &requests, &on_done)),
-                Some(_) => super::runtime()?
-                    .block_on(run_policy(&config, policy, rate, &requests, &on_done)),
-            }
-            .with_context(|| format!("replay with policy {policy} at rate x{rate} failed"))?;
-            outcomes.push(outcome);
-        }
-    }
-    // The default SLO: round robin's p90 TTFT, unloaded, on this trace, times a factor.
-    let slo_base = match fleet.slo_ttft_ms {
-        Some(_) => None,
-        None => {
-            let rate = fleet.slo_base_rate_scale;
-            let requests = build_requests(&trace, rate)?;
-            let rr = RoutingPolicy::RoundRobin;
-            let label = format!("slo base: {rr} x{rate}");
-            let started = Instant::now();
-            let total = requests.len();
-            let on_done = |n: usize| progress.show(&label, n, total, started);
-            let outcome =
-                match config.nats {
-                    None => virtual_runtime()?
-                        .block_on(run_policy(&config, rr, rate, &requests, &on_done)),
-                    Some(_) => super::runtime()?
-                        .block_on(run_policy(&config, rr, rate, &requests, &on_done)),
-                }
-                .with_context(|| format!("the SLO base run ({rr} at x{rate}) failed"))?;
-            let summary = summarize(&outcome, config.block_size);
-            let base = derived_slo_ttft_ms(&summary, fleet.slo_factor).with_context(|| {
-                format!(
-                    "over 10% of the SLO base run's requests ({rr} at x{rate}) failed: \
-                     give --slo-ttft-ms"
-                )
-            })?;
-            Some(base)
-        }
-    };
-    let slo_ttft_ms = match (&slo_base, fleet.slo_ttft_ms) {
-        (Some(b), _) => b.slo_ttft_ms(),
-        (None, Some(s)) => s,
-        (None, None) => unreachable!("a derived SLO or an explicit one"),
-    };
-    let settings = ReportSettings {
-        workers: fleet.workers as usize,
-        dp_size: fleet.dp_size,
-        block_size: fleet.block_size,
-        capacity_blocks: fleet.capacity_blocks as u64,
-        host_capacity_blocks: fleet.host_capacity_blocks as u64,
-        disk_capacity_blocks: fleet.disk_capacity_blocks as u64,
-        replicas: fleet.replicas,
-        speedup: if fleet.nats.is_some() {
-            fleet.speedup
-        } else {
-            0.0
-        },
-        slo_ttft_ms,
-        slo_base,
-        expected_output: fleet.expected_output,
-        bus: if fleet.nats.is_some() {
-            "nats"
-        } else {
-            "in-process"
-        }
-        .to_string(),
-        requests: trace.len(),
-        seed: fleet.seed,
-        truncated_requests: count_truncated(&trace),
-        serving_indexers: config.serving_indexers(),
-        replica_sync: config.replica_sync,
-        no_kv_events: config.no_kv_events,
-    };
-    let report = ReplayReport::from_outcomes(
-        trace_path.display().to_string(),
-        settings,
-        ideals.unwrap_or_default(),
-        &outcomes,
-    );
-    Ok((report, outcomes))
 }
 
 fn output(report: &ReplayReport, outcomes: &[RunOutcome], fleet: &FleetArgs) -> anyhow::Result<()> {
+    #[cfg(feature = "bench")]
     if let Some(path) = &fleet.plot {
-        plot(report, outcomes, path)
+        kvrouter_bench::plot::plot(report, outcomes, path)
             .with_context(|| format!("cannot plot to {}", path.display()))?;
     }
+    #[cfg(not(feature = "bench"))]
+    let _ = outcomes; // plots need the bench feature; `replay` refused --plot up front
     if fleet.json {
         println!("{}", serde_json::to_string(report)?);
     } else {
@@ -376,6 +258,7 @@ fn output(report: &ReplayReport, outcomes: &[RunOutcome], fleet: &FleetArgs) -> 
     Ok(())
 }
 
+#[cfg(feature = "bench")]
 pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
     let rates = match (args.rate_scale, args.rate_scales.is_empty()) {
         (Some(r), _) => vec![r],

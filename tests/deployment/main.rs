@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod image;
 mod k8s_manifests;
 mod nats_permissions;
 mod nats_url_credentials;

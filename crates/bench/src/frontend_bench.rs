@@ -14,6 +14,7 @@
 //! in the tail, not as a slower sender.
 
 use crate::route_latency::{intended_send_time, scheduled_count, us, LatencySummary, PromptSource};
+use crate::stats::Spread;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -121,28 +122,6 @@ pub struct PairRun {
     pub added_ttft_p50_us: i64,
     pub added_ttft_p99_us: i64,
     pub added_end_p99_us: i64,
-}
-
-/// Min, median and max of one figure over runs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Spread {
-    pub min: f64,
-    pub median: f64,
-    pub max: f64,
-}
-
-impl Spread {
-    pub fn of(mut v: Vec<f64>) -> Self {
-        v.sort_by(f64::total_cmp);
-        match v.len() {
-            0 => Self::default(),
-            n => Self {
-                min: v[0],
-                median: v[n / 2],
-                max: v[n - 1],
-            },
-        }
-    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -536,7 +515,7 @@ pub fn tokenize_figures(model: &ModelFiles, runs: usize, seed: u64) -> Vec<Token
             // One untimed pass (the tokenizer's caches, page faults).
             let _ = model.tokenizer().encode(&texts[0], true);
             let mut tokens = 0;
-            let per_1k = texts
+            let per_1k: Vec<f64> = texts
                 .iter()
                 .map(|t| {
                     let started = Instant::now();
@@ -549,7 +528,7 @@ pub fn tokenize_figures(model: &ModelFiles, runs: usize, seed: u64) -> Vec<Token
             TokenizeReport {
                 tokens: tokens / runs,
                 bytes: texts.iter().map(String::len).sum::<usize>() / runs,
-                us_per_1k_tokens: Spread::of(per_1k),
+                us_per_1k_tokens: Spread::of(per_1k).unwrap_or_default(),
             }
         })
         .collect()
@@ -606,8 +585,9 @@ pub async fn run_frontend_bench(
                 frontend,
             });
         }
-        let spread =
-            |f: fn(&PairRun) -> i64| Spread::of(runs.iter().map(|r| f(r) as f64).collect());
+        let spread = |f: fn(&PairRun) -> i64| {
+            Spread::of(runs.iter().map(|r| f(r) as f64)).unwrap_or_default()
+        };
         rates.push(RateReport {
             rate,
             added_ttft_p50_us: spread(|r| r.added_ttft_p50_us),
@@ -646,13 +626,6 @@ pub async fn run_frontend_bench(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn spreads_take_min_median_max() {
-        let s = Spread::of(vec![3.0, 1.0, 2.0]);
-        assert_eq!((s.min, s.median, s.max), (1.0, 2.0, 3.0));
-        assert_eq!(Spread::of(vec![]), Spread::default());
-    }
 
     #[test]
     fn texts_are_about_the_size_asked() {

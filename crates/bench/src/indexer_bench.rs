@@ -2,7 +2,7 @@
 //! request, and measure block ops/s, lookup latency and bytes per live (block, rank) pair.
 
 use crate::indexer_stream::{request_hashes, StreamBuilder, StreamConfig, StreamError};
-use crate::percentile::percentile;
+use crate::stats::{percentile, Spread};
 use crate::stream_file::{write_event, StreamFileError, StreamFileReader};
 use crate::trace::TraceReader;
 use kvrouter_indexer::{Index, IndexStats, ShardError, ShardedIndex, ShardedIndexConfig};
@@ -351,30 +351,10 @@ pub async fn measure_rss(
     }
 }
 
-/// Min, median and max of one figure over runs.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct Spread {
-    pub min: f64,
-    pub median: f64,
-    pub max: f64,
-}
-
-impl Spread {
-    pub fn of<R>(runs: &[R], f: impl Fn(&R) -> f64) -> Option<Self> {
-        let mut v: Vec<f64> = runs.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        Some(Self {
-            min: *v.first()?,
-            median: v[v.len() / 2],
-            max: *v.last()?,
-        })
-    }
-}
-
 /// Median of each figure over runs.
 pub fn median_figures(runs: &[RunFigures]) -> Option<RunFigures> {
     let first = runs.first()?.clone();
-    let med = |f: fn(&RunFigures) -> f64| Spread::of(runs, f).map_or(0.0, |s| s.median);
+    let med = |f: fn(&RunFigures) -> f64| Spread::of(runs.iter().map(f)).map_or(0.0, |s| s.median);
     Some(RunFigures {
         apply_secs: med(|r| r.apply_secs),
         block_ops_per_s: med(|r| r.block_ops_per_s),

@@ -8,10 +8,17 @@ pub mod frontend_bench;
 pub mod indexer_bench;
 pub mod indexer_scale;
 pub mod indexer_stream;
-mod percentile;
-pub mod replay;
+pub mod plot;
 pub mod route_latency;
 pub mod stream_file;
-pub mod trace;
 pub mod trace_gen;
 pub mod trace_stats;
+
+// The trace format, the replay and the statistics live in kvrouter-replay (the demo needs
+// them without the benches); re-exported so every bench names them the same way.
+pub use kvrouter_replay::{stats, trace};
+/// The replay experiment (kvrouter-replay) and its plots.
+pub mod replay {
+    pub use super::plot;
+    pub use kvrouter_replay::*;
+}

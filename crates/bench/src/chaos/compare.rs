@@ -140,17 +140,6 @@ impl FleetDiff {
     }
 }
 
-/// The sum of a metric's series in a Prometheus text page (0 when absent).
-pub fn metric_sum(page: &str, name: &str) -> f64 {
-    page.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,12 +223,5 @@ mod tests {
         assert!(f
             .describe()
             .contains("b: worker 7 rank 1 missing 2 extra 0"));
-    }
-
-    #[test]
-    fn metric_sums_add_every_series_of_the_name_only() {
-        let page = "# HELP x\nkvrouter_worker_active_requests{worker=\"1\"} 2\nkvrouter_worker_active_requests{worker=\"2\"} 3\nkvrouter_worker_active_requests_total 9\n";
-        assert_eq!(metric_sum(page, "kvrouter_worker_active_requests"), 5.0);
-        assert_eq!(metric_sum(page, "absent"), 0.0);
     }
 }

@@ -3,6 +3,7 @@
 
 use super::runner::ChaosConfig;
 use super::traffic::RouteFigures;
+use crate::stats::Spread;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -33,34 +34,6 @@ pub struct FaultResult {
     pub engine_prefixes_checked: usize,
     /// What differed at the checkpoint's first comparison ("none" when nothing did).
     pub initial_detail: String,
-}
-
-/// min / median / max, in milliseconds.
-#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
-pub struct Spread {
-    pub min: f64,
-    pub median: f64,
-    pub max: f64,
-}
-
-impl Spread {
-    pub fn of(values: &[f64]) -> Option<Self> {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        let median = if v.len() % 2 == 1 {
-            v[v.len() / 2]
-        } else {
-            (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-        };
-        Some(Self {
-            min: v[0],
-            median,
-            max: v[v.len() - 1],
-        })
-    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -141,10 +114,10 @@ impl ChaosReport {
             }),
             faults_injected,
             routes,
-            convergence_ms: Spread::of(&all),
+            convergence_ms: Spread::of(all.iter().copied()),
             convergence_ms_by_kind: by_kind
                 .into_iter()
-                .filter_map(|(k, v)| Some((k, Spread::of(&v)?)))
+                .filter_map(|(k, v)| Some((k, Spread::of(v)?)))
                 .collect(),
             faults_converged: converged,
             faults_unconverged: faults.len() - converged,
@@ -254,18 +227,5 @@ impl ChaosReport {
             }
         }
         s
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Spread;
-
-    #[test]
-    fn spreads_take_min_median_max() {
-        assert_eq!(Spread::of(&[]), None);
-        let s = Spread::of(&[3.0, 1.0, 2.0]).unwrap();
-        assert_eq!((s.min, s.median, s.max), (1.0, 2.0, 3.0));
-        assert_eq!(Spread::of(&[1.0, 4.0]).unwrap().median, 2.5);
     }
 }

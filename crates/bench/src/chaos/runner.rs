@@ -1,9 +1,9 @@
 //! The process-driving runner: starts the fleet, runs traffic, executes the [`Schedule`],
 //! and checks every replica against the truth at each checkpoint and at the end.
 
-use super::compare::{index_prefixes, metric_sum, truth_prefixes, FleetDiff, Prefixes};
+use super::compare::{index_prefixes, truth_prefixes, FleetDiff, Prefixes};
 use super::fleet::{
-    free_port, free_ports, http_get, BridgeProc, Engine, FleetError, Mocker, Nats, Proc, Replica,
+    http_get, kill, restart_nats, start_nats, BridgeProc, Engine, FleetError, Mocker, Replica,
 };
 use super::report::{ChaosReport, FaultResult};
 use super::schedule::{FaultKind, FleetShape, Schedule, Step, Timing};
@@ -15,6 +15,7 @@ use kvrouter_protocol::{
     decode, encode, fleet_subjects, ModelSubjects, Reply, StateChunk, StateQuery, Subjects,
     WorkerKey, FORMAT_VERSION,
 };
+use kvrouter_testkit::{free_port, free_ports, metric_sum_in, NatsServer, Proc};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -135,7 +136,7 @@ pub enum ChaosError {
 
 struct Run {
     cfg: ChaosConfig,
-    nats: Nats,
+    nats: NatsServer,
     replicas: Vec<Replica>,
     mockers: Vec<Mocker>,
     engines: Vec<Engine>,
@@ -167,7 +168,7 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
     }
     let wall = Instant::now();
     let log_dir = cfg.log_dir.clone();
-    let nats = Nats::start(log_dir.as_deref()).await?;
+    let nats = start_nats(log_dir.as_deref())?;
     let url = nats.url();
     let s = |x: &str| x.to_string();
     let mut mockers = Vec::new();
@@ -484,10 +485,8 @@ pub async fn run_chaos(cfg: ChaosConfig) -> Result<ChaosReport, ChaosError> {
 }
 
 /// A kill step: SIGKILL `name`'s process (if running).
-fn kill(proc: &mut Option<Proc>, name: &str) -> (String, Option<String>) {
-    if let Some(p) = proc.as_mut() {
-        p.kill();
-    }
+fn kill_step(proc: &mut Option<Proc>, name: &str) -> (String, Option<String>) {
+    kill(proc);
     (name.to_string(), None)
 }
 
@@ -505,7 +504,7 @@ impl Run {
         match step {
             Step::KillReplica(i) => {
                 let r = &mut self.replicas[*i];
-                kill(&mut r.proc, &r.id)
+                kill_step(&mut r.proc, &r.id)
             }
             Step::RestartReplica(i) => {
                 let r = &mut self.replicas[*i];
@@ -523,7 +522,7 @@ impl Run {
             }
             Step::PauseReplica(i) => {
                 let r = &mut self.replicas[*i];
-                if let Some(p) = &r.proc {
+                if let Some(p) = &mut r.proc {
                     p.pause();
                 }
                 r.paused = true;
@@ -531,7 +530,7 @@ impl Run {
             }
             Step::ResumeReplica(i) => {
                 let r = &mut self.replicas[*i];
-                if let Some(p) = &r.proc {
+                if let Some(p) = &mut r.proc {
                     p.resume();
                 }
                 r.paused = false;
@@ -542,17 +541,14 @@ impl Run {
                 ("nats-server".into(), None)
             }
             Step::StartNats => {
-                let note = self
-                    .nats
-                    .start_again()
-                    .await
+                let note = restart_nats(&mut self.nats)
                     .err()
                     .map(|e| format!("nats-server restart failed: {e}"));
                 ("nats-server".into(), note)
             }
             Step::KillMocker(j) => {
                 let m = &mut self.mockers[*j];
-                kill(&mut m.proc, &m.name)
+                kill_step(&mut m.proc, &m.name)
             }
             Step::RestartMocker(j) => {
                 let m = &mut self.mockers[*j];
@@ -561,7 +557,7 @@ impl Run {
             }
             Step::KillBridge(k) => {
                 let b = &mut self.bridges[*k];
-                kill(&mut b.proc, &b.name)
+                kill_step(&mut b.proc, &b.name)
             }
             Step::RestartBridge(k) => {
                 let b = &mut self.bridges[*k];
@@ -570,7 +566,7 @@ impl Run {
             }
             Step::KillEngine(k) => {
                 let e = &mut self.engines[*k];
-                kill(&mut e.proc, &e.name)
+                kill_step(&mut e.proc, &e.name)
             }
             Step::RestartEngine(k) => {
                 let e = &mut self.engines[*k];
@@ -780,8 +776,8 @@ impl Run {
             }
             diff.add_active(
                 &rep.id,
-                metric_sum(&page, ACTIVE_REQUESTS).max(0.0) as u64,
-                metric_sum(&page, ACTIVE_BLOCKS).max(0.0) as u64,
+                metric_sum_in(&page, ACTIVE_REQUESTS).max(0.0) as u64,
+                metric_sum_in(&page, ACTIVE_BLOCKS).max(0.0) as u64,
             );
         }
         diff
@@ -827,24 +823,16 @@ impl Run {
             ..
         } = self;
         for b in &mut bridges {
-            if let Some(p) = b.proc.as_mut() {
-                p.kill();
-            }
+            kill(&mut b.proc);
         }
         for e in &mut engines {
-            if let Some(p) = e.proc.as_mut() {
-                p.kill();
-            }
+            kill(&mut e.proc);
         }
         for r in &mut replicas {
-            if let Some(p) = r.proc.as_mut() {
-                p.kill();
-            }
+            kill(&mut r.proc);
         }
         for m in &mut mockers {
-            if let Some(p) = m.proc.as_mut() {
-                p.kill();
-            }
+            kill(&mut m.proc);
         }
         let _ = bus.flush_within(Duration::from_millis(500)).await;
         drop(bus);

@@ -10,8 +10,8 @@
 //! gives the same run every time. Over NATS the clock is real and `speedup` scales
 //! simulated time against it.
 
-use super::requests::ReplayRequest;
-use super::{ClusterCounters, LoadSample, RequestResult, RunOutcome};
+use crate::requests::ReplayRequest;
+use crate::{ClusterCounters, LoadSample, RequestResult, RunOutcome};
 use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};

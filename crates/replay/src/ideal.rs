@@ -14,7 +14,7 @@
 //!
 //! Hit rate = hits / prompt blocks (0 when there are no full blocks).
 
-use super::requests::ReplayRequest;
+use crate::requests::ReplayRequest;
 use kvrouter_protocol::hashing::{local_block_hashes, sequence_hashes};
 use lru::LruCache;
 use rustc_hash::{FxBuildHasher, FxHashSet};

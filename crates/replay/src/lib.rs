@@ -1,17 +1,23 @@
-//! `kvrouter bench replay`: a Mooncake trace through router replicas and a mocker fleet, per
-//! routing policy and arrival rate, against two ideal caches.
+//! A Mooncake trace through real router replicas and a simulated (mocker) fleet, per routing
+//! policy and arrival rate, against two ideal caches: the engine of `kvrouter demo` and of
+//! `kvrouter bench replay`. In-process on a virtual clock (exact, deterministic, as fast as
+//! the CPU allows) or over NATS in real time.
 //!
+//! - [`trace`]: the Mooncake trace format, read line by line with typed errors.
 //! - [`requests`]: trace records → prompts (each hash id stands for 512 deterministic tokens).
 //! - [`ideal`]: hit rates of an unlimited cache and of one LRU cache holding the fleet's capacity.
 //! - [`runner`]: starts the fleet and the replicas on a bus and replays the requests.
+//! - [`experiment`]: the rate × policy runs, the SLO base run, the report.
 //! - [`report`]: per-run summaries, goodput across rates, the table and the JSON.
-//! - [`plot`]: TTFT distributions and hit rates against the ideals (SVG or PNG).
+//! - [`stats`]: percentiles and min/median/max, for every bench.
 
+pub mod experiment;
 pub mod ideal;
-pub mod plot;
 pub mod report;
 pub mod requests;
 pub mod runner;
+pub mod stats;
+pub mod trace;
 
 use serde::Serialize;
 

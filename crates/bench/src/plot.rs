@@ -5,8 +5,8 @@
 //! font found at run time (DejaVu Sans, Liberation Sans, … in the usual system folders);
 //! a PNG cannot be drawn without one, an SVG leaves the glyphs to the viewer.
 
-use super::report::ReplayReport;
-use super::RunOutcome;
+use kvrouter_replay::report::ReplayReport;
+use kvrouter_replay::RunOutcome;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};

@@ -3,9 +3,9 @@
 //! [`ReplayReport`] is exactly what `--json` prints. Times in the report are milliseconds of
 //! simulated time; rates are fractions (0.37, not 37%).
 
-use super::ideal::Ideals;
-use super::{RequestResult, RunOutcome};
-use crate::percentile::percentile;
+use crate::ideal::Ideals;
+use crate::stats::percentile;
+use crate::{RequestResult, RunOutcome};
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -86,7 +86,7 @@ pub struct PolicySummary {
     pub uncached_prompt_tokens: u64,
     pub output_tokens: u64,
     pub duration_s: f64,
-    pub cluster: super::ClusterCounters,
+    pub cluster: crate::ClusterCounters,
     /// Over NATS: what the route calls cost (the decision, plus remote lookups if any);
     /// `None` on the virtual clock.
     pub route_wall_us: Option<RouteUs>,
@@ -767,7 +767,7 @@ pub fn render_table(report: &ReplayReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replay::LoadSample;
+    use crate::LoadSample;
 
     fn result(ttft_ms: u64, cached: u32, prompt: u32) -> RequestResult {
         RequestResult {

@@ -46,21 +46,9 @@ fn prompt(id: u32, blocks: u32) -> Vec<u32> {
 }
 
 fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
-    RouteRequest {
-        model: MODEL.into(),
-        request_id: id.into(),
-        tokens,
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    }
+    RouteRequest::new(MODEL, tokens)
+        .with_request_id(id)
+        .with_update_states(update_states)
 }
 
 async fn overlaps(client: &KvRouterClient, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {

@@ -248,10 +248,7 @@ async fn a_model_without_pools_refuses_disagg_and_routes_aggregated_over_all() {
         "no decode pool"
     );
     // No aggregated worker: a plain route uses the workers there are.
-    let req = RouteRequest {
-        update_states: false,
-        ..kvrouter_client::route_request(MODEL, prompt(1, 2))
-    };
+    let req = RouteRequest::new(MODEL, prompt(1, 2));
     assert!((100..102).contains(&client.route(&req).await.unwrap().worker_id));
     replica.shutdown().await;
     prefill.shutdown().await.unwrap();

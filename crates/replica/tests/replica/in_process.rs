@@ -342,21 +342,7 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
-    let req = |id: &str| RouteRequest {
-        model: MODEL.into(),
-        request_id: id.into(),
-        tokens: prompt(1, 1, 4),
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: true,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    };
+    let req = |id: &str| RouteRequest::new(MODEL, prompt(1, 1, 4)).booked(id);
     // potential_loads answers for every rank, before and after a request is tracked.
     let overlap = kvrouter_protocol::OverlapRequest {
         model: MODEL.into(),
@@ -456,21 +442,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let mut decisions = Vec::new();
     for i in 0..12u32 {
-        let req = RouteRequest {
-            model: MODEL.into(),
-            request_id: format!("q{i}"),
-            tokens: prompt(i, i, 4),
-            lora: None,
-            allowed_workers: None,
-            pin: None,
-            update_states: true,
-            extras: None,
-            excluded_workers: Vec::new(),
-            overrides: None,
-            priority_jump: 0.0,
-            expected_output_tokens: None,
-            call_id: 0,
-        };
+        let req = RouteRequest::new(MODEL, prompt(i, i, 4)).booked(format!("q{i}"));
         decisions.push(client.route(&req).await.unwrap());
     }
     let by: std::collections::HashSet<_> = decisions.iter().map(|d| d.replica_id.clone()).collect();
@@ -551,23 +523,11 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
         .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
-    let pinned = |w: u64, r: Option<u32>| RouteRequest {
-        model: MODEL.into(),
-        request_id: String::new(),
-        tokens: prompt(3, 3, 4),
-        lora: None,
-        allowed_workers: None,
-        pin: Some(kvrouter_protocol::Pin {
+    let pinned = |w: u64, r: Option<u32>| {
+        RouteRequest::new(MODEL, prompt(3, 3, 4)).with_pin(kvrouter_protocol::Pin {
             worker_id: w,
             dp_rank: r,
-        }),
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
+        })
     };
     for r in [4, 5] {
         let d = client.route(&pinned(10, Some(r))).await.unwrap();
@@ -697,13 +657,7 @@ async fn eventually(what: &str, mut ok: impl FnMut() -> bool) {
 }
 
 fn route_request(id: &str, tokens: Vec<u32>) -> RouteRequest {
-    RouteRequest {
-        model: MODEL.into(),
-        request_id: id.into(),
-        tokens,
-        update_states: true,
-        ..RouteRequest::default()
-    }
+    RouteRequest::new(MODEL, tokens).booked(id)
 }
 
 /// Expected output counts at once, reported output blocks grow it, and the peers see both;

@@ -78,21 +78,7 @@ async fn conflicting_indexer_settings_are_refused() {
 }
 
 fn route_req(tokens: Vec<u32>) -> RouteRequest {
-    RouteRequest {
-        model: MODEL.into(),
-        request_id: String::new(),
-        tokens,
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    }
+    RouteRequest::new(MODEL, tokens)
 }
 
 /// Two simulated workers (ids 10 and 11) of [`BLOCK`]-token blocks.

@@ -156,21 +156,9 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
     }
     // A pin to it is refused rather than routed blind.
     let pinned = client
-        .route(&RouteRequest {
-            model: MODEL.into(),
-            request_id: String::new(),
-            tokens: (0..2 * BLOCK).collect(),
-            lora: None,
-            allowed_workers: Some(vec![SILENT]),
-            pin: None,
-            update_states: false,
-            extras: None,
-            excluded_workers: Vec::new(),
-            overrides: None,
-            priority_jump: 0.0,
-            expected_output_tokens: None,
-            call_id: 0,
-        })
+        .route(
+            &RouteRequest::new(MODEL, (0..2 * BLOCK).collect()).with_allowed_workers(vec![SILENT]),
+        )
         .await;
     assert!(pinned.is_err(), "{pinned:?}");
     silent.abort();
@@ -335,21 +323,7 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
     let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let route = Subjects::new("kvrouter").unwrap().route();
-    let req = RouteRequest {
-        model: MODEL.into(),
-        request_id: String::new(),
-        tokens: (0..4 * BLOCK).collect(),
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    };
+    let req = RouteRequest::new(MODEL, (0..4 * BLOCK).collect());
     for version in [MIN_READ_VERSION, FORMAT_VERSION] {
         let bytes = Bytes::from(encode_as(&req, version).unwrap());
         let answer = bus

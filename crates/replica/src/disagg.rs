@@ -26,6 +26,7 @@ use kvrouter_protocol::{
     prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, ErrorReply, RouteDecision,
     Subjects, TransferReport, TransferSide, WorkerKey, WorkerRole, WorkerSubject,
 };
+use kvrouter_scheduler::RouteFilters;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -201,7 +202,7 @@ async fn route_disagg(
         overlaps,
         req.update_states,
     );
-    job.allowed_workers = Some(prefill_workers);
+    job.filters = RouteFilters::only_workers(prefill_workers);
     let pre = endpoints::schedule(shared, m, job, rx).await?;
     let undo_prefill = || {
         if req.update_states {
@@ -226,7 +227,7 @@ async fn route_disagg(
         Default::default(),
         req.update_states,
     );
-    job.allowed_keys = Some(candidates);
+    job.filters = RouteFilters::only_keys(candidates);
     let dec = match endpoints::schedule(shared, m, job, rx).await {
         Ok(d) => d,
         Err(e) => {

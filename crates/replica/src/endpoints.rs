@@ -10,10 +10,10 @@ use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
     prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, LocalBlockHash,
-    OutputBlock, OverlapRequest, OverlapScoresReply, Pin, PotentialLoad, PromptExtras,
-    RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier, WorkerKey,
+    OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad, PromptExtras, RequestUpdate,
+    RouteDecision, RouteRequest, SequenceHash, Tier,
 };
-use kvrouter_scheduler::Selection;
+use kvrouter_scheduler::{RouteFilters, Selection};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -300,17 +300,6 @@ pub(crate) async fn route(
         Some(r) if req.update_states => Some((r, local, seq.clone())),
         _ => None,
     };
-    let (pinned, pinned_worker) = match req.pin {
-        Some(Pin {
-            worker_id,
-            dp_rank: Some(r),
-        }) => (Some(WorkerKey::new(worker_id, r)), None),
-        Some(Pin {
-            worker_id,
-            dp_rank: None,
-        }) => (None, Some(worker_id)),
-        None => (None, None),
-    };
     let (mut job, rx) = route_job(
         req.request_id,
         req.tokens.len(),
@@ -320,10 +309,9 @@ pub(crate) async fn route(
     );
     job.token.call_id = req.call_id;
     // Aggregated workers only, when the model also has prefill/decode ones.
-    job.allowed_workers =
-        aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
-    (job.pinned, job.pinned_worker) = (pinned, pinned_worker);
-    (job.excluded_workers, job.overrides) = (req.excluded_workers, overrides);
+    let allowed = aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
+    job.filters = RouteFilters::from_request(allowed, req.excluded_workers, req.pin);
+    job.overrides = overrides;
     (job.priority_jump, job.expected_output_tokens) =
         (req.priority_jump, req.expected_output_tokens);
     drop(_span);

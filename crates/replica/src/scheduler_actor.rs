@@ -39,7 +39,7 @@ pub struct RouteToken {
 /// value waits in the core's queue when every worker is busy.
 pub type RouteJob = Queued<RouteToken>;
 
-/// A route job with no filter (set `allowed_workers`, `pinned` ... on it as needed), and
+/// A route job with no filter (set its `filters` as needed), and
 /// where its answer will arrive.
 pub fn route_job(
     request_id: String,
@@ -53,11 +53,7 @@ pub fn route_job(
         request_id,
         prompt_tokens,
         sequence_hashes,
-        allowed_workers: None,
-        pinned: None,
-        pinned_worker: None,
-        allowed_keys: None,
-        excluded_workers: Vec::new(),
+        filters: Default::default(),
         overrides: Default::default(),
         overlaps: overlaps.scores,
         lower_tiers: overlaps.tiers,

@@ -223,6 +223,17 @@ impl ActiveSequences {
         self.index.get(&key).copied()
     }
 
+    /// The slot of a pinned key: an unknown worker or rank is its own error.
+    pub fn pinned_slot(&self, key: WorkerKey) -> Result<Slot, ScheduleError> {
+        if !self.has_worker(key.worker_id) {
+            return Err(ScheduleError::UnknownWorker(key.worker_id));
+        }
+        self.slot_of(key).ok_or(ScheduleError::InvalidRank {
+            worker_id: key.worker_id,
+            dp_rank: key.dp_rank,
+        })
+    }
+
     pub fn has_worker(&self, worker_id: WorkerId) -> bool {
         self.workers.contains_key(&worker_id)
     }

@@ -4,7 +4,8 @@
 //! for a given [`SchedulerConfig::seed`]. One [`Scheduler`] per model, owned by an actor.
 //!
 //! For each route request ([`Scheduler::route`] / [`Scheduler::select`]):
-//! 1. **Filters**: allowed worker ids, pinned worker key, pinned worker (any rank).
+//! 1. **Filters** ([`RouteFilters`]): allowed worker ids, excluded worker ids, pinned worker
+//!    key, pinned worker (any rank), allowed keys.
 //!    Errors: [`ScheduleError::NoWorkers`], [`ScheduleError::NoAllowedWorkers`],
 //!    [`ScheduleError::UnknownWorker`], [`ScheduleError::InvalidRank`].
 //! 2. **Busy thresholds**: keys whose active blocks reach `busy_active_blocks_frac ×
@@ -28,6 +29,7 @@ mod config;
 pub mod cost;
 mod echo;
 mod error;
+mod filters;
 mod queue;
 mod route_query;
 mod scheduler;
@@ -39,6 +41,7 @@ pub use config::{
     DEFAULT_PREFILL_QUEUE_CAP_TOKENS, DEFAULT_SHARED_CACHE_HIT_WEIGHT,
 };
 pub use error::ScheduleError;
+pub use filters::{FilterView, RouteFilters};
 pub use queue::{Overloaded, Queued};
 pub use route_query::RouteQuery;
 pub use scheduler::{PotentialLoad, Scheduler, Selection};

@@ -2,8 +2,9 @@
 
 use crate::active::RequestId;
 use crate::error::ScheduleError;
+use crate::filters::RouteFilters;
 use crate::route_query::RouteQuery;
-use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerKey};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -14,11 +15,8 @@ pub struct Queued<P> {
     pub request_id: RequestId,
     pub prompt_tokens: usize,
     pub sequence_hashes: Vec<SequenceHash>,
-    pub allowed_workers: Option<Vec<WorkerId>>,
-    pub pinned: Option<WorkerKey>,
-    pub pinned_worker: Option<WorkerId>,
-    pub allowed_keys: Option<Vec<WorkerKey>>,
-    pub excluded_workers: Vec<WorkerId>,
+    /// Where it may go.
+    pub filters: RouteFilters,
     pub overrides: RouteOverrides,
     /// Sparse overlaps (keys with overlap > 0) as seen when the request arrived.
     pub overlaps: Vec<(WorkerKey, u32)>,
@@ -49,11 +47,7 @@ impl<P> Queued<P> {
             request_id,
             prompt_tokens: query.prompt_tokens,
             sequence_hashes: query.sequence_hashes.to_vec(),
-            allowed_workers: query.allowed_workers.map(<[WorkerId]>::to_vec),
-            pinned: query.pinned,
-            pinned_worker: query.pinned_worker,
-            allowed_keys: query.allowed_keys.map(<[WorkerKey]>::to_vec),
-            excluded_workers: query.excluded_workers.to_vec(),
+            filters: query.filters().to_filters(),
             overrides: query.overrides,
             overlaps: overlaps.to_vec(),
             lower_tiers: query.lower_tiers.to_vec(),
@@ -72,17 +66,14 @@ impl<P> Queued<P> {
         RouteQuery {
             prompt_tokens: self.prompt_tokens,
             sequence_hashes: &self.sequence_hashes,
-            allowed_workers: self.allowed_workers.as_deref(),
-            pinned: self.pinned,
-            pinned_worker: self.pinned_worker,
-            allowed_keys: self.allowed_keys.as_deref(),
-            excluded_workers: &self.excluded_workers,
             overrides: self.overrides,
             lower_tiers: &self.lower_tiers,
             shared_blocks: self.shared_blocks,
             priority_jump: self.priority_jump,
             expected_output_tokens: self.expected_output_tokens,
+            ..RouteQuery::default()
         }
+        .with_filters(self.filters.view())
     }
 }
 

@@ -1,8 +1,11 @@
 //! A request to place: prompt, block hashes and the filters narrowing where it may go.
 
+use crate::filters::FilterView;
 use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 
-/// A request to place.
+/// A request to place. Its five filter fields are one [`crate::RouteFilters`] borrowed
+/// ([`RouteQuery::filters`], [`RouteQuery::with_filters`]); they stay plain fields so a
+/// test or a caller can set one filter alone.
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
 pub struct RouteQuery<'a> {
     /// Prompt length in tokens.
@@ -45,13 +48,32 @@ impl<'a> RouteQuery<'a> {
         }
     }
 
+    /// The query with these filters (in place of its own).
+    pub fn with_filters(self, f: FilterView<'a>) -> Self {
+        Self {
+            allowed_workers: f.allowed_workers,
+            excluded_workers: f.excluded_workers,
+            pinned: f.pinned,
+            pinned_worker: f.pinned_worker,
+            allowed_keys: f.allowed_keys,
+            ..self
+        }
+    }
+
+    /// The query's filters.
+    pub fn filters(&self) -> FilterView<'a> {
+        FilterView {
+            allowed_workers: self.allowed_workers,
+            excluded_workers: self.excluded_workers,
+            pinned: self.pinned,
+            pinned_worker: self.pinned_worker,
+            allowed_keys: self.allowed_keys,
+        }
+    }
+
     /// True if any filter (allowed, excluded or pinned workers, allowed or pinned keys) is
     /// set.
     pub fn is_filtered(&self) -> bool {
-        self.allowed_workers.is_some()
-            || !self.excluded_workers.is_empty()
-            || self.pinned.is_some()
-            || self.pinned_worker.is_some()
-            || self.allowed_keys.is_some()
+        self.filters().is_filtered()
     }
 }

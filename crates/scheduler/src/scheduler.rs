@@ -307,7 +307,7 @@ impl<P> Scheduler<P> {
         prefill_tokens: u64,
         now: Instant,
     ) -> Result<(), ScheduleError> {
-        let slot = self.slot_for_pinned(key)?;
+        let slot = self.active.pinned_slot(key)?;
         self.active
             .add(request_id, slot, sequence_hashes, prefill_tokens, 0, now)
     }
@@ -455,70 +455,9 @@ impl<P> Scheduler<P> {
 
     // ---- internals -------------------------------------------------------------------
 
-    fn slot_for_pinned(&self, key: WorkerKey) -> Result<Slot, ScheduleError> {
-        if !self.active.has_worker(key.worker_id) {
-            return Err(ScheduleError::UnknownWorker(key.worker_id));
-        }
-        self.active.slot_of(key).ok_or(ScheduleError::InvalidRank {
-            worker_id: key.worker_id,
-            dp_rank: key.dp_rank,
-        })
-    }
-
     /// Fills `self.candidates` with the slots the filters allow (before busy).
     fn filter_candidates(&mut self, req: &RouteQuery<'_>) -> Result<(), ScheduleError> {
-        self.candidates.clear();
-        if self.active.key_count() == 0 {
-            return Err(ScheduleError::NoWorkers);
-        }
-        let allowed = |w: WorkerId| req.allowed_workers.is_none_or(|a| a.contains(&w));
-        if let Some(key) = req.pinned {
-            let slot = self.slot_for_pinned(key)?;
-            if !allowed(key.worker_id) || req.pinned_worker.is_some_and(|w| w != key.worker_id) {
-                return Err(ScheduleError::NoAllowedWorkers);
-            }
-            self.candidates.push(slot);
-        } else if let Some(w) = req.pinned_worker {
-            if !self.active.has_worker(w) {
-                return Err(ScheduleError::UnknownWorker(w));
-            }
-            if !allowed(w) {
-                return Err(ScheduleError::NoAllowedWorkers);
-            }
-            self.candidates
-                .extend_from_slice(self.active.worker_slots(w));
-        } else if let Some(list) = req.allowed_workers {
-            for (i, w) in list.iter().enumerate() {
-                if !list[..i].contains(w) {
-                    self.candidates
-                        .extend_from_slice(self.active.worker_slots(*w));
-                }
-            }
-            if self.candidates.is_empty() {
-                return Err(ScheduleError::NoAllowedWorkers);
-            }
-        } else {
-            self.candidates.extend(self.active.slots());
-        }
-        if !req.excluded_workers.is_empty() {
-            let active = &self.active;
-            self.candidates.retain(|&s| {
-                !req.excluded_workers
-                    .contains(&active.state(s).key.worker_id)
-            });
-            if self.candidates.is_empty() {
-                return Err(ScheduleError::NoAllowedWorkers);
-            }
-        }
-        if let Some(keys) = req.allowed_keys {
-            let active = &self.active;
-            self.candidates
-                .retain(|&s| keys.contains(&active.state(s).key));
-            if self.candidates.is_empty() {
-                return Err(ScheduleError::NoAllowedWorkers);
-            }
-        }
-        Ok(())
+        req.filters().candidates(&self.active, &mut self.candidates)
     }
 
     /// Loads overlaps and "blocks already active" counts into the per-slot scratch;

@@ -122,7 +122,7 @@ fn outcomes() -> Vec<RunOutcome> {
     ]
 }
 
-fn config() -> ReportSettings {
+fn report_settings() -> ReportSettings {
     ReportSettings {
         workers: 2,
         dp_size: 1,
@@ -151,7 +151,7 @@ fn ideals() -> Ideals {
 }
 
 fn report() -> ReplayReport {
-    ReplayReport::from_outcomes("t.jsonl".into(), config(), ideals(), &outcomes())
+    ReplayReport::from_outcomes("t.jsonl".into(), report_settings(), ideals(), &outcomes())
 }
 
 fn close(a: Option<f64>, b: f64) -> bool {
@@ -217,7 +217,7 @@ fn summaries_goodput_and_comparison() {
         .into_iter()
         .filter(|o| o.policy == "kv")
         .collect();
-    let r = ReplayReport::from_outcomes("t".into(), config(), ideals(), &kv_only);
+    let r = ReplayReport::from_outcomes("t".into(), report_settings(), ideals(), &kv_only);
     assert!(r.kv_vs_round_robin.is_none());
 }
 

@@ -26,7 +26,7 @@ fn shared_prefix_trace() -> Vec<ReplayRequest> {
     build_requests(&trace, 1.0).expect("requests")
 }
 
-fn config() -> ReplayConfig {
+fn replay_config() -> ReplayConfig {
     ReplayConfig {
         workers: 4,
         block_size: 64,
@@ -37,9 +37,9 @@ fn config() -> ReplayConfig {
     }
 }
 
-fn run(policy: RoutingPolicy, requests: &[ReplayRequest]) -> RunOutcome {
+fn run_replay(policy: RoutingPolicy, requests: &[ReplayRequest]) -> RunOutcome {
     let rt = virtual_runtime().expect("runtime");
-    rt.block_on(run_policy(&config(), policy, 1.0, requests, &|_| {}))
+    rt.block_on(run_policy(&replay_config(), policy, 1.0, requests, &|_| {}))
         .expect("replay runs")
 }
 
@@ -56,8 +56,8 @@ fn mean_ttft_ms(o: &RunOutcome) -> f64 {
 #[test]
 fn the_replay_is_deterministic_for_a_fixed_seed() {
     let requests = shared_prefix_trace();
-    let a = run(RoutingPolicy::Kv, &requests);
-    let b = run(RoutingPolicy::Kv, &requests);
+    let a = run_replay(RoutingPolicy::Kv, &requests);
+    let b = run_replay(RoutingPolicy::Kv, &requests);
     assert!(
         a.results.iter().all(|r| r.error.is_none()),
         "{:?}",
@@ -71,8 +71,8 @@ fn the_replay_is_deterministic_for_a_fixed_seed() {
 #[test]
 fn kv_beats_round_robin_on_shared_prefixes() {
     let requests = shared_prefix_trace();
-    let kv = run(RoutingPolicy::Kv, &requests);
-    let rr = run(RoutingPolicy::RoundRobin, &requests);
+    let kv = run_replay(RoutingPolicy::Kv, &requests);
+    let rr = run_replay(RoutingPolicy::RoundRobin, &requests);
     let (kv_hit, rr_hit) = (hit_rate(&kv), hit_rate(&rr));
     let (kv_ttft, rr_ttft) = (mean_ttft_ms(&kv), mean_ttft_ms(&rr));
     // The ideal: every request after its group's first finds its 32 shared blocks of 40.
@@ -127,7 +127,7 @@ fn burst_through_replicas(sync: bool, echo: std::time::Duration, seed: u64) -> V
         replica_sync: sync,
         replica_sync_echo: echo,
         seed,
-        ..config()
+        ..replay_config()
     };
     let rt = virtual_runtime().expect("runtime");
     let o = rt

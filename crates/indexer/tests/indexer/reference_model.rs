@@ -33,7 +33,7 @@ struct ModelRank {
 }
 
 #[derive(Default, Clone)]
-struct Model {
+struct IndexModel {
     ranks: BTreeMap<WorkerKey, ModelRank>,
     shared: ModelTier,
 }
@@ -47,7 +47,7 @@ fn tier_no(t: Tier) -> usize {
     }
 }
 
-impl Model {
+impl IndexModel {
     /// Mirrors `Index::apply`; returns whether the event was accepted.
     fn apply(&mut self, ev: &KvEvent) -> bool {
         let rank = self.ranks.entry(ev.key).or_default();
@@ -156,7 +156,7 @@ enum IdMode {
 }
 
 #[derive(Clone, Debug)]
-enum Op {
+enum IndexOp {
     Event(WorkerKey, IdMode, Tier, KvEventData),
     RemoveWorker(u64),
     RemoveRank(WorkerKey),
@@ -182,7 +182,7 @@ fn arb_data() -> impl Strategy<Value = KvEventData> {
     ]
 }
 
-fn arb_op(tiers: bool) -> impl Strategy<Value = Op> {
+fn arb_op(tiers: bool) -> impl Strategy<Value = IndexOp> {
     let mode =
         prop_oneof![12 => Just(IdMode::Next), 1 => Just(IdMode::Duplicate), 1 => Just(IdMode::Gap)];
     let tier = if tiers {
@@ -217,12 +217,12 @@ fn arb_op(tiers: bool) -> impl Strategy<Value = Op> {
             },
             KvEventData::Cleared => KvEventData::Cleared,
         };
-        Op::Event(k, m, t, d)
+        IndexOp::Event(k, m, t, d)
     });
     prop_oneof![
         20 => event,
-        1 => (0u64..3).prop_map(Op::RemoveWorker),
-        1 => arb_key().prop_map(Op::RemoveRank),
+        1 => (0u64..3).prop_map(IndexOp::RemoveWorker),
+        1 => arb_key().prop_map(IndexOp::RemoveRank),
     ]
 }
 
@@ -297,16 +297,16 @@ fn with_fillers(fillers: u64) -> Index {
 }
 
 fn check_against_model(
-    ops: &[Op],
+    ops: &[IndexOp],
     queries: &[Vec<u64>],
     fillers: u64,
 ) -> Result<(), TestCaseError> {
     let mut index = with_fillers(fillers);
     let mut remapped = with_fillers(fillers);
-    let mut model = Model::default();
+    let mut model = IndexModel::default();
     for op in ops {
         match op {
-            Op::Event(key, mode, tier, data) => {
+            IndexOp::Event(key, mode, tier, data) => {
                 let last = model.ranks.get(key).and_then(|r| r.last);
                 let event_id = match (mode, last) {
                     (_, None) => 0,
@@ -335,12 +335,12 @@ fn check_against_model(
                 };
                 prop_assert_eq!(remapped.apply(&ev2).is_ok(), accepted);
             }
-            Op::RemoveWorker(id) => {
+            IndexOp::RemoveWorker(id) => {
                 model.ranks.retain(|k, _| k.worker_id != *id);
                 index.remove_worker(*id);
                 remapped.remove_worker(*id);
             }
-            Op::RemoveRank(key) => {
+            IndexOp::RemoveRank(key) => {
                 model.ranks.remove(key);
                 index.remove_worker_rank(*key);
                 remapped.remove_worker_rank(*key);

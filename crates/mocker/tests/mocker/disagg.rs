@@ -14,7 +14,7 @@ use tokio::time::{timeout, Instant};
 const MODEL: &str = "test/disagg";
 const WAIT: Duration = Duration::from_secs(5);
 
-fn config(role: WorkerRole, worker_id_start: u64) -> FleetConfig {
+fn disagg_fleet_config(role: WorkerRole, worker_id_start: u64) -> FleetConfig {
     FleetConfig {
         worker_id_start,
         role,
@@ -37,7 +37,7 @@ fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
 }
 
 /// Runs a request; returns each stream event with the time it arrived since the start.
-async fn generate(
+async fn timed_generate(
     bus: &Bus,
     fleet: &MockerFleet,
     worker_id: u64,
@@ -88,7 +88,7 @@ fn tp_ranks(reports: &[TransferReport], side: TransferSide, request_id: &str) ->
 #[tokio::test]
 async fn decode_starts_once_every_tp_rank_received() {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), config(WorkerRole::Decode, 1))
+    let fleet = MockerFleet::start(bus.clone(), disagg_fleet_config(WorkerRole::Decode, 1))
         .await
         .unwrap();
     let mut sub = bus
@@ -96,7 +96,7 @@ async fn decode_starts_once_every_tp_rank_received() {
         .await
         .unwrap();
     let sent_at = Instant::now();
-    let (events, got) = tokio::join!(generate(&bus, &fleet, 1, "a", prompt(1, 4)), async {
+    let (events, got) = tokio::join!(timed_generate(&bus, &fleet, 1, "a", prompt(1, 4)), async {
         // Each report with when it arrived.
         let mut got = Vec::new();
         while let Ok(Some(msg)) = timeout(Duration::from_millis(600), sub.next()).await {
@@ -148,7 +148,7 @@ async fn a_silenced_decode_tp_rank_fails_the_request_after_the_receive_timeout()
         bus.clone(),
         FleetConfig {
             silence_tp_rank: Some(1),
-            ..config(WorkerRole::Decode, 1)
+            ..disagg_fleet_config(WorkerRole::Decode, 1)
         },
     )
     .await
@@ -157,7 +157,7 @@ async fn a_silenced_decode_tp_rank_fails_the_request_after_the_receive_timeout()
         .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
-    let events = generate(&bus, &fleet, 1, "a", prompt(1, 4)).await;
+    let events = timed_generate(&bus, &fleet, 1, "a", prompt(1, 4)).await;
     assert_eq!(events.len(), 1, "no token, one error: {events:?}");
     let (at, GenerateEvent::Error(e)) = &events[0] else {
         panic!("an error: {events:?}");
@@ -180,7 +180,7 @@ async fn a_silenced_decode_tp_rank_fails_the_request_after_the_receive_timeout()
 
     // Unsilenced at run time: the next request runs.
     fleet.silence_tp_rank(1, None).unwrap();
-    let events = generate(&bus, &fleet, 1, "b", prompt(2, 4)).await;
+    let events = timed_generate(&bus, &fleet, 1, "b", prompt(2, 4)).await;
     assert!(
         matches!(events.last(), Some((_, GenerateEvent::Done { .. }))),
         "{events:?}"
@@ -208,7 +208,7 @@ async fn a_silenced_prefill_tp_rank_never_reports_sent() {
         FleetConfig {
             speedup: 100.0,
             silence_tp_rank: Some(0),
-            ..config(WorkerRole::Prefill, 7)
+            ..disagg_fleet_config(WorkerRole::Prefill, 7)
         },
     )
     .await
@@ -217,7 +217,7 @@ async fn a_silenced_prefill_tp_rank_never_reports_sent() {
         .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
-    let events = generate(&bus, &fleet, 7, "p", prompt(3, 4)).await;
+    let events = timed_generate(&bus, &fleet, 7, "p", prompt(3, 4)).await;
     assert!(
         matches!(
             events.last(),
@@ -241,12 +241,12 @@ async fn a_silenced_prefill_tp_rank_never_reports_sent() {
 fn a_silenced_tp_rank_must_exist() {
     let c = FleetConfig {
         silence_tp_rank: Some(2),
-        ..config(WorkerRole::Decode, 1)
+        ..disagg_fleet_config(WorkerRole::Decode, 1)
     };
     assert!(matches!(c.validate(), Err(FleetError::Config(m)) if m.contains("silence_tp_rank")));
     let c = FleetConfig {
         kv_receive_timeout: Duration::ZERO,
-        ..config(WorkerRole::Decode, 1)
+        ..disagg_fleet_config(WorkerRole::Decode, 1)
     };
     assert!(c.validate().is_err());
 }

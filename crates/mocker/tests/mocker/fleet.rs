@@ -16,7 +16,7 @@ use tokio::time::{timeout, Instant};
 const MODEL: &str = "test/model-1";
 const WAIT: Duration = Duration::from_secs(5);
 
-fn config(worker_id_start: u64) -> FleetConfig {
+fn fast_fleet_config(worker_id_start: u64) -> FleetConfig {
     FleetConfig {
         worker_id_start,
         speedup: 1000.0,
@@ -58,7 +58,7 @@ async fn collect_stream<T: Wire>(bus: &Bus, subject: &str, payload: Vec<u8>) -> 
     out
 }
 
-async fn generate(
+async fn worker_generate(
     bus: &Bus,
     subjects: &ModelSubjects,
     worker_id: u64,
@@ -128,7 +128,7 @@ fn error_of(events: &[GenerateEvent]) -> ErrorKind {
 }
 
 /// Applies events to a block set (engine hash → local hash).
-fn apply(blocks: &mut HashMap<u64, u64>, ev: &KvEvent) {
+fn apply_event(blocks: &mut HashMap<u64, u64>, ev: &KvEvent) {
     match &ev.data {
         KvEventData::Stored { blocks: b, .. } => {
             for s in b {
@@ -164,7 +164,7 @@ async fn drain_events(
     }
 }
 
-fn prompt(seed: u32, len: u32) -> Vec<u32> {
+fn prompt_tokens(seed: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| seed * 100_000 + i).collect()
 }
 
@@ -178,7 +178,7 @@ async fn discovery_registration_heartbeat_deregistration() {
         tp_size: 8,
         role: WorkerRole::Prefill,
         heartbeat_interval: Duration::from_millis(100),
-        ..config(100)
+        ..fast_fleet_config(100)
     };
     let subjects = kvrouter_protocol::Subjects::new("kvrouter")
         .unwrap()
@@ -277,15 +277,17 @@ async fn discovery_registration_heartbeat_deregistration() {
 #[tokio::test]
 async fn generate_streams_and_reuses_the_cache() {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), config(7)).await.unwrap();
+    let fleet = MockerFleet::start(bus.clone(), fast_fleet_config(7))
+        .await
+        .unwrap();
     let s = fleet.subjects().clone();
     let mut loads = bus
         .subscribe(&s.every_worker(WorkerSubject::Load))
         .await
         .unwrap();
 
-    let tokens = prompt(1, 256);
-    let first = generate(&bus, &s, 7, 0, "a", tokens.clone(), 40).await;
+    let tokens = prompt_tokens(1, 256);
+    let first = worker_generate(&bus, &s, 7, 0, "a", tokens.clone(), 40).await;
     let ((ttft1, cached1, blocks1), itl, (out, e2e)) = summarize(&first);
     assert_eq!((cached1, blocks1), (0, 16));
     assert_eq!(itl.len(), 39, "PrefillDone carries the first token");
@@ -293,7 +295,7 @@ async fn generate_streams_and_reuses_the_cache() {
     assert!(first.len() >= 2 + 39usize.div_ceil(16));
     assert!(e2e > ttft1 && ttft1 > 0);
 
-    let second = generate(&bus, &s, 7, 0, "b", tokens.clone(), 1).await;
+    let second = worker_generate(&bus, &s, 7, 0, "b", tokens.clone(), 1).await;
     let ((ttft2, cached2, blocks2), itl2, (out2, _)) = summarize(&second);
     assert_eq!(
         (cached2, blocks2),
@@ -308,11 +310,11 @@ async fn generate_streams_and_reuses_the_cache() {
     );
 
     // Errors: one error event, then the end of the stream.
-    let e = generate(&bus, &s, 7, 0, "c", vec![], 5).await;
+    let e = worker_generate(&bus, &s, 7, 0, "c", vec![], 5).await;
     assert_eq!(error_of(&e), ErrorKind::EmptyPrompt);
-    let e = generate(&bus, &s, 7, 0, "c", prompt(2, 1000 * 16 + 1), 5).await;
+    let e = worker_generate(&bus, &s, 7, 0, "c", prompt_tokens(2, 1000 * 16 + 1), 5).await;
     assert_eq!(error_of(&e), ErrorKind::PromptTooLong);
-    let e = generate(&bus, &s, 7, 1, "c", prompt(2, 10), 5).await;
+    let e = worker_generate(&bus, &s, 7, 1, "c", prompt_tokens(2, 10), 5).await;
     assert_eq!(error_of(&e), ErrorKind::InvalidRank);
     let e: Vec<GenerateEvent> = collect_stream(&bus, &s.generate(7), vec![1, 2, 3]).await;
     assert_eq!(error_of(&e), ErrorKind::Malformed);
@@ -320,10 +322,12 @@ async fn generate_streams_and_reuses_the_cache() {
     let long = {
         let bus = bus.clone();
         let s = s.clone();
-        tokio::spawn(async move { generate(&bus, &s, 7, 0, "dup", prompt(3, 64), 3000).await })
+        tokio::spawn(async move {
+            worker_generate(&bus, &s, 7, 0, "dup", prompt_tokens(3, 64), 3000).await
+        })
     };
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let e = generate(&bus, &s, 7, 0, "dup", prompt(4, 64), 5).await;
+    let e = worker_generate(&bus, &s, 7, 0, "dup", prompt_tokens(4, 64), 5).await;
     assert_eq!(error_of(&e), ErrorKind::DuplicateRequest);
     let (_, itl, (out, _)) = summarize(&long.await.unwrap());
     assert_eq!((itl.len(), out), (2999, 3000));
@@ -346,7 +350,7 @@ async fn events_are_gap_free_and_match_the_chunked_state() {
             capacity_blocks: 400,
             ..EngineConfig::default()
         },
-        ..config(1)
+        ..fast_fleet_config(1)
     };
     let s = kvrouter_protocol::Subjects::new("kvrouter")
         .unwrap()
@@ -362,10 +366,10 @@ async fn events_are_gap_free_and_match_the_chunked_state() {
     for i in 0..24u32 {
         let bus = bus.clone();
         let s = s.clone();
-        let mut tokens = prompt(i / 2, 256);
-        tokens.extend(prompt(1000 + i, 256));
+        let mut tokens = prompt_tokens(i / 2, 256);
+        tokens.extend(prompt_tokens(1000 + i, 256));
         tasks.push(tokio::spawn(async move {
-            generate(&bus, &s, 1, 0, &format!("r{i}"), tokens, 3).await
+            worker_generate(&bus, &s, 1, 0, &format!("r{i}"), tokens, 3).await
         }));
         if i % 4 == 3 {
             for t in tasks.drain(..) {
@@ -385,7 +389,7 @@ async fn events_are_gap_free_and_match_the_chunked_state() {
         assert!(last.is_none() || last == Some(c.last_event_id));
         last = Some(c.last_event_id);
         for ev in &c.events {
-            apply(&mut snapshot, ev);
+            apply_event(&mut snapshot, ev);
         }
     }
     let last: EventId = last.unwrap().expect("events happened");
@@ -406,7 +410,7 @@ async fn events_are_gap_free_and_match_the_chunked_state() {
         .any(|e| matches!(e.data, KvEventData::Removed { .. })));
     let mut replayed = HashMap::new();
     for ev in events {
-        apply(&mut replayed, ev);
+        apply_event(&mut replayed, ev);
     }
     assert_eq!(replayed, snapshot);
 
@@ -437,7 +441,9 @@ async fn events_are_gap_free_and_match_the_chunked_state() {
 #[tokio::test]
 async fn drop_events_makes_a_gap() {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), config(9)).await.unwrap();
+    let fleet = MockerFleet::start(bus.clone(), fast_fleet_config(9))
+        .await
+        .unwrap();
     let s = fleet.subjects().clone();
     let mut kv = bus
         .subscribe(&s.every_worker(WorkerSubject::KvEvents))
@@ -445,16 +451,16 @@ async fn drop_events_makes_a_gap() {
         .unwrap();
     let settle = || tokio::time::sleep(Duration::from_millis(30));
 
-    summarize(&generate(&bus, &s, 9, 0, "a", prompt(1, 64), 2).await);
+    summarize(&worker_generate(&bus, &s, 9, 0, "a", prompt_tokens(1, 64), 2).await);
     settle().await;
     let ack = bus
         .request(&s.drop_events(9), encode(&1u64).unwrap().into(), WAIT)
         .await
         .unwrap();
     assert_eq!(decode::<Reply<()>>(&ack.payload).unwrap(), Reply::Ok(()));
-    summarize(&generate(&bus, &s, 9, 0, "b", prompt(2, 64), 2).await);
+    summarize(&worker_generate(&bus, &s, 9, 0, "b", prompt_tokens(2, 64), 2).await);
     settle().await;
-    summarize(&generate(&bus, &s, 9, 0, "c", prompt(3, 64), 2).await);
+    summarize(&worker_generate(&bus, &s, 9, 0, "c", prompt_tokens(3, 64), 2).await);
     settle().await;
 
     let chunks = state(&bus, &s, 9, 0).await;
@@ -496,12 +502,14 @@ async fn raw_stream(bus: &Bus, subject: &str, payload: Vec<u8>) -> Vec<Bytes> {
 #[tokio::test]
 async fn answers_come_in_the_request_version() {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), config(20)).await.unwrap();
+    let fleet = MockerFleet::start(bus.clone(), fast_fleet_config(20))
+        .await
+        .unwrap();
     let s = fleet.subjects().clone();
     for version in [MIN_READ_VERSION, FORMAT_VERSION] {
         let req = GenerateRequest {
             request_id: format!("v{version}"),
-            tokens: prompt(version as u32, 64),
+            tokens: prompt_tokens(version as u32, 64),
             max_tokens: 3,
             dp_rank: 0,
         };
@@ -555,7 +563,7 @@ async fn dp_ranks_are_separate_caches() {
     let cfg = FleetConfig {
         dp_size: 2,
         dp_start_rank: 4,
-        ..config(20)
+        ..fast_fleet_config(20)
     };
     let fleet = MockerFleet::start(bus.clone(), cfg).await.unwrap();
     let s = fleet.subjects().clone();
@@ -564,11 +572,11 @@ async fn dp_ranks_are_separate_caches() {
         .await
         .unwrap();
 
-    summarize(&generate(&bus, &s, 20, 5, "a", prompt(1, 128), 4).await);
-    let again = generate(&bus, &s, 20, 4, "b", prompt(1, 128), 4).await;
+    summarize(&worker_generate(&bus, &s, 20, 5, "a", prompt_tokens(1, 128), 4).await);
+    let again = worker_generate(&bus, &s, 20, 4, "b", prompt_tokens(1, 128), 4).await;
     let ((_, cached_on_4, _), _, _) = summarize(&again);
     assert_eq!(cached_on_4, 0, "rank 4 has its own cache");
-    let again = generate(&bus, &s, 20, 5, "c", prompt(1, 128), 4).await;
+    let again = worker_generate(&bus, &s, 20, 5, "c", prompt_tokens(1, 128), 4).await;
     let ((_, cached_on_5, _), _, _) = summarize(&again);
     assert_eq!(cached_on_5, 7);
 
@@ -580,24 +588,26 @@ async fn dp_ranks_are_separate_caches() {
     );
 
     for rank in [3, 6] {
-        let e = generate(&bus, &s, 20, rank, "x", prompt(1, 16), 1).await;
+        let e = worker_generate(&bus, &s, 20, rank, "x", prompt_tokens(1, 16), 1).await;
         assert_eq!(error_of(&e), ErrorKind::InvalidRank);
     }
     // A dead rank refuses work and state queries.
     fleet.set_rank_live(20, 5, false).await.unwrap();
-    let e = generate(&bus, &s, 20, 5, "y", prompt(1, 16), 1).await;
+    let e = worker_generate(&bus, &s, 20, 5, "y", prompt_tokens(1, 16), 1).await;
     assert_eq!(error_of(&e), ErrorKind::InvalidRank);
     let st = state(&bus, &s, 20, 5).await;
     assert!(matches!(&st[..], [Reply::Err(e)] if e.kind == ErrorKind::InvalidRank));
     fleet.set_rank_live(20, 5, true).await.unwrap();
-    summarize(&generate(&bus, &s, 20, 5, "z", prompt(1, 16), 1).await);
+    summarize(&worker_generate(&bus, &s, 20, 5, "z", prompt_tokens(1, 16), 1).await);
     fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test]
 async fn a_fresh_rank_sends_one_empty_chunk() {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), config(30)).await.unwrap();
+    let fleet = MockerFleet::start(bus.clone(), fast_fleet_config(30))
+        .await
+        .unwrap();
     let s = fleet.subjects().clone();
     let chunks = state(&bus, &s, 30, 0).await;
     assert_eq!(chunks.len(), 1);
@@ -611,14 +621,16 @@ async fn shutdown_ends_requests_in_flight() {
     let bus = Bus::local();
     let cfg = FleetConfig {
         speedup: 1.0,
-        ..config(40)
+        ..fast_fleet_config(40)
     };
     let fleet = MockerFleet::start(bus.clone(), cfg).await.unwrap();
     let s = fleet.subjects().clone();
     let running = {
         let bus = bus.clone();
         let s = s.clone();
-        tokio::spawn(async move { generate(&bus, &s, 40, 0, "long", prompt(1, 64), 10_000).await })
+        tokio::spawn(async move {
+            worker_generate(&bus, &s, 40, 0, "long", prompt_tokens(1, 64), 10_000).await
+        })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     fleet.shutdown().await.unwrap();
@@ -634,33 +646,33 @@ fn bad_configs_are_refused() {
     for cfg in [
         FleetConfig {
             workers: 0,
-            ..config(0)
+            ..fast_fleet_config(0)
         },
         FleetConfig {
             dp_size: 0,
-            ..config(0)
+            ..fast_fleet_config(0)
         },
         FleetConfig {
             speedup: 0.0,
-            ..config(0)
+            ..fast_fleet_config(0)
         },
         FleetConfig {
             speedup: f64::NAN,
-            ..config(0)
+            ..fast_fleet_config(0)
         },
         FleetConfig {
             worker_id_start: u64::MAX,
             workers: 2,
-            ..config(0)
+            ..fast_fleet_config(0)
         },
         FleetConfig {
             dp_start_rank: u32::MAX,
-            ..config(0)
+            ..fast_fleet_config(0)
         },
     ] {
         assert!(cfg.validate().is_err(), "{cfg:?}");
     }
-    assert!(config(0).validate().is_ok());
+    assert!(fast_fleet_config(0).validate().is_ok());
 }
 
 #[tokio::test]
@@ -668,12 +680,12 @@ async fn simulated_time_follows_the_wall_clock_times_speedup() {
     let bus = Bus::local();
     let cfg = FleetConfig {
         speedup: 10.0,
-        ..config(50)
+        ..fast_fleet_config(50)
     };
     let fleet = MockerFleet::start(bus.clone(), cfg).await.unwrap();
     let s = fleet.subjects().clone();
     let t0 = Instant::now();
-    let events = generate(&bus, &s, 50, 0, "a", prompt(1, 512), 60).await;
+    let events = worker_generate(&bus, &s, 50, 0, "a", prompt_tokens(1, 512), 60).await;
     let wall = t0.elapsed();
     let (_, itl, (_, e2e_us)) = summarize(&events);
     // 60 tokens at ≥ 7 ms each: over 400 ms simulated, so over 40 ms of wall time.
@@ -689,8 +701,8 @@ async fn simulated_time_follows_the_wall_clock_times_speedup() {
     // Queueing counts in TTFT: two prompts at once; one waits for the other's prefill
     // (max_num_batched_tokens 8192 holds only one of them per step, ≈ 530 ms each).
     let (a, b) = tokio::join!(
-        generate(&bus, &s, 50, 0, "q1", prompt(2, 8000), 1),
-        generate(&bus, &s, 50, 0, "q2", prompt(3, 8000), 1),
+        worker_generate(&bus, &s, 50, 0, "q1", prompt_tokens(2, 8000), 1),
+        worker_generate(&bus, &s, 50, 0, "q2", prompt_tokens(3, 8000), 1),
     );
     let ((ttft_a, _, _), _, _) = summarize(&a);
     let ((ttft_b, _, _), _, _) = summarize(&b);

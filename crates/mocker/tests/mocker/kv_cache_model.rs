@@ -18,18 +18,18 @@ use std::time::Duration;
 const KEY: WorkerKey = WorkerKey::new(11, 2);
 const BLOCK: usize = 4;
 
-type Model = HashMap<(Tier, EngineBlockHash), (Option<EngineBlockHash>, LocalBlockHash)>;
+type CacheModel = HashMap<(Tier, EngineBlockHash), (Option<EngineBlockHash>, LocalBlockHash)>;
 
-fn held(model: &Model, engine: EngineBlockHash) -> bool {
+fn held_in_some_tier(model: &CacheModel, engine: EngineBlockHash) -> bool {
     Tier::ALL.iter().any(|&t| model.contains_key(&(t, engine)))
 }
 
-fn in_tier(model: &Model, tier: Tier) -> usize {
+fn in_tier(model: &CacheModel, tier: Tier) -> usize {
     model.keys().filter(|(t, _)| *t == tier).count()
 }
 
 #[derive(Clone, Debug)]
-enum Op {
+enum CacheOp {
     Submit {
         prefix: usize,
         prefix_tokens: usize,
@@ -42,24 +42,24 @@ enum Op {
     Clear,
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn cache_op() -> impl Strategy<Value = CacheOp> {
     prop_oneof![
         4 => (0..3usize, 0..28usize, prop::collection::vec(0..50u32, 0..14), 0..6u32).prop_map(
-            |(prefix, prefix_tokens, suffix, max_tokens)| Op::Submit {
+            |(prefix, prefix_tokens, suffix, max_tokens)| CacheOp::Submit {
                 prefix,
                 prefix_tokens,
                 suffix,
                 max_tokens,
             }
         ),
-        4 => Just(Op::Step),
-        1 => (2..12usize).prop_map(Op::Steps),
-        1 => (0..64usize).prop_map(Op::Abort),
-        1 => Just(Op::Clear),
+        4 => Just(CacheOp::Step),
+        1 => (2..12usize).prop_map(CacheOp::Steps),
+        1 => (0..64usize).prop_map(CacheOp::Abort),
+        1 => Just(CacheOp::Clear),
     ]
 }
 
-fn config() -> impl Strategy<Value = EngineConfig> {
+fn engine_config() -> impl Strategy<Value = EngineConfig> {
     (
         6..40usize,
         prop::sample::select(vec![1usize, 3, 8, 16, 64]),
@@ -82,11 +82,10 @@ fn config() -> impl Strategy<Value = EngineConfig> {
         )
 }
 
-/// Applies live events to the model, checking ids, chaining and what may be removed.
 /// Applies live events to the model, checking ids, chaining, capacities and what may be
 /// removed.
-fn apply(
-    model: &mut Model,
+fn check_and_apply(
+    model: &mut CacheModel,
     next_id: &mut u64,
     events: &[KvEvent],
     referenced_before: &HashSet<EngineBlockHash>,
@@ -101,7 +100,10 @@ fn apply(
             KvEventData::Stored { parent, blocks } => {
                 prop_assert!(!blocks.is_empty());
                 if let Some(p) = parent {
-                    prop_assert!(held(model, *p), "parent {p:?} not stored in any tier");
+                    prop_assert!(
+                        held_in_some_tier(model, *p),
+                        "parent {p:?} not stored in any tier"
+                    );
                 }
                 let mut parent = *parent;
                 for b in blocks {
@@ -140,7 +142,7 @@ fn apply(
     Ok(())
 }
 
-fn cache_set(e: &RankEngine) -> Model {
+fn cache_set(e: &RankEngine) -> CacheModel {
     let c = e.cache();
     let device = c.cached().map(|b| (Tier::Device, b));
     let lower = [Tier::Host, Tier::Disk]
@@ -155,7 +157,7 @@ fn cache_set(e: &RankEngine) -> Model {
 fn check_state_dump(e: &RankEngine, max: usize, next_id: u64) -> Result<(), TestCaseError> {
     let (events, last) = e.state_events(max);
     prop_assert_eq!(last, next_id.checked_sub(1));
-    let mut model = Model::new();
+    let mut model = CacheModel::new();
     for ev in &events {
         prop_assert_eq!(ev.key, KEY);
         prop_assert_eq!(ev.event_id, last.unwrap_or(0), "a dump carries the last id");
@@ -178,7 +180,7 @@ fn check_state_dump(e: &RankEngine, max: usize, next_id: u64) -> Result<(), Test
     for ev in &events {
         if let KvEventData::Stored { parent, blocks } = &ev.data {
             if let Some(p) = parent {
-                prop_assert!(seen.contains(p) || !held(&cached, *p));
+                prop_assert!(seen.contains(p) || !held_in_some_tier(&cached, *p));
             }
             seen.extend(blocks.iter().map(|b| b.engine_hash));
         }
@@ -198,15 +200,15 @@ proptest! {
 
     #[test]
     fn events_replay_to_the_cache(
-        cfg in config(),
-        ops in prop::collection::vec(op(), 1..80),
+        cfg in engine_config(),
+        ops in prop::collection::vec(cache_op(), 1..80),
         dump_chunk in 1..6usize,
     ) {
         let capacity = cfg.capacity_blocks;
         let mut e = RankEngine::new(KEY, cfg.clone()).unwrap();
         let prefixes: Vec<Vec<u32>> =
             (0..3u32).map(|p| (0..28).map(|t| 1000 * (p + 1) + t).collect()).collect();
-        let mut model = Model::new();
+        let mut model = CacheModel::new();
         let mut next_id = 0u64;
         let mut now = Duration::ZERO;
         let mut submitted: Vec<(String, u32)> = Vec::new();
@@ -215,7 +217,7 @@ proptest! {
         // Several steps in a row run as single steps, so that each step's events are checked
         // against the blocks referenced just before it.
         let ops = ops.into_iter().flat_map(|op| match op {
-            Op::Steps(k) => vec![Op::Step; k],
+            CacheOp::Steps(k) => vec![CacheOp::Step; k],
             op => vec![op],
         });
         for (n, op) in ops.enumerate() {
@@ -228,7 +230,7 @@ proptest! {
             let mut outcome: Option<StepOutcome> = None;
             let mut events: Vec<KvEvent> = Vec::new();
             match op {
-                Op::Submit { prefix, prefix_tokens, suffix, max_tokens } => {
+                CacheOp::Submit { prefix, prefix_tokens, suffix, max_tokens } => {
                     let mut tokens = prefixes[prefix][..prefix_tokens].to_vec();
                     tokens.extend(suffix);
                     let id = format!("r{n}");
@@ -244,7 +246,7 @@ proptest! {
                         prop_assert_eq!(e.load(), before, "a refused request changes nothing");
                     }
                 }
-                Op::Step => {
+                CacheOp::Step => {
                     let idle = e.is_idle();
                     let out = e.step(now);
                     prop_assert_eq!(out.is_none(), idle, "a busy rank always progresses");
@@ -254,15 +256,15 @@ proptest! {
                     }
                     outcome = out;
                 }
-                Op::Steps(_) => unreachable!("expanded into single steps"),
-                Op::Abort(i) => {
+                CacheOp::Steps(_) => unreachable!("expanded into single steps"),
+                CacheOp::Abort(i) => {
                     if let Some((id, _)) = submitted.get(i % submitted.len().max(1)) {
                         let live = progress.contains_key(id);
                         prop_assert_eq!(e.abort(id), live);
                         progress.remove(id);
                     }
                 }
-                Op::Clear => events.push(e.clear()),
+                CacheOp::Clear => events.push(e.clear()),
             }
             if let Some(out) = &outcome {
                 prop_assert!(out.duration > Duration::ZERO);
@@ -293,7 +295,7 @@ proptest! {
                 }
             }
 
-            apply(&mut model, &mut next_id, &events, &referenced, &cfg)?;
+            check_and_apply(&mut model, &mut next_id, &events, &referenced, &cfg)?;
             prop_assert_eq!(&model, &cache_set(&e), "events replay to the cache's blocks");
             let mut once = HashSet::new();
             prop_assert!(model.keys().all(|&(_, h)| once.insert(h)), "a block in two tiers");
@@ -312,7 +314,7 @@ proptest! {
         while let Some(out) = e.step(now) {
             now += out.duration;
             let referenced = HashSet::new();
-            apply(&mut model, &mut next_id, &out.events, &referenced, &cfg)?;
+            check_and_apply(&mut model, &mut next_id, &out.events, &referenced, &cfg)?;
             for o in &out.outputs {
                 if matches!(o.kind, OutputKind::Finished { .. }) {
                     progress.remove(&o.request_id);

@@ -55,7 +55,7 @@ enum Filter {
 // Test input, generated and dropped: the size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
-enum Op {
+enum SchedulerOp {
     AddKey(WorkerKey, u64),
     RemoveKey(WorkerKey),
     RemoveWorker(WorkerId),
@@ -79,7 +79,7 @@ enum Op {
     Drain,
 }
 
-fn key() -> impl Strategy<Value = WorkerKey> {
+fn worker_key() -> impl Strategy<Value = WorkerKey> {
     (1u64..=4, 0u32..3).prop_map(|(w, r)| WorkerKey::new(w, r))
 }
 
@@ -87,10 +87,10 @@ fn filter() -> impl Strategy<Value = Filter> {
     prop_oneof![
         4 => Just(Filter::None),
         1 => prop::collection::vec(0u64..=5, 0..4).prop_map(Filter::Allowed),
-        1 => key().prop_map(Filter::Pinned),
+        1 => worker_key().prop_map(Filter::Pinned),
         1 => (0u64..=5).prop_map(Filter::PinnedWorker),
-        1 => (key(), 1u64..=4).prop_map(|(k, w)| Filter::PinnedBoth(k, w)),
-        1 => prop::collection::vec(key(), 0..4).prop_map(Filter::AllowedKeys),
+        1 => (worker_key(), 1u64..=4).prop_map(|(k, w)| Filter::PinnedBoth(k, w)),
+        1 => prop::collection::vec(worker_key(), 0..4).prop_map(Filter::AllowedKeys),
         1 => prop::collection::vec(0u64..=5, 0..4).prop_map(Filter::Excluded),
     ]
 }
@@ -116,8 +116,8 @@ fn weight() -> impl Strategy<Value = Option<f64>> {
 
 fn cached() -> impl Strategy<Value = Cached> {
     (
-        prop::collection::vec((key(), 0u32..12), 0..5),
-        prop::collection::vec((key(), tier_blocks()), 0..3),
+        prop::collection::vec((worker_key(), 0u32..12), 0..5),
+        prop::collection::vec((worker_key(), tier_blocks()), 0..3),
         prop_oneof![3 => Just(0u32), 1 => 1u32..6],
         (weight(), weight(), weight(), weight()),
         prop::sample::select(vec![None, None, None, Some(0.0), Some(1.0)]),
@@ -138,7 +138,7 @@ fn cached() -> impl Strategy<Value = Cached> {
         )
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn scheduler_op() -> impl Strategy<Value = SchedulerOp> {
     let route = (
         0usize..40,
         prop::collection::vec(0u64..16, 10),
@@ -164,7 +164,7 @@ fn op() -> impl Strategy<Value = Op> {
                 expected_output,
             )| {
                 let full = prompt_tokens / BS as usize;
-                Op::Route {
+                SchedulerOp::Route {
                     prompt_tokens,
                     hashes: pool[..full].to_vec(),
                     cached,
@@ -178,20 +178,20 @@ fn op() -> impl Strategy<Value = Op> {
             },
         );
     prop_oneof![
-        3 => (key(), prop_oneof![Just(0u64), 4u64..40]).prop_map(|(k, c)| Op::AddKey(k, c)),
-        1 => key().prop_map(Op::RemoveKey),
-        1 => (1u64..=4).prop_map(Op::RemoveWorker),
-        1 => (key(), 0u64..40).prop_map(|(k, a)| Op::Report(k, a)),
+        3 => (worker_key(), prop_oneof![Just(0u64), 4u64..40]).prop_map(|(k, c)| SchedulerOp::AddKey(k, c)),
+        1 => worker_key().prop_map(SchedulerOp::RemoveKey),
+        1 => (1u64..=4).prop_map(SchedulerOp::RemoveWorker),
+        1 => (worker_key(), 0u64..40).prop_map(|(k, a)| SchedulerOp::Report(k, a)),
         8 => route,
-        2 => (0usize..100).prop_map(Op::MarkPrefill),
+        2 => (0usize..100).prop_map(SchedulerOp::MarkPrefill),
         2 => (
             0usize..100,
             prop::sample::select(vec![None, Some(0.0), Some(0.5), Some(1.0)])
         )
-            .prop_map(|(i, d)| Op::AddOutput(i, d)),
-        3 => (0usize..100).prop_map(Op::Free),
-        1 => Just(Op::Sweep),
-        2 => Just(Op::Drain),
+            .prop_map(|(i, d)| SchedulerOp::AddOutput(i, d)),
+        3 => (0usize..100).prop_map(SchedulerOp::Free),
+        1 => Just(SchedulerOp::Sweep),
+        2 => Just(SchedulerOp::Drain),
     ]
 }
 
@@ -286,14 +286,14 @@ struct RefQueued {
     order: f64,
 }
 
-struct Model {
+struct SchedulerModel {
     cfg: Cfg,
     keys: BTreeMap<WorkerKey, RefKey>,
     reqs: BTreeMap<String, RefReq>,
     queue: Vec<RefQueued>,
 }
 
-impl Model {
+impl SchedulerModel {
     fn workers(&self) -> BTreeSet<WorkerId> {
         self.keys.keys().map(|k| k.worker_id).collect()
     }
@@ -600,7 +600,7 @@ fn query<'a>(
     q
 }
 
-fn check_state(s: &Scheduler<u64>, m: &Model) {
+fn check_state(s: &Scheduler<u64>, m: &SchedulerModel) {
     let keys: BTreeSet<WorkerKey> = s.worker_keys().collect();
     assert_eq!(keys, m.keys.keys().copied().collect::<BTreeSet<_>>());
     for (key, load) in s.loads() {
@@ -621,7 +621,7 @@ fn check_state(s: &Scheduler<u64>, m: &Model) {
     assert_eq!(s.queue_len(), m.queue.len());
 }
 
-fn run(cfg: Cfg, ops: Vec<Op>) {
+fn run_against_model(cfg: Cfg, ops: Vec<SchedulerOp>) {
     let config = SchedulerConfig {
         host_cache_hit_weight: HOST_W,
         disk_cache_hit_weight: DISK_W,
@@ -647,7 +647,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
         },
     };
     let mut s: Scheduler<u64> = Scheduler::new(config).unwrap();
-    let mut m = Model {
+    let mut m = SchedulerModel {
         cfg,
         keys: BTreeMap::new(),
         reqs: BTreeMap::new(),
@@ -667,7 +667,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
             }
         };
         match op {
-            Op::AddKey(key, cap) => {
+            SchedulerOp::AddKey(key, cap) => {
                 let new = s.add_worker_key(key, cap);
                 assert_eq!(new, !m.keys.contains_key(&key));
                 let reported = m.keys.get(&key).and_then(|k| k.reported);
@@ -679,7 +679,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                     },
                 );
             }
-            Op::RemoveKey(key) => {
+            SchedulerOp::RemoveKey(key) => {
                 let got = s.remove_worker_key(key);
                 let want = if m.keys.contains_key(&key) {
                     m.drop_key(key)
@@ -688,7 +688,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 };
                 assert_eq!(got, want);
             }
-            Op::RemoveWorker(w) => {
+            SchedulerOp::RemoveWorker(w) => {
                 let mut got = s.remove_worker(w);
                 got.sort();
                 let keys: Vec<_> = m
@@ -701,7 +701,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 want.sort();
                 assert_eq!(got, want);
             }
-            Op::Report(key, active) => {
+            SchedulerOp::Report(key, active) => {
                 let known = s.set_reported_load(
                     key,
                     ReportedLoad {
@@ -714,7 +714,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                     k.reported = Some(active);
                 }
             }
-            Op::Route {
+            SchedulerOp::Route {
                 prompt_tokens,
                 hashes,
                 cached,
@@ -812,7 +812,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                     (want, got) => panic!("step {step}: model {want:?}, scheduler {got:?}"),
                 }
             }
-            Op::MarkPrefill(i) => {
+            SchedulerOp::MarkPrefill(i) => {
                 let id = pick(i, &ids);
                 let got = s.mark_prefill(&id);
                 let want = match m.reqs.get_mut(&id) {
@@ -824,7 +824,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 };
                 assert_eq!(got, want);
             }
-            Op::AddOutput(i, decay) => {
+            SchedulerOp::AddOutput(i, decay) => {
                 let id = pick(i, &ids);
                 let got = s.add_output_block(&id, decay);
                 let want = m.reqs.get_mut(&id).map(|r| {
@@ -841,11 +841,11 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                     assert_eq!(s.output_blocks(&id), Some(n));
                 }
             }
-            Op::Free(i) => {
+            SchedulerOp::Free(i) => {
                 let id = pick(i, &ids);
                 assert_eq!(s.free(&id), m.reqs.remove(&id).is_some());
             }
-            Op::Sweep => {
+            SchedulerOp::Sweep => {
                 let mut got = s.sweep(now);
                 got.sort();
                 let want: Vec<String> = m
@@ -859,7 +859,7 @@ fn run(cfg: Cfg, ops: Vec<Op>) {
                 }
                 assert_eq!(got, want);
             }
-            Op::Drain => {
+            SchedulerOp::Drain => {
                 let out = s.drain_ready(now);
                 let mut out = out.into_iter();
                 let queue = std::mem::take(&mut m.queue);
@@ -917,7 +917,7 @@ proptest! {
     })]
 
     #[test]
-    fn matches_reference_model(cfg in cfg(), ops in prop::collection::vec(op(), 1..120)) {
-        run(cfg, ops);
+    fn matches_reference_model(cfg in cfg(), ops in prop::collection::vec(scheduler_op(), 1..120)) {
+        run_against_model(cfg, ops);
     }
 }

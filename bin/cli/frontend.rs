@@ -3,6 +3,7 @@
 
 use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
+use super::serve::renamed_env;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use kvrouter_client::KvRouterClient;
@@ -31,7 +32,7 @@ pub struct FrontendArgs {
     #[arg(long = "model", env = "KVROUTER_MODEL", value_delimiter = ',', required = true, value_parser = parse_pair)]
     models: Vec<(String, String)>,
     /// A LoRA adapter, ADAPTER=MODEL (repeatable): clients ask for it by the adapter's name.
-    #[arg(long = "lora", env = "KVROUTER_LORA", value_delimiter = ',', value_parser = parse_pair)]
+    #[arg(long = "lora", env = renamed_env::env("KVROUTER_LORA_ADAPTERS"), value_delimiter = ',', value_parser = parse_pair)]
     loras: Vec<(String, String)>,
     /// A chat template file for every model, or NAME=FILE for one (repeatable), in place of
     /// the directory's.
@@ -49,7 +50,7 @@ pub struct FrontendArgs {
     #[arg(long, env = "KVROUTER_MAX_INFLIGHT", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
     max_inflight: u64,
     /// Longest a request may take, arrival to the answer's last byte.
-    #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 600.0)]
+    #[arg(long, env = renamed_env::env("KVROUTER_ENGINE_TIMEOUT_SECS"), default_value_t = 600.0)]
     request_timeout_secs: f64,
     /// Times a request is routed again around an engine that failed it before answering.
     #[arg(long, env = "KVROUTER_ROUTE_RETRIES", default_value_t = 2)]
@@ -144,6 +145,7 @@ impl FrontendArgs {
 }
 
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
+    renamed_env::log_warnings();
     let config = args.config()?;
     let models = args.load_models()?;
     let loras: HashMap<String, String> = args.loras.iter().cloned().collect();

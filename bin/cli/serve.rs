@@ -2,6 +2,9 @@
 
 use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
+// The home of the renamed twins; its `mod` line belongs in cli/mod.rs.
+#[path = "renamed_env.rs"]
+pub mod renamed_env;
 use anyhow::Context;
 use clap::Args;
 use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
@@ -30,7 +33,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTER_HTTP_ADDR")]
     http_addr: Option<SocketAddr>,
     /// Block size of a model, MODEL=TOKENS (repeatable); otherwise the first worker's.
-    #[arg(long = "block-size", env = "KVROUTER_BLOCK_SIZE", value_delimiter = ',', value_parser = parse_block_size)]
+    #[arg(long = "block-size", env = renamed_env::env("KVROUTER_MODEL_BLOCK_SIZE"), value_delimiter = ',', value_parser = parse_block_size)]
     block_sizes: Vec<(String, u32)>,
     /// Seconds without a heartbeat after which a worker is removed.
     #[arg(long, env = "KVROUTER_WORKER_LEASE_SECS", default_value_t = 3.0)]
@@ -274,6 +277,7 @@ fn fastrand_seed() -> u64 {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    renamed_env::log_warnings();
     let mut config = args.config()?;
     config.validate()?;
     let mut life = Lifecycle::install("serve", config.drain_timeout)?;

@@ -744,7 +744,9 @@ fn replicas_frontends_and_bridges_share_one_fleet() {
             bridge["KVROUTER_MODEL"], bridge["KVROUTER_BLOCK_SIZE"]
         );
         assert!(
-            serve["KVROUTER_BLOCK_SIZE"].split(',').any(|b| b == block),
+            serve["KVROUTER_MODEL_BLOCK_SIZE"]
+                .split(',')
+                .any(|b| b == block),
             "{dir}: the replicas expect another block size than the engines' {block}"
         );
         for model in &models {

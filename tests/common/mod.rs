@@ -220,21 +220,7 @@ impl E2eClient {
 
 /// A route request for `tokens` of [`E2E_MODEL`] that changes no load (`update_states` off).
 pub fn plain_route(tokens: &[u32]) -> kvrouter_protocol::RouteRequest {
-    kvrouter_protocol::RouteRequest {
-        model: E2E_MODEL.into(),
-        request_id: String::new(),
-        tokens: tokens.to_vec(),
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    }
+    kvrouter_protocol::RouteRequest::new(E2E_MODEL, tokens.to_vec())
 }
 
 /// Where an engine (real, emulated or a stand-in) takes a bridge.

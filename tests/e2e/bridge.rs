@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::*;
-use kvrouter_protocol::{RouteRequest, WorkerKey};
+use kvrouter_protocol::WorkerKey;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -120,23 +120,7 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     assert!(client.overlap_becomes(&a, k1, 4));
     assert_eq!(client.overlap(&a, k0), 0);
     // A route goes there, and names the engine's HTTP address from the registration.
-    let d = client
-        .route_req(RouteRequest {
-            model: E2E_MODEL.into(),
-            request_id: String::new(),
-            tokens: a.clone(),
-            lora: None,
-            allowed_workers: None,
-            pin: None,
-            update_states: false,
-            extras: None,
-            excluded_workers: Vec::new(),
-            overrides: None,
-            priority_jump: 0.0,
-            expected_output_tokens: None,
-            call_id: 0,
-        })
-        .unwrap();
+    let d = client.route_req(plain_route(&a)).unwrap();
     assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 1, 4));
     assert_eq!(d.base_url, format!("http://127.0.0.1:{}", engine.http));
 

@@ -329,11 +329,8 @@ fn route_with(
     tokens: &[u32],
     overrides: Option<RouteOverrides>,
 ) -> kvrouter_protocol::RouteDecision {
-    c.route_req(RouteRequest {
-        overrides,
-        ..plain_route(tokens)
-    })
-    .expect("a route")
+    c.route_req(plain_route(tokens).with_overrides(overrides))
+        .expect("a route")
 }
 
 /// An emulated vLLM with a host tier behind a bridge: a prefix the device evicted is

@@ -24,21 +24,9 @@ fn counter(port: u16, series: &str) -> f64 {
 impl Client {}
 
 fn request(tokens: &[u32], request_id: &str) -> RouteRequest {
-    RouteRequest {
-        model: MODEL.into(),
-        request_id: request_id.into(),
-        tokens: tokens.to_vec(),
-        lora: None,
-        allowed_workers: None,
-        pin: None,
-        update_states: !request_id.is_empty(),
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    }
+    RouteRequest::new(MODEL, tokens.to_vec())
+        .with_request_id(request_id)
+        .with_update_states(!request_id.is_empty())
 }
 
 /// Routes `n` times; every answer must go to `holder` with `overlap`; returns who answered.

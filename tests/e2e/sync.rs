@@ -33,21 +33,7 @@ fn synced_replicas_share_requests_catch_up_and_drop_a_killed_peer() {
     let mut by_a = 0;
     for i in 0..12u32 {
         let d = c
-            .route_req(RouteRequest {
-                model: MODEL.into(),
-                request_id: format!("q{i}"),
-                tokens: tokens(i, 4),
-                lora: None,
-                allowed_workers: None,
-                pin: None,
-                update_states: true,
-                extras: None,
-                excluded_workers: Vec::new(),
-                overrides: None,
-                priority_jump: 0.0,
-                expected_output_tokens: None,
-                call_id: 0,
-            })
+            .route_req(RouteRequest::new(MODEL, tokens(i, 4)).booked(format!("q{i}")))
             .expect("route");
         by_a += usize::from(d.replica_id == "a");
     }

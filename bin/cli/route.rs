@@ -119,33 +119,18 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
         println!("{}", disagg_json(&req.request_id, &d));
         return Ok(());
     }
-    let req = RouteRequest {
-        model: args.model,
-        request_id: args.request_id.unwrap_or_else(new_request_id),
-        tokens: args.tokens.0,
-        lora: args.lora.filter(|l| !l.is_empty()),
-        allowed_workers: args.allowed_workers,
-        pin: args.pin,
-        update_states: !args.no_update_states,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: args.hints.priority_jump,
-        expected_output_tokens: args.hints.expected_output_tokens,
-        call_id: 0,
-    };
+    let req = RouteRequest::new(args.model, args.tokens.0)
+        .with_request_id(args.request_id.unwrap_or_else(new_request_id))
+        .with_update_states(!args.no_update_states)
+        .with_lora(args.lora.filter(|l| !l.is_empty()))
+        .with_allowed_workers(args.allowed_workers)
+        .with_pin(args.pin)
+        .with_priority_jump(args.hints.priority_jump)
+        .with_expected_output_tokens(args.hints.expected_output_tokens);
     let d = client.route(&req).await?;
-    let mut fields = vec![
-        ("worker_id", d.worker_id.into()),
-        ("dp_rank", d.dp_rank.into()),
-        ("overlap_blocks", d.overlap_blocks.into()),
-        ("replica_id", d.replica_id.into()),
-    ];
-    // Where to send the request, for engines with an HTTP address (not the mocker's).
-    if !d.base_url.is_empty() {
-        fields.push(("base_url", d.base_url.into()));
-    }
-    println!("{}", json_line(&fields));
+    // The whole decision, as the replicas' JSON API answers /v1/route.
+    let answer = kvrouter_protocol::RouteAnswer::new(d, &req.request_id);
+    println!("{}", serde_json::to_string(&answer)?);
     Ok(())
 }
 

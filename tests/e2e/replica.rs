@@ -81,21 +81,7 @@ impl Client {
 }
 
 fn route_request(tokens: &[u32], pin: Option<Pin>) -> RouteRequest {
-    RouteRequest {
-        model: MODEL.into(),
-        request_id: String::new(),
-        tokens: tokens.to_vec(),
-        lora: None,
-        allowed_workers: None,
-        pin,
-        update_states: false,
-        extras: None,
-        excluded_workers: Vec::new(),
-        overrides: None,
-        priority_jump: 0.0,
-        expected_output_tokens: None,
-        call_id: 0,
-    }
+    RouteRequest::new(MODEL, tokens.to_vec()).with_pin(pin)
 }
 
 /// Leading blocks of `tokens` present in a cache given as sequence hashes.
@@ -313,10 +299,7 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
     still_routes();
     let cases: Vec<(RouteRequest, ErrorKind)> = vec![
         (
-            RouteRequest {
-                model: "no/such-model".into(),
-                ..route_request(&good, None)
-            },
+            RouteRequest::new("no/such-model", good.clone()),
             ErrorKind::UnknownModel,
         ),
         (route_request(&[], None), ErrorKind::EmptyPrompt),
@@ -407,6 +390,33 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["worker_id"], 7);
     assert_eq!(v["replica_id"], "r1");
+    // The whole decision, as the JSON API's /v1/route answers it.
+    let keys: std::collections::BTreeSet<&str> =
+        v.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        std::collections::BTreeSet::from([
+            "worker_id",
+            "dp_rank",
+            "overlap_blocks",
+            "tier_overlap_blocks",
+            "base_url",
+            "request_id",
+            "replica_id",
+            "block_size"
+        ]),
+        "{v}"
+    );
+    assert_eq!(
+        v["tier_overlap_blocks"]["device"], v["overlap_blocks"],
+        "{v}"
+    );
+    assert!(v["tier_overlap_blocks"]["host"].is_u64(), "{v}");
+    assert!(
+        v["request_id"].as_str().is_some_and(|id| !id.is_empty()),
+        "a booked route names its request: {v}"
+    );
+    assert!(v["block_size"].as_u64().is_some_and(|b| b > 0), "{v}");
     let out = kvrouter()
         .args([
             "route", "--nats", &url, "--model", "nope", "--tokens", &toks,

@@ -463,6 +463,42 @@ impl RouteDecision {
     }
 }
 
+/// A [`RouteDecision`] as JSON: the answer to a replica's `POST /v1/route` and what
+/// `kvrouter route` prints (never on the bus: JSON only, so fields may be added freely).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RouteAnswer {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// Leading blocks cached on the worker's device.
+    pub overlap_blocks: u32,
+    /// The cached prefix by tier: `{device, host, disk, shared}`.
+    pub tier_overlap_blocks: TierBlocks,
+    /// The worker's HTTP address from its registration (empty for the mocker).
+    pub base_url: String,
+    /// Send `prefill_done` and `free` with it; `null` for a request that updates no state
+    /// and came without one.
+    pub request_id: Option<String>,
+    /// The replica that counts the request's load.
+    pub replica_id: String,
+    /// Tokens per KV block: report `output_block` once per this many generated tokens.
+    pub block_size: u32,
+}
+
+impl RouteAnswer {
+    pub fn new(d: RouteDecision, request_id: &str) -> Self {
+        Self {
+            worker_id: d.worker_id,
+            dp_rank: d.dp_rank,
+            overlap_blocks: d.overlap_blocks,
+            tier_overlap_blocks: d.tier_overlap_blocks,
+            base_url: d.base_url,
+            request_id: (!request_id.is_empty()).then(|| request_id.to_string()),
+            replica_id: d.replica_id,
+            block_size: d.block_size,
+        }
+    }
+}
+
 /// Which prefill worker rank, and then which decode worker rank, should serve these tokens?
 /// (A model with a prefill pool and a decode pool; answered with a [`DisaggDecision`].)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

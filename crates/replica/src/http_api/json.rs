@@ -4,8 +4,7 @@
 use super::errors::ApiError;
 use crate::layouts::WorkerLayout;
 use kvrouter_protocol::{
-    DpRank, ErrorKind, Pin, PromptExtras, RouteDecision, RouteOverrides, RouteRequest, TierBlocks,
-    WorkerId, WorkerKey,
+    DpRank, ErrorKind, Pin, PromptExtras, RouteOverrides, RouteRequest, WorkerId, WorkerKey,
 };
 use kvrouter_scheduler::KeyLoad;
 use serde::de::DeserializeOwned;
@@ -139,40 +138,8 @@ impl RouteBody {
     }
 }
 
-/// The answer to `POST /v1/route`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct RouteAnswer {
-    pub worker_id: WorkerId,
-    pub dp_rank: DpRank,
-    /// Leading blocks cached on the worker's device.
-    pub overlap_blocks: u32,
-    /// The cached prefix by tier: `{device, host, disk, shared}`.
-    pub tier_overlap_blocks: TierBlocks,
-    /// The worker's HTTP address from its registration (empty for the mocker).
-    pub base_url: String,
-    /// Send `prefill_done` and `free` with it; `null` for a request that updates no state
-    /// and came without one.
-    pub request_id: Option<String>,
-    /// The replica that counts the request's load.
-    pub replica_id: String,
-    /// Tokens per KV block: report `output_block` once per this many generated tokens.
-    pub block_size: u32,
-}
-
-impl RouteAnswer {
-    pub fn new(d: RouteDecision, request_id: &str) -> Self {
-        Self {
-            worker_id: d.worker_id,
-            dp_rank: d.dp_rank,
-            overlap_blocks: d.overlap_blocks,
-            tier_overlap_blocks: d.tier_overlap_blocks,
-            base_url: d.base_url,
-            request_id: (!request_id.is_empty()).then(|| request_id.to_string()),
-            replica_id: d.replica_id,
-            block_size: d.block_size,
-        }
-    }
-}
+/// The answer to `POST /v1/route` (also what `kvrouter route` prints).
+pub use kvrouter_protocol::RouteAnswer;
 
 /// `POST /v1/requests/{id}/prefill_done`, `.../free` and `.../output_block`.
 #[derive(Clone, Debug, Deserialize)]
@@ -269,7 +236,7 @@ pub fn worker_ranks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrouter_protocol::{EngineKind, WorkerRole};
+    use kvrouter_protocol::{EngineKind, RouteDecision, TierBlocks, WorkerRole};
     use kvrouter_scheduler::ReportedLoad;
 
     fn body(json: &str) -> Result<RouteBody, ApiError> {

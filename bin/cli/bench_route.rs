@@ -4,11 +4,11 @@
 use super::nats_args::NatsArgs;
 use anyhow::{bail, Context};
 use clap::Args;
-use kvrouter_bench::replay::requests::{build_requests, load_trace};
 use kvrouter_bench::route_latency::{
     run_route_latency, LatencySummary, RouteLatencyConfig, RouteLatencyReport,
 };
 use kvrouter_client::KvRouterClient;
+use kvrouter_replay::requests::{build_requests, load_trace};
 use std::sync::Arc;
 use std::time::Duration;
 

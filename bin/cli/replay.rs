@@ -10,6 +10,7 @@ use kvrouter_replay::report::{render_table, ReplayReport};
 use kvrouter_replay::requests::load_trace;
 use kvrouter_replay::runner::ReplayConfig;
 use kvrouter_replay::RunOutcome;
+use kvrouter_replica::{IndexFlags, IndexSource};
 use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -206,6 +207,33 @@ fn replay(
 }
 
 impl FleetArgs {
+    /// Each replica's index from the flags, through the mapping `serve` uses: the first
+    /// K replicas serve theirs (K = --serve-indexer-replicas, or 1 with --remote-indexer
+    /// alone), the rest ask them; --no-kv-events for all.
+    fn indexes(&self) -> anyhow::Result<Vec<IndexSource>> {
+        let serving = match (self.serve_indexer_replicas, self.remote_indexer) {
+            (0, true) => 1,
+            (k, _) => k,
+        };
+        if serving > self.replicas {
+            anyhow::bail!(
+                "{serving} serving indexers asked of {} replicas",
+                self.replicas
+            );
+        }
+        (0..self.replicas)
+            .map(|i| {
+                let flags = IndexFlags {
+                    no_kv_events: self.no_kv_events,
+                    serve_indexer: i < serving,
+                    use_remote_indexer: serving > 0 && i >= serving,
+                    ..IndexFlags::default()
+                };
+                Ok(flags.source()?)
+            })
+            .collect()
+    }
+
     fn config(&self) -> anyhow::Result<ReplayConfig> {
         Ok(ReplayConfig {
             workers: self.workers,
@@ -225,14 +253,12 @@ impl FleetArgs {
                 )?,
                 ..SchedulerConfig::default()
             }),
-            no_kv_events: self.no_kv_events,
+            indexes: self.indexes()?,
             replica_sync: self.replica_sync,
             replica_sync_echo: crate::cli::serve::millis(
                 "replica-sync-echo-ms",
                 self.replica_sync_echo_ms,
             )?,
-            serve_indexer_replicas: self.serve_indexer_replicas,
-            remote_indexer: self.remote_indexer,
             expected_output: self.expected_output,
             ..ReplayConfig::default()
         })

@@ -17,8 +17,3 @@ pub mod trace_stats;
 // The trace format, the replay and the statistics live in kvrouter-replay (the demo needs
 // them without the benches); re-exported so every bench names them the same way.
 pub use kvrouter_replay::{stats, trace};
-/// The replay experiment (kvrouter-replay) and its plots.
-pub mod replay {
-    pub use super::plot;
-    pub use kvrouter_replay::*;
-}

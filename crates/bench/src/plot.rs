@@ -395,7 +395,7 @@ mod tests {
     fn cdf_is_monotone_and_bounded() {
         let outcome = RunOutcome {
             results: (0..1000)
-                .map(|i| crate::replay::RequestResult {
+                .map(|i| kvrouter_replay::RequestResult {
                     ttft_us: (1000 - i) * 10,
                     ..Default::default()
                 })
@@ -407,6 +407,75 @@ mod tests {
         assert_eq!(pts[0].1, 0.0);
         assert_eq!(*pts.last().unwrap(), (10.0, 1.0));
         assert!(pts.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1));
+    }
+
+    /// Two policies at two rates, each with ten requests.
+    fn runs() -> (ReplayReport, Vec<RunOutcome>) {
+        use kvrouter_replay::ideal::Ideals;
+        use kvrouter_replay::report::ReportSettings;
+        let run = |policy: &str, rate: f64, ttft_ms: u64| RunOutcome {
+            policy: policy.into(),
+            rate_scale: rate,
+            results: (0..10)
+                .map(|i| kvrouter_replay::RequestResult {
+                    ttft_us: (ttft_ms + i) * 1000,
+                    e2e_us: (ttft_ms + i) * 1000 + 50_000,
+                    cached_blocks: 2,
+                    prompt_blocks: 4,
+                    ..Default::default()
+                })
+                .collect(),
+            duration_us: 1_000_000,
+            ..Default::default()
+        };
+        let outcomes = vec![
+            run("kv", 1.0, 10),
+            run("kv", 2.0, 20),
+            run("round-robin", 1.0, 40),
+            run("round-robin", 2.0, 300),
+        ];
+        let ideals = Ideals {
+            prompt_blocks: 40,
+            unlimited_hits: 24,
+            pooled_hits: 20,
+            unlimited_hit_rate: 0.6,
+            pooled_hit_rate: 0.5,
+            pooled_capacity_blocks: 200,
+        };
+        let settings = ReportSettings {
+            workers: 2,
+            block_size: 16,
+            slo_ttft_ms: 100.0,
+            ..ReportSettings::default()
+        };
+        let report = ReplayReport::from_outcomes("t.jsonl".into(), settings, ideals, &outcomes);
+        (report, outcomes)
+    }
+
+    #[test]
+    fn plots_svg_and_png() {
+        let (report, outcomes) = runs();
+        let dir = tempfile::tempdir().unwrap();
+        let svg = dir.path().join("replay.svg");
+        plot(&report, &outcomes, &svg).unwrap();
+        let text = std::fs::read_to_string(&svg).unwrap();
+        for needle in ["<svg", "kv x2", "round-robin x1", "pooled LRU", "unlimited"] {
+            assert!(text.contains(needle), "svg lacks {needle}");
+        }
+
+        let png = dir.path().join("replay.PNG");
+        match plot(&report, &outcomes, &png) {
+            Ok(()) => {
+                let bytes = std::fs::read(&png).unwrap();
+                assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+            }
+            Err(PlotError::NoFont { .. }) if !ensure_font() => {
+                println!("note: no TrueType font on this machine; PNG output not checked");
+            }
+            Err(e) => panic!("{e}"),
+        }
+        let err = plot(&report, &outcomes, &dir.path().join("replay.pdf")).unwrap_err();
+        assert!(err.to_string().contains(".svg"), "{err}");
     }
 
     #[test]

@@ -244,7 +244,7 @@ impl Experiment {
             truncated_requests: count_truncated(&self.trace),
             serving_indexers: c.serving_indexers(),
             replica_sync: c.replica_sync,
-            no_kv_events: c.no_kv_events,
+            no_kv_events: c.approximate(),
         }
     }
 }

@@ -16,7 +16,7 @@ use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
 use kvrouter_protocol::{decode, LoadReport, Subjects, WorkerKey, WorkerSubject};
-use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
+use kvrouter_replica::{IndexSource, Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::{RoutingPolicy, SchedulerConfig};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -49,18 +49,14 @@ pub struct ReplayConfig {
     pub sample_every: Duration,
     /// The replicas' scheduling parameters (policy and seed are set per run).
     pub scheduler: SchedulerConfig,
-    /// Approximate mode (`--no-kv-events`): the replicas feed their indexes from their own
-    /// routing decisions instead of KV events.
-    pub no_kv_events: bool,
     /// Replicas share their active sequences (`--replica-sync`).
     pub replica_sync: bool,
     /// Replica sync's peer-echo window (`--replica-sync-echo-ms`).
     pub replica_sync_echo: Duration,
-    /// The first K replicas serve their index (`--serve-indexer`), the others use it
-    /// remotely (`--use-remote-indexer`); 0: every replica keeps its own index.
-    pub serve_indexer_replicas: usize,
-    /// Remote indexers: with `serve_indexer_replicas` 0, the first replica serves.
-    pub remote_indexer: bool,
+    /// Each replica's index as `kvrouter serve` takes it: replica i runs `indexes[i]`
+    /// (KV events or approximate mode, serving or not, or remote). Empty: every replica
+    /// keeps its own index fed by KV events.
+    pub indexes: Vec<IndexSource>,
     /// Each route carries the trace's output length as `expected_output_tokens`, so the
     /// router counts a request's whole decode from the start (`--expected-output`).
     pub expected_output: bool,
@@ -81,11 +77,9 @@ impl Default for ReplayConfig {
             seed: 1,
             sample_every: Duration::from_millis(250),
             scheduler: SchedulerConfig::default(),
-            no_kv_events: false,
             replica_sync: false,
             replica_sync_echo: kvrouter_replica::DEFAULT_SYNC_ECHO,
-            serve_indexer_replicas: 0,
-            remote_indexer: false,
+            indexes: Vec::new(),
             expected_output: false,
         }
     }
@@ -97,12 +91,22 @@ impl ReplayConfig {
         self.capacity_blocks * self.workers as usize * self.dp_size as usize
     }
 
-    /// How many replicas serve their index (the first ones); 0 when none does.
+    /// Replica `i`'s index.
+    pub fn index_of(&self, i: usize) -> IndexSource {
+        self.indexes
+            .get(i)
+            .cloned()
+            .unwrap_or(IndexSource::Events { serve: false })
+    }
+
+    /// How many replicas serve their index to the others.
     pub fn serving_indexers(&self) -> usize {
-        match (self.serve_indexer_replicas, self.remote_indexer) {
-            (0, true) => 1,
-            (k, _) => k,
-        }
+        self.indexes.iter().filter(|s| s.serves()).count()
+    }
+
+    /// Approximate mode: route decisions, not KV events, feed the indexes.
+    pub fn approximate(&self) -> bool {
+        self.indexes.iter().any(IndexSource::approximate)
     }
 
     pub fn validate(&self) -> Result<(), RunError> {
@@ -116,12 +120,15 @@ impl ReplayConfig {
                 self.block_size
             ));
         }
-        if self.serving_indexers() > self.replicas {
+        if !self.indexes.is_empty() && self.indexes.len() != self.replicas {
             return bad(format!(
-                "{} serving indexers asked of {} replicas",
-                self.serving_indexers(),
+                "{} index set-ups given for {} replicas",
+                self.indexes.len(),
                 self.replicas
             ));
+        }
+        if self.indexes.iter().any(|s| !s.keeps_index()) && self.serving_indexers() == 0 {
+            return bad("remote indexers need a replica that serves its index".into());
         }
         if self.capacity_blocks == 0 {
             return bad("capacity must be at least 1 block".into());
@@ -216,15 +223,7 @@ pub async fn run_policy(
                 discovery_window: Duration::from_millis(100),
                 // Every prompt the bus can carry (the traces hold prompts over 128k tokens).
                 max_prompt_tokens: kvrouter_protocol::max_prompt_tokens_for(bus.max_payload()),
-                index: IndexFlags {
-                    no_kv_events: config.no_kv_events,
-                    serve_indexer: i < config.serving_indexers(),
-                    use_remote_indexer: config.serving_indexers() > 0
-                        && i >= config.serving_indexers(),
-                    ..IndexFlags::default()
-                }
-                .source()
-                .map_err(|e| RunError::Replica(e.to_string()))?,
+                index: config.index_of(i),
                 sync: config.replica_sync.then_some(SyncConfig {
                     echo: config.replica_sync_echo,
                 }),
@@ -415,4 +414,39 @@ fn uuid_like(seed: u64, policy: RoutingPolicy, rate: f64) -> String {
         (rate * 1000.0) as u64,
         std::process::id()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvrouter_replica::RemoteIndex;
+
+    #[test]
+    fn each_replica_runs_its_own_index_set_up() {
+        let mut c = ReplayConfig {
+            replicas: 3,
+            ..ReplayConfig::default()
+        };
+        assert_eq!(c.index_of(2), IndexSource::Events { serve: false });
+        assert_eq!((c.serving_indexers(), c.approximate()), (0, false));
+        c.validate().unwrap();
+
+        let remote = IndexSource::Remote(RemoteIndex::default());
+        c.indexes = vec![remote.clone(), remote.clone(), remote.clone()];
+        assert!(matches!(c.validate(), Err(RunError::Config(m)) if m.contains("serves")));
+        c.indexes[0] = IndexSource::Events { serve: true };
+        c.validate().unwrap();
+        assert_eq!((c.serving_indexers(), c.index_of(1)), (1, remote));
+
+        c.indexes.pop();
+        assert!(matches!(c.validate(), Err(RunError::Config(m)) if m.contains("2 index set-ups")));
+        c.indexes = vec![
+            IndexSource::Approx {
+                ttl: Duration::from_secs(1),
+                serve: false,
+            };
+            3
+        ];
+        assert!(c.approximate());
+    }
 }

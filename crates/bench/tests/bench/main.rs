@@ -1,5 +1,3 @@
-//! The benchmarks' libraries: the replay runner and report, route latency.
+//! The benchmarks' libraries: route latency.
 
-mod replay_report;
-mod replay_runner;
 mod route_latency;

@@ -1,10 +1,10 @@
 //! The replay through real replicas and a mocker fleet on the in-process bus (virtual clock):
 //! deterministic for a fixed seed, and kv beats round robin on a trace with shared prefixes.
 
-use kvrouter_bench::replay::requests::{build_requests, ReplayRequest};
-use kvrouter_bench::replay::runner::{run_policy, virtual_runtime, ReplayConfig};
-use kvrouter_bench::replay::RunOutcome;
-use kvrouter_bench::trace::TraceRequest;
+use kvrouter_replay::requests::{build_requests, ReplayRequest};
+use kvrouter_replay::runner::{run_policy, virtual_runtime, ReplayConfig};
+use kvrouter_replay::trace::TraceRequest;
+use kvrouter_replay::RunOutcome;
 use kvrouter_scheduler::RoutingPolicy;
 
 /// 60 requests, 100 ms apart, over 6 long shared prefixes (4 trace blocks each) plus one

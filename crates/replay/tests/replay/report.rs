@@ -1,12 +1,11 @@
 //! The pure parts of `bench replay`: trace → requests, the ideals, summaries, goodput, the
-//! kv-vs-round-robin comparison, the table and the plot.
+//! kv-vs-round-robin comparison and the table.
 
-use kvrouter_bench::replay::ideal::{ideal_hit_rates, Ideals};
-use kvrouter_bench::replay::plot::{ensure_font, plot, PlotError};
-use kvrouter_bench::replay::report::{goodput, render_table, ReplayReport, ReportSettings};
-use kvrouter_bench::replay::requests::{build_requests, load_trace, ReplayError};
-use kvrouter_bench::replay::{LoadSample, RequestResult, RunOutcome};
-use kvrouter_bench::trace::TraceRequest;
+use kvrouter_replay::ideal::{ideal_hit_rates, Ideals};
+use kvrouter_replay::report::{goodput, render_table, ReplayReport, ReportSettings};
+use kvrouter_replay::requests::{build_requests, load_trace, ReplayError};
+use kvrouter_replay::trace::TraceRequest;
+use kvrouter_replay::{LoadSample, RequestResult, RunOutcome};
 use std::io::Write;
 use std::time::Duration;
 
@@ -307,38 +306,4 @@ fn table_is_readable() {
         .collect();
     assert_eq!(row_lines.len(), 3);
     assert!(row_lines.windows(2).all(|w| w[0].len() == w[1].len()));
-}
-
-#[test]
-fn plots_svg_and_png() {
-    let dir = tempfile::tempdir().unwrap();
-    let svg = dir.path().join("replay.svg");
-    plot(&report(), &outcomes(), &svg).unwrap();
-    let text = std::fs::read_to_string(&svg).unwrap();
-    for needle in [
-        "<svg",
-        "kv x2",
-        "round-robin x4",
-        "random x1",
-        "pooled LRU",
-        "unlimited",
-    ] {
-        assert!(text.contains(needle), "svg lacks {needle}");
-    }
-
-    let png = dir.path().join("replay.PNG");
-    match plot(&report(), &outcomes(), &png) {
-        Ok(()) => {
-            let bytes = std::fs::read(&png).unwrap();
-            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-        }
-        Err(PlotError::NoFont { .. }) if !ensure_font() => {
-            println!("note: no TrueType font on this machine; PNG output not checked");
-        }
-        Err(e) => panic!("{e}"),
-    }
-
-    let err = plot(&report(), &outcomes(), &dir.path().join("replay.pdf")).unwrap_err();
-    assert!(matches!(err, PlotError::UnknownFormat(_)), "{err}");
-    assert!(err.to_string().contains(".svg"));
 }

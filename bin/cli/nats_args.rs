@@ -45,8 +45,8 @@ pub struct NatsArgs {
         value_name = "NS"
     )]
     pub namespace: String,
-    /// Wire format version this process writes: the current one (4), or 3 while a fleet is
-    /// upgraded from version-3 builds, so they read everything (set it on every upgraded
+    /// Wire format version this process writes: the current one (5), or 4 while a fleet is
+    /// upgraded from version-4 builds, so they read everything (set it on every upgraded
     /// process until none of the old ones is left). Answers always follow their request.
     #[arg(long, env = "KVROUTER_WIRE_VERSION", default_value_t = kvrouter_protocol::FORMAT_VERSION,
           value_parser = clap::value_parser!(u8).range(kvrouter_protocol::MIN_READ_VERSION as i64..=kvrouter_protocol::FORMAT_VERSION as i64))]
@@ -75,5 +75,35 @@ impl NatsArgs {
     pub async fn connect(&self, name: &str) -> anyhow::Result<Bus> {
         kvrouter_protocol::set_write_version(self.wire_version)?;
         Ok(Bus::connect(&self.options(name)).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvrouter_protocol::{FORMAT_VERSION, MIN_READ_VERSION};
+
+    /// The help names the versions the codec writes and reads (a doc comment cannot take
+    /// the constants: this keeps it honest when they move).
+    #[test]
+    fn wire_version_help_names_the_current_and_the_previous_version() {
+        let cmd = NatsArgs::augment_args(clap::Command::new("t"));
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "wire_version")
+            .expect("--wire-version");
+        let help = arg.get_long_help().or(arg.get_help()).unwrap().to_string();
+        let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+        for want in [
+            format!("the current one ({FORMAT_VERSION})"),
+            format!("or {MIN_READ_VERSION} while"),
+            format!("from version-{MIN_READ_VERSION} builds"),
+        ] {
+            assert!(help.contains(&want), "{want:?} not in {help:?}");
+        }
+        assert_eq!(
+            arg.get_default_values(),
+            [FORMAT_VERSION.to_string().as_str()]
+        );
     }
 }

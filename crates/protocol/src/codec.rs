@@ -182,6 +182,24 @@ mod tests {
     use proptest::prelude::*;
     use uuid::Uuid;
 
+    /// docs/protocol.md names the versions this build writes and reads.
+    #[test]
+    fn the_protocol_doc_names_the_current_and_the_previous_version() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md");
+        let doc = std::fs::read_to_string(path).expect("docs/protocol.md");
+        for want in [
+            format!("currently `{FORMAT_VERSION}` (`{MIN_READ_VERSION}` still read)"),
+            format!("**Version {FORMAT_VERSION}** (current)"),
+            format!("**Version {MIN_READ_VERSION}** (still read)"),
+        ] {
+            assert!(doc.contains(&want), "docs/protocol.md lacks {want:?}");
+        }
+        assert!(
+            !doc.contains(&format!("**Version {}**", FORMAT_VERSION + 1)),
+            "docs/protocol.md describes a version this build does not know"
+        );
+    }
+
     fn arb_key() -> impl Strategy<Value = WorkerKey> {
         (any::<u64>(), any::<u32>()).prop_map(|(w, r)| WorkerKey::new(w, r))
     }

@@ -3,9 +3,9 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use kvrouter_bench::indexer_bench::{
-    build_stream, measure_rss, median_figures, timed_run, transparent_huge_pages, IndexMode,
-    RssFigures, RunFigures,
+    measure_rss, transparent_huge_pages, BenchError, IndexMode, RssFigures,
 };
+use kvrouter_bench::indexer_experiment::IndexerExperiment;
 use kvrouter_bench::indexer_scale::{run_scale, ScaleConfig, ScaleFigures};
 use kvrouter_bench::indexer_stream::StreamConfig;
 use kvrouter_bench::stats::Spread;
@@ -245,12 +245,6 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
             "--trace, --workers, --capacity-blocks and --sub-blocks are required without --scale"
         );
     };
-    let config = StreamConfig {
-        workers,
-        capacity_blocks,
-        sub_blocks,
-        engine_hash_salt: args.engine_hash_salt,
-    };
     // The memory run reads the stream from a file in a fresh process, so the stream is
     // always written: to --export-stream, or to a temporary file.
     let temp;
@@ -265,133 +259,30 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
             temp.path().to_owned()
         }
     };
-    let t0 = std::time::Instant::now();
-    let stream = build_stream(&trace, config, Some(&stream_path))?;
-    tracing::info!(
-        requests = stream.requests,
-        events = stream.events.len(),
-        stored_blocks = stream.stored_blocks,
-        removed_blocks = stream.removed_blocks,
-        secs = t0.elapsed().as_secs_f64(),
-        "stream built"
-    );
-    let rss = rss_in_child(&stream_path, args.mode, args.shards)?;
-    let mut runs = Vec::with_capacity(args.runs);
-    for i in 0..args.runs {
-        let r = timed_run(&stream, args.mode, args.shards).await?;
-        tracing::info!(
-            run = i + 1,
-            block_ops_per_s = r.block_ops_per_s,
-            lookup_p50_us = r.lookup_p50_us,
-            lookup_p99_us = r.lookup_p99_us,
-            "run done"
-        );
-        runs.push(r);
-    }
-    let m = median_figures(&runs).context("no runs")?;
-    let spread = |f: fn(&RunFigures) -> f64| Spread::of(runs.iter().map(f));
-    let spreads = serde_json::json!({
-        "block_ops_per_s": spread(|r| r.block_ops_per_s),
-        "lookup_p50_us": spread(|r| r.lookup_p50_us),
-        "lookup_p99_us": spread(|r| r.lookup_p99_us),
-        "lookups_per_s": spread(|r| r.lookups_per_s),
-    });
-    let bytes_per_pair = rss.bytes_per_pair();
-    let report = serde_json::json!({
-        "trace": trace,
-        "mode": args.mode,
-        "workers": workers,
-        "capacity_blocks": capacity_blocks,
-        "sub_blocks": sub_blocks,
-        "shards": if args.mode == IndexMode::Sharded { args.shards } else { 1 },
-        "runs": args.runs,
-        "engine_hash_salt": args.engine_hash_salt,
-        "requests": stream.requests,
-        "lookups": stream.queries.len(),
-        "events": stream.events.len(),
-        "stored_blocks": stream.stored_blocks,
-        "removed_blocks": stream.removed_blocks,
-        "block_ops": stream.stored_blocks + stream.removed_blocks,
-        "live_pairs": m.live_pairs,
-        "live_blocks": m.live_blocks,
-        "refused_events": m.refused_events,
-        "apply_secs": m.apply_secs,
-        "block_ops_per_s": m.block_ops_per_s,
-        "lookup_p50_us": m.lookup_p50_us,
-        "lookup_p99_us": m.lookup_p99_us,
-        "lookups_per_s": m.lookups_per_s,
-        "mean_best_overlap": m.mean_best_overlap,
-        "rss_before_bytes": rss.rss_before_bytes,
-        "rss_after_bytes": rss.rss_after_bytes,
-        "bytes_per_pair": bytes_per_pair,
-        "table_bytes_per_pair": rss.table_bytes as f64 / rss.live_pairs.max(1) as f64,
-        "spread": spreads,
-        "apply_minor_page_faults": m.apply_page_faults.0,
-        "apply_major_page_faults": m.apply_page_faults.1,
-        "git_revision": env!("KVROUTER_GIT_REV"),
-        "transparent_huge_pages": transparent_huge_pages(),
-    });
-    if args.json {
-        println!("{report}");
-    } else {
-        println!("kvrouter bench indexer: {}", trace.display());
-        println!(
-            "  stream   {} requests, {} events, {} block ops (W={}, C={}, K={})",
-            stream.requests,
-            stream.events.len(),
-            stream.stored_blocks + stream.removed_blocks,
+    let experiment = IndexerExperiment {
+        trace,
+        stream: StreamConfig {
             workers,
             capacity_blocks,
-            sub_blocks
-        );
-        println!(
-            "  index    {} mode{}, live pairs {}, live blocks {}",
-            if args.mode == IndexMode::Sharded {
-                "sharded"
-            } else {
-                "core"
-            },
-            if args.mode == IndexMode::Sharded {
-                format!(" ({} shards)", args.shards)
-            } else {
-                String::new()
-            },
-            m.live_pairs,
-            m.live_blocks
-        );
-        let range = |f: fn(&RunFigures) -> f64, scale: f64| {
-            spread(f).map_or(String::new(), |s| {
-                format!("{:.2}..{:.2}", s.min / scale, s.max / scale)
-            })
-        };
-        println!(
-            "  apply    {:.2} M block ops/s ({}), {} minor page faults",
-            m.block_ops_per_s / 1e6,
-            range(|r| r.block_ops_per_s, 1e6),
-            m.apply_page_faults.0
-        );
-        println!(
-            "  lookup   p50 {:.2} µs ({}), p99 {:.2} µs ({}), {:.0} k lookups/s ({}), mean best overlap {:.1}",
-            m.lookup_p50_us,
-            range(|r| r.lookup_p50_us, 1.0),
-            m.lookup_p99_us,
-            range(|r| r.lookup_p99_us, 1.0),
-            m.lookups_per_s / 1e3,
-            range(|r| r.lookups_per_s, 1e3),
-            m.mean_best_overlap
-        );
-        println!(
-            "  memory   {:.1} bytes per live pair (RSS +{:.1} MiB; tables alone {:.1} bytes per pair)",
-            bytes_per_pair,
-            rss.rss_after_bytes.saturating_sub(rss.rss_before_bytes) as f64 / (1 << 20) as f64,
-            rss.table_bytes as f64 / rss.live_pairs.max(1) as f64
-        );
-        println!(
-            "  (median of {} runs, min..max in brackets; build {}, transparent huge pages {})",
-            args.runs,
-            env!("KVROUTER_GIT_REV"),
-            transparent_huge_pages().as_deref().unwrap_or("unknown")
-        );
+            sub_blocks,
+            engine_hash_salt: args.engine_hash_salt,
+        },
+        mode: args.mode,
+        shards: args.shards,
+        runs: args.runs,
+        stream_path,
+        git_revision: env!("KVROUTER_GIT_REV").to_string(),
+    };
+    let report = experiment
+        .run(|stream| {
+            rss_in_child(stream, args.mode, args.shards)
+                .map_err(|e| BenchError::MemoryRun(format!("{e:#}")))
+        })
+        .await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.render());
     }
     Ok(())
 }

@@ -54,6 +54,8 @@ pub enum BenchError {
     Config(String),
     #[error("cannot read RSS from /proc/self/status: {0}")]
     Rss(String),
+    #[error("the memory-measurement run failed: {0}")]
+    MemoryRun(String),
 }
 
 /// The stream, decoded, with every request's lookup query.

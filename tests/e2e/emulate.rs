@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::*;
-use kvrouter_protocol::{OverlapRequest, RouteOverrides, RouteRequest, TierBlocks, WorkerKey};
+use kvrouter_protocol::{OverlapRequest, RouteOverrides, TierBlocks, WorkerKey};
 use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -85,7 +85,7 @@ impl IndexerExperiment {
             ));
         }
         let started = std::time::Instant::now();
-        let stream = build_stream(&self.trace, self.stream.clone(), Some(&self.stream_path))?;
+        let stream = build_stream(&self.trace, self.stream, Some(&self.stream_path))?;
         tracing::info!(
             requests = stream.requests,
             events = stream.events.len(),

@@ -5,12 +5,14 @@
 //! truth); the process-driving shell: [`runner`], [`fleet`], [`traffic`].
 
 pub mod compare;
+pub mod config;
 pub mod fleet;
 pub mod report;
 pub mod runner;
 pub mod schedule;
 pub mod traffic;
 
+pub use config::{ChaosConfig, EngineSpec};
 pub use report::ChaosReport;
-pub use runner::{run_chaos, ChaosConfig, ChaosError, EngineSpec};
+pub use runner::{run_chaos, ChaosError};
 pub use schedule::{FaultKind, Schedule, Step, Timing};

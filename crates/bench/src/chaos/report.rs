@@ -1,7 +1,7 @@
 //! What a chaos run found: faults by kind, routes, convergence times and divergence, as JSON
 //! and as a table for an operator.
 
-use super::runner::ChaosConfig;
+use super::config::ChaosConfig;
 use super::traffic::RouteFigures;
 use crate::stats::Spread;
 use serde::Serialize;

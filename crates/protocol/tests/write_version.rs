@@ -5,7 +5,8 @@ use kvrouter_protocol::{
     RouteRequest, FORMAT_VERSION,
 };
 
-fn request() -> RouteRequest {
+/// A route request with every field set, the current version's new ones too.
+fn request_with_every_field() -> RouteRequest {
     RouteRequest {
         model: "m".into(),
         request_id: "r".into(),
@@ -30,11 +31,11 @@ fn request() -> RouteRequest {
 #[test]
 fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     assert_eq!(write_version(), FORMAT_VERSION);
-    let current = encode(&request()).unwrap();
+    let current = encode(&request_with_every_field()).unwrap();
     assert_eq!(current[0], FORMAT_VERSION);
 
     set_write_version(FORMAT_VERSION - 1).unwrap();
-    let old = encode(&request()).unwrap();
+    let old = encode(&request_with_every_field()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
     let seen: v4::RouteRequest = bincode::serde::decode_from_slice(
@@ -47,7 +48,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     // ...and this build reads it too, without the fields the previous version lacks.
     let (back, version): (RouteRequest, u8) = decode_versioned(&old).unwrap();
     assert_eq!(version, FORMAT_VERSION - 1);
-    assert_eq!(back.overrides, request().overrides);
+    assert_eq!(back.overrides, request_with_every_field().overrides);
     assert_eq!(
         (back.priority_jump, back.expected_output_tokens),
         (0.0, None)
@@ -62,7 +63,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     );
     set_write_version(FORMAT_VERSION).unwrap();
     assert_eq!(
-        decode::<RouteRequest>(&encode(&request()).unwrap()).unwrap(),
-        request()
+        decode::<RouteRequest>(&encode(&request_with_every_field()).unwrap()).unwrap(),
+        request_with_every_field()
     );
 }

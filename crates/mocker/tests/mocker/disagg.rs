@@ -32,7 +32,8 @@ fn disagg_fleet_config(role: WorkerRole, worker_id_start: u64) -> FleetConfig {
     }
 }
 
-fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+/// `blocks` full 16-token blocks of tokens unique to `seed`.
+fn seeded_prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * 16).map(|t| seed * 100_000 + t).collect()
 }
 
@@ -96,17 +97,20 @@ async fn decode_starts_once_every_tp_rank_received() {
         .await
         .unwrap();
     let sent_at = Instant::now();
-    let (events, got) = tokio::join!(timed_generate(&bus, &fleet, 1, "a", prompt(1, 4)), async {
-        // Each report with when it arrived.
-        let mut got = Vec::new();
-        while let Ok(Some(msg)) = timeout(Duration::from_millis(600), sub.next()).await {
-            got.push((
-                sent_at.elapsed(),
-                decode::<TransferReport>(&msg.payload).unwrap(),
-            ));
+    let (events, got) = tokio::join!(
+        timed_generate(&bus, &fleet, 1, "a", seeded_prompt(1, 4)),
+        async {
+            // Each report with when it arrived.
+            let mut got = Vec::new();
+            while let Ok(Some(msg)) = timeout(Duration::from_millis(600), sub.next()).await {
+                got.push((
+                    sent_at.elapsed(),
+                    decode::<TransferReport>(&msg.payload).unwrap(),
+                ));
+            }
+            got
         }
-        got
-    });
+    );
     let all: Vec<TransferReport> = got.iter().map(|(_, r)| r.clone()).collect();
     assert_eq!(
         tp_ranks(&all, TransferSide::Received, "a"),
@@ -157,7 +161,7 @@ async fn a_silenced_decode_tp_rank_fails_the_request_after_the_receive_timeout()
         .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
-    let events = timed_generate(&bus, &fleet, 1, "a", prompt(1, 4)).await;
+    let events = timed_generate(&bus, &fleet, 1, "a", seeded_prompt(1, 4)).await;
     assert_eq!(events.len(), 1, "no token, one error: {events:?}");
     let (at, GenerateEvent::Error(e)) = &events[0] else {
         panic!("an error: {events:?}");
@@ -180,7 +184,7 @@ async fn a_silenced_decode_tp_rank_fails_the_request_after_the_receive_timeout()
 
     // Unsilenced at run time: the next request runs.
     fleet.silence_tp_rank(1, None).unwrap();
-    let events = timed_generate(&bus, &fleet, 1, "b", prompt(2, 4)).await;
+    let events = timed_generate(&bus, &fleet, 1, "b", seeded_prompt(2, 4)).await;
     assert!(
         matches!(events.last(), Some((_, GenerateEvent::Done { .. }))),
         "{events:?}"
@@ -217,7 +221,7 @@ async fn a_silenced_prefill_tp_rank_never_reports_sent() {
         .subscribe(&fleet.subjects().every_worker(WorkerSubject::KvTransfer))
         .await
         .unwrap();
-    let events = timed_generate(&bus, &fleet, 7, "p", prompt(3, 4)).await;
+    let events = timed_generate(&bus, &fleet, 7, "p", seeded_prompt(3, 4)).await;
     assert!(
         matches!(
             events.last(),

@@ -2,47 +2,26 @@
 //! turns ready without fetching worker state, consumes no KV events, and its index is fed by
 //! its own state-updating route decisions, which expire after the router TTL.
 
+use crate::support::{fleet_config, model_metric, replica_config, seeded_tokens, BLOCK, MODEL};
 use kvrouter_bus::{Bus, Subscription};
 use kvrouter_client::{GenerateParams, KvRouterClient};
-use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_mocker::MockerFleet;
 use kvrouter_protocol::{OverlapRequest, RouteDecision, RouteRequest, Subjects, WorkerKey};
 use kvrouter_replica::{IndexSource, Replica, ReplicaConfig};
 use std::time::{Duration, Instant};
 
-const MODEL: &str = "m";
-const BLOCK: u32 = 16;
 const WORKERS: u64 = 3;
-
-fn fleet_config() -> FleetConfig {
-    FleetConfig {
-        model: MODEL.into(),
-        workers: WORKERS as u32,
-        worker_id_start: 10,
-        engine: EngineConfig {
-            block_size: BLOCK as usize,
-            capacity_blocks: 256,
-            ..EngineConfig::default()
-        },
-        speedup: 1000.0,
-        heartbeat_interval: Duration::from_millis(200),
-        ..FleetConfig::default()
-    }
-}
 
 fn approx_config(ttl: Duration) -> ReplicaConfig {
     ReplicaConfig {
-        models: vec![MODEL.into()],
-        discovery_window: Duration::from_millis(100),
         index: IndexSource::Approx { ttl, serve: false },
-        ..ReplicaConfig::default()
+        ..replica_config()
     }
 }
 
 /// `blocks` full blocks of tokens unique to `id`, plus a partial block (never hashed).
-fn prompt(id: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * BLOCK + BLOCK / 2)
-        .map(|t| id * 100_000 + t)
-        .collect()
+fn prompt_with_tail(id: u32, blocks: u32) -> Vec<u32> {
+    seeded_tokens(id, blocks * BLOCK + BLOCK / 2)
 }
 
 fn route_req(id: &str, tokens: Vec<u32>, update_states: bool) -> RouteRequest {
@@ -100,19 +79,9 @@ async fn no_state_queries(subs: &mut [Subscription]) {
     }
 }
 
-/// The value of a `{model="m"}` series, 0 when absent.
-fn metric(replica: &Replica, name: &str) -> u64 {
-    let text = replica.shared().metrics.render();
-    let prefix = format!("{name}{{model=\"{MODEL}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
-        .unwrap_or(0)
-}
-
 async fn start(ttl: Duration) -> (Bus, MockerFleet, Replica, KvRouterClient, Vec<Subscription>) {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), fleet_config())
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(WORKERS as u32, 1, 256))
         .await
         .unwrap();
     let state_queries = watch_state_queries(&bus).await;
@@ -141,11 +110,11 @@ async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
         status.ranks.load(std::sync::atomic::Ordering::Relaxed),
         WORKERS as usize
     );
-    assert_eq!(metric(&replica, "kvrouter_state_recoveries_total"), 0);
+    assert_eq!(model_metric(&replica, "kvrouter_state_recoveries_total"), 0);
     no_state_queries(&mut state_queries).await;
 
     // (2) A state-updating decision is recorded on the chosen worker key...
-    let a = prompt(1, 4);
+    let a = prompt_with_tail(1, 4);
     let first = client
         .route(&route_req("a", a.clone(), true))
         .await
@@ -173,7 +142,7 @@ async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
     }
 
     // (4) Decisions that do not update state are queries: they record nothing.
-    let b = prompt(2, 3);
+    let b = prompt_with_tail(2, 3);
     let query = client
         .route(&route_req("b", b.clone(), false))
         .await
@@ -187,27 +156,36 @@ async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
         .unwrap();
     assert_eq!(again.overlap_blocks, 0, "a query left nothing behind");
     assert_eq!(
-        metric(&replica, "kvrouter_approx_decisions_recorded_total"),
+        model_metric(&replica, "kvrouter_approx_decisions_recorded_total"),
         1
     );
 
     // Workers that really run requests publish KV events; the replica does not consume them.
     let out = client
-        .generate(&GenerateParams::new(MODEL, prompt(3, 2), 2))
+        .generate(&GenerateParams::new(MODEL, prompt_with_tail(3, 2), 2))
         .await
         .unwrap();
     assert!(out.output_tokens >= 1);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(metric(&replica, "kvrouter_kv_events_applied_total"), 0);
-    assert_eq!(metric(&replica, "kvrouter_approx_record_failures_total"), 0);
+    assert_eq!(
+        model_metric(&replica, "kvrouter_kv_events_applied_total"),
+        0
+    );
+    assert_eq!(
+        model_metric(&replica, "kvrouter_approx_record_failures_total"),
+        0
+    );
     // The generate's routing decision was recorded like any other.
-    let c = wait_overlaps(&client, &prompt(3, 2), Duration::from_secs(2), |s| {
-        !s.is_empty()
-    })
+    let c = wait_overlaps(
+        &client,
+        &prompt_with_tail(3, 2),
+        Duration::from_secs(2),
+        |s| !s.is_empty(),
+    )
     .await;
     assert_eq!(c, vec![(key(&out.decision), 2)]);
     no_state_queries(&mut state_queries).await;
-    assert_eq!(metric(&replica, "kvrouter_state_recoveries_total"), 0);
+    assert_eq!(model_metric(&replica, "kvrouter_state_recoveries_total"), 0);
 
     replica.shutdown().await;
     fleet.shutdown().await.unwrap();
@@ -217,7 +195,7 @@ async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
 async fn recorded_decisions_expire_after_the_router_ttl() {
     let ttl = Duration::from_secs(2);
     let (_bus, fleet, replica, client, _state_queries) = start(ttl).await;
-    let a = prompt(7, 3);
+    let a = prompt_with_tail(7, 3);
     let decision = client
         .route(&route_req("a", a.clone(), true))
         .await
@@ -275,7 +253,7 @@ fn index_overlaps(replica: &Replica, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {
 async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
     // A small payload limit, so that the dump travels in several chunks.
     let bus = Bus::from(kvrouter_bus::LocalBus::with_max_payload(80 << 10));
-    let _fleet = MockerFleet::start(bus.clone(), fleet_config())
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config(WORKERS as u32, 1, 256))
         .await
         .unwrap();
     let serving = |id: &str| ReplicaConfig {
@@ -293,7 +271,9 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
 
     // s1 learns 16 decisions of 64 blocks each (1,024 entries: more than one chunk).
     const PROMPTS: u32 = 16;
-    let prompts: Vec<Vec<u32>> = (0..PROMPTS).map(|i| prompt(100 + i, 64)).collect();
+    let prompts: Vec<Vec<u32>> = (0..PROMPTS)
+        .map(|i| prompt_with_tail(100 + i, 64))
+        .collect();
     for (i, p) in prompts.iter().enumerate() {
         client
             .route(&route_req(&format!("r{i}"), p.clone(), true))
@@ -301,7 +281,7 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
             .unwrap();
     }
     let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(&s1, "kvrouter_served_indexer_records_total") < PROMPTS as u64 {
+    while model_metric(&s1, "kvrouter_served_indexer_records_total") < PROMPTS as u64 {
         assert!(
             Instant::now() < deadline,
             "s1 did not record every decision"
@@ -322,10 +302,13 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
         assert_eq!(want[0].1, 64);
         assert_eq!(index_overlaps(&s2, p), want);
     }
-    assert_eq!(metric(&s2, "kvrouter_approx_record_failures_total"), 0);
+    assert_eq!(
+        model_metric(&s2, "kvrouter_approx_record_failures_total"),
+        0
+    );
 
     // Later decisions reach both, as before.
-    let late = prompt(999, 5);
+    let late = prompt_with_tail(999, 5);
     client
         .route(&route_req("late", late.clone(), true))
         .await
@@ -356,7 +339,7 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_decisions_for_unregistered_ranks_are_not_recorded() {
     let bus = Bus::local();
-    let fleet = MockerFleet::start(bus.clone(), fleet_config())
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(WORKERS as u32, 1, 256))
         .await
         .unwrap();
     let s1 = Replica::start(
@@ -396,8 +379,8 @@ async fn published_decisions_for_unregistered_ranks_are_not_recorded() {
         async move {
             let deadline = Instant::now() + Duration::from_secs(5);
             while (
-                metric(s1, "kvrouter_served_indexer_records_total"),
-                metric(s1, "kvrouter_approx_record_failures_total"),
+                model_metric(s1, "kvrouter_served_indexer_records_total"),
+                model_metric(s1, "kvrouter_approx_record_failures_total"),
             ) != (records, failures)
             {
                 assert!(
@@ -413,26 +396,29 @@ async fn published_decisions_for_unregistered_ranks_are_not_recorded() {
         WorkerKey::new(77, 0),
         WorkerKey::new(10, 5),
     );
-    publish(live, &prompt(1, 3)).await;
-    publish(stranger, &prompt(2, 3)).await;
-    publish(bad_rank, &prompt(3, 3)).await;
+    publish(live, &prompt_with_tail(1, 3)).await;
+    publish(stranger, &prompt_with_tail(2, 3)).await;
+    publish(bad_rank, &prompt_with_tail(3, 3)).await;
     settled(1, 2).await;
-    assert_eq!(index_overlaps(&s1, &prompt(1, 3)), vec![(live, 3)]);
-    assert!(index_overlaps(&s1, &prompt(2, 3)).is_empty());
-    assert!(index_overlaps(&s1, &prompt(3, 3)).is_empty());
+    assert_eq!(
+        index_overlaps(&s1, &prompt_with_tail(1, 3)),
+        vec![(live, 3)]
+    );
+    assert!(index_overlaps(&s1, &prompt_with_tail(2, 3)).is_empty());
+    assert!(index_overlaps(&s1, &prompt_with_tail(3, 3)).is_empty());
 
     // The fleet leaves: its entries go, and a late decision for it does not bring it back.
     fleet.shutdown().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !index_overlaps(&s1, &prompt(1, 3)).is_empty() {
+    while !index_overlaps(&s1, &prompt_with_tail(1, 3)).is_empty() {
         assert!(
             Instant::now() < deadline,
             "the departed worker's entries stay"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    publish(live, &prompt(4, 3)).await;
+    publish(live, &prompt_with_tail(4, 3)).await;
     settled(1, 3).await;
-    assert!(index_overlaps(&s1, &prompt(4, 3)).is_empty());
+    assert!(index_overlaps(&s1, &prompt_with_tail(4, 3)).is_empty());
     s1.shutdown().await;
 }

@@ -1,10 +1,11 @@
 //! Disaggregated prefill and decode on the in-process bus: a prefill pool (dp 2 from rank 2,
 //! tp 2), a decode pool (dp 4, tp 2) and one aggregated worker, a replica and a client.
 
+use crate::support::{fleet_config, prompt, replica_config, MODEL};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
-use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_mocker::{FleetConfig, MockerFleet};
 use kvrouter_protocol::{
     encode, prefill_request_id, DisaggRouteRequest, ErrorKind, GenerateRequest, RouteRequest,
     Subjects, WorkerRole,
@@ -12,30 +13,15 @@ use kvrouter_protocol::{
 use kvrouter_replica::{Replica, ReplicaConfig};
 use std::time::Duration;
 
-const MODEL: &str = "m";
-
-fn pool(role: WorkerRole, first_id: u64, dp_size: u32, dp_start_rank: u32) -> FleetConfig {
+/// Two workers of `role` from `first_id`, `dp_size` ranks from `dp_start_rank`, tp 2.
+fn pool_config(role: WorkerRole, first_id: u64, dp_size: u32, dp_start_rank: u32) -> FleetConfig {
     FleetConfig {
-        model: MODEL.into(),
-        workers: 2,
         worker_id_start: first_id,
-        dp_size,
         dp_start_rank,
         tp_size: 2,
         role,
-        engine: EngineConfig {
-            block_size: 16,
-            capacity_blocks: 512,
-            ..EngineConfig::default()
-        },
-        speedup: 1000.0,
-        heartbeat_interval: Duration::from_millis(200),
-        ..FleetConfig::default()
+        ..fleet_config(2, dp_size, 512)
     }
-}
-
-fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|t| seed * 100_000 + t).collect()
 }
 
 fn disagg_request(tokens: Vec<u32>, update_states: bool) -> DisaggRouteRequest {
@@ -56,15 +42,6 @@ fn kind<T>(r: Result<T, ClientError>) -> Option<ErrorKind> {
     }
 }
 
-/// A replica of the model, quick to discover (override fields as needed).
-fn config() -> ReplicaConfig {
-    ReplicaConfig {
-        models: vec![MODEL.into()],
-        discovery_window: Duration::from_millis(100),
-        ..ReplicaConfig::default()
-    }
-}
-
 /// Starts a replica and waits until it is ready.
 async fn ready_replica(bus: &Bus, config: ReplicaConfig) -> Replica {
     let replica = Replica::start(config, bus.clone()).await.unwrap();
@@ -80,10 +57,10 @@ fn expected_decode_rank(prefill_rank: u32) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_the_prefill() {
     let bus = Bus::local();
-    let prefill = MockerFleet::start(bus.clone(), pool(WorkerRole::Prefill, 100, 2, 2))
+    let prefill = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Prefill, 100, 2, 2))
         .await
         .unwrap();
-    let decode = MockerFleet::start(bus.clone(), pool(WorkerRole::Decode, 200, 4, 0))
+    let decode = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Decode, 200, 4, 0))
         .await
         .unwrap();
     let aggregated = MockerFleet::start(
@@ -92,12 +69,12 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
             workers: 1,
             dp_size: 1,
             tp_size: 1,
-            ..pool(WorkerRole::Aggregated, 300, 1, 0)
+            ..pool_config(WorkerRole::Aggregated, 300, 1, 0)
         },
     )
     .await
     .unwrap();
-    let replica = ready_replica(&bus, config()).await;
+    let replica = ready_replica(&bus, replica_config()).await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
 
     // Fresh prompts: both keys named, each in its pool, the decode rank by the offset rule.
@@ -233,10 +210,10 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_without_pools_refuses_disagg_and_routes_aggregated_over_all() {
     let bus = Bus::local();
-    let prefill = MockerFleet::start(bus.clone(), pool(WorkerRole::Prefill, 100, 2, 2))
+    let prefill = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Prefill, 100, 2, 2))
         .await
         .unwrap();
-    let replica = ready_replica(&bus, config()).await;
+    let replica = ready_replica(&bus, replica_config()).await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     assert_eq!(
         kind(
@@ -259,7 +236,7 @@ fn one(role: WorkerRole, id: u64, silence_tp_rank: Option<u32>) -> FleetConfig {
     FleetConfig {
         workers: 1,
         silence_tp_rank,
-        ..pool(role, id, 1, 0)
+        ..pool_config(role, id, 1, 0)
     }
 }
 
@@ -333,7 +310,7 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
             transfer_timeout: timeout,
             // The scheduler counts prefill tokens in blocks of this size.
             block_sizes: [(MODEL.to_string(), 16)].into(),
-            ..config()
+            ..replica_config()
         },
     )
     .await;
@@ -431,7 +408,7 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
             ReplicaConfig {
                 replica_id: Some(id.into()),
                 transfer_timeout: timeout,
-                ..config()
+                ..replica_config()
             },
         )
         .await;
@@ -528,13 +505,13 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rank_offset_wraps_onto_a_narrower_decode_pool() {
     let bus = Bus::local();
-    let prefill = MockerFleet::start(bus.clone(), pool(WorkerRole::Prefill, 100, 4, 0))
+    let prefill = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Prefill, 100, 4, 0))
         .await
         .unwrap();
-    let decode = MockerFleet::start(bus.clone(), pool(WorkerRole::Decode, 200, 2, 6))
+    let decode = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Decode, 200, 2, 6))
         .await
         .unwrap();
-    let replica = ready_replica(&bus, config()).await;
+    let replica = ready_replica(&bus, replica_config()).await;
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let mut prefill_ranks = std::collections::BTreeSet::new();
     for i in 0..40 {

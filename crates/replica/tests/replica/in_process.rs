@@ -1,10 +1,11 @@
 //! A replica and a mocker fleet on the in-process bus: state sync under live traffic, and the
 //! busy queue.
 
+use crate::support::{fleet_config, replica_config, MODEL};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
-use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_mocker::{FleetConfig, MockerFleet};
 use kvrouter_protocol::{
     decode, encode, hashing::stored_sequence_hashes, Abandon, ErrorKind, KvEvent, Reply,
     RouteRequest, SeqChange, SequenceHash, StateChunk, StateQuery, Subjects, SyncBatch, WorkerKey,
@@ -13,8 +14,6 @@ use kvrouter_replica::{Replica, ReplicaConfig, SyncConfig};
 use kvrouter_scheduler::SchedulerConfig;
 use std::collections::BTreeSet;
 use std::time::Duration;
-
-const MODEL: &str = "m";
 
 fn prefixes(events: &[KvEvent]) -> BTreeSet<SequenceHash> {
     stored_sequence_hashes(events).into_iter().collect()
@@ -45,33 +44,9 @@ async fn worker_state(bus: &Bus, key: WorkerKey) -> Vec<KvEvent> {
     events
 }
 
-fn fleet_config(workers: u32, dp: u32, capacity: usize) -> FleetConfig {
-    FleetConfig {
-        model: MODEL.into(),
-        workers,
-        worker_id_start: 10,
-        dp_size: dp,
-        engine: EngineConfig {
-            block_size: 16,
-            capacity_blocks: capacity,
-            ..EngineConfig::default()
-        },
-        speedup: 1000.0,
-        heartbeat_interval: Duration::from_millis(200),
-        ..FleetConfig::default()
-    }
-}
-
-fn replica_config(scheduler: SchedulerConfig) -> ReplicaConfig {
-    ReplicaConfig {
-        models: vec![MODEL.into()],
-        scheduler,
-        discovery_window: Duration::from_millis(100),
-        ..ReplicaConfig::default()
-    }
-}
-
-fn prompt(prefix: u32, suffix: u32, blocks: u32) -> Vec<u32> {
+/// `blocks` blocks of 16 tokens: the first half shared by every prompt of `prefix`, the rest
+/// unique to `suffix`.
+fn shared_prefix_prompt(prefix: u32, suffix: u32, blocks: u32) -> Vec<u32> {
     let shared = (0..blocks / 2).map(|i| prefix * 1000 + i);
     let own = (0..blocks - blocks / 2).map(|i| 1_000_000 + suffix * 1000 + i);
     shared
@@ -87,9 +62,7 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
     let fleet = MockerFleet::start(bus.clone(), fleet_config(3, 2, 48))
         .await
         .unwrap();
-    let early = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
-        .await
-        .unwrap();
+    let early = Replica::start(replica_config(), bus.clone()).await.unwrap();
     assert!(early.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
 
@@ -100,7 +73,7 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
             for i in 0..240u32 {
                 let client = client.clone();
                 tasks.push(tokio::spawn(async move {
-                    let p = GenerateParams::new(MODEL, prompt(i % 7, i, 6), 2);
+                    let p = GenerateParams::new(MODEL, shared_prefix_prompt(i % 7, i, 6), 2);
                     client.generate(&p).await.map(|_| ())
                 }));
                 tokio::time::sleep(Duration::from_millis(2)).await;
@@ -124,9 +97,7 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
     )
     .await
     .unwrap();
-    let late = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
-        .await
-        .unwrap();
+    let late = Replica::start(replica_config(), bus.clone()).await.unwrap();
     traffic.await.unwrap();
     assert!(late.wait_ready(Duration::from_secs(5)).await);
     // Requests on every rank after the loss, so the gap shows by the next event id (or, if
@@ -142,7 +113,7 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
         for w in 10..13u64 {
             for r in 0..2u32 {
                 let suffix = round * 100 + (w * 2) as u32 + r;
-                let mut p = GenerateParams::new(MODEL, prompt(99, suffix, 4), 1);
+                let mut p = GenerateParams::new(MODEL, shared_prefix_prompt(99, suffix, 4), 1);
                 p.pin = Some(kvrouter_protocol::Pin {
                     worker_id: w,
                     dp_rank: Some(r),
@@ -201,7 +172,7 @@ async fn min_initial_workers_holds_routes_until_enough_workers_are_known() {
     let config = ReplicaConfig {
         min_initial_workers: 2,
         min_initial_workers_timeout: Duration::from_secs(60),
-        ..replica_config(SchedulerConfig::default())
+        ..replica_config()
     };
     let replica = Replica::start(config, bus.clone()).await.unwrap();
     // Past the discovery window with one worker synced: still not taking routes.
@@ -211,7 +182,7 @@ async fn min_initial_workers_holds_routes_until_enough_workers_are_known() {
     let client = KvRouterClient::new(bus.clone(), "kvrouter")
         .unwrap()
         .with_retries(0);
-    let req = kvrouter_client::route_request(MODEL, prompt(1, 1, 2));
+    let req = kvrouter_client::route_request(MODEL, shared_prefix_prompt(1, 1, 2));
     let err = client.route(&req).await.unwrap_err();
     assert!(matches!(err, ClientError::NoRouter { .. }), "{err:?}");
     let second = MockerFleet::start(
@@ -239,12 +210,12 @@ async fn min_initial_workers_gives_up_waiting_after_its_timeout() {
     let config = ReplicaConfig {
         min_initial_workers: 3,
         min_initial_workers_timeout: Duration::from_millis(800),
-        ..replica_config(SchedulerConfig::default())
+        ..replica_config()
     };
     let replica = Replica::start(config, bus.clone()).await.unwrap();
     assert!(replica.wait_ready(Duration::from_secs(10)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
-    let req = kvrouter_client::route_request(MODEL, prompt(1, 1, 2));
+    let req = kvrouter_client::route_request(MODEL, shared_prefix_prompt(1, 1, 2));
     assert_eq!(client.route(&req).await.unwrap().worker_id, 10);
     replica.shutdown().await;
     fleet.shutdown().await.unwrap();
@@ -258,9 +229,7 @@ async fn a_lost_last_batch_is_found_by_the_workers_marks() {
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 64))
         .await
         .unwrap();
-    let replica = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
-        .await
-        .unwrap();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let key = WorkerKey::new(10, 0);
@@ -273,7 +242,11 @@ async fn a_lost_last_batch_is_found_by_the_workers_marks() {
         )
     };
     client
-        .generate(&GenerateParams::new(MODEL, prompt(1, 1, 4), 1))
+        .generate(&GenerateParams::new(
+            MODEL,
+            shared_prefix_prompt(1, 1, 4),
+            1,
+        ))
         .await
         .unwrap();
     let drop = Subjects::new("kvrouter")
@@ -295,7 +268,11 @@ async fn a_lost_last_batch_is_found_by_the_workers_marks() {
         .is_ok());
     // The last request: its batch is dropped, and nothing follows it.
     client
-        .generate(&GenerateParams::new(MODEL, prompt(2, 2, 4), 1))
+        .generate(&GenerateParams::new(
+            MODEL,
+            shared_prefix_prompt(2, 2, 4),
+            1,
+        ))
         .await
         .unwrap();
     let mut last = (false, 0);
@@ -329,24 +306,27 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     // Any prefill in flight makes the only worker busy; one request may wait. No
     // predicted blocks, so the potential loads below are the plain formula's.
     let replica = Replica::start(
-        replica_config(SchedulerConfig {
-            active_prefix_credit: 0.0,
-            busy_prefill_tokens: Some(1),
-            max_queued_requests: 1,
-            queue_timeout: Duration::from_millis(600),
-            ..SchedulerConfig::default()
-        }),
+        ReplicaConfig {
+            scheduler: SchedulerConfig {
+                active_prefix_credit: 0.0,
+                busy_prefill_tokens: Some(1),
+                max_queued_requests: 1,
+                queue_timeout: Duration::from_millis(600),
+                ..SchedulerConfig::default()
+            },
+            ..replica_config()
+        },
         bus.clone(),
     )
     .await
     .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
-    let req = |id: &str| RouteRequest::new(MODEL, prompt(1, 1, 4)).booked(id);
+    let req = |id: &str| RouteRequest::new(MODEL, shared_prefix_prompt(1, 1, 4)).booked(id);
     // potential_loads answers for every rank, before and after a request is tracked.
     let overlap = kvrouter_protocol::OverlapRequest {
         model: MODEL.into(),
-        tokens: prompt(1, 1, 4),
+        tokens: shared_prefix_prompt(1, 1, 4),
         lora: None,
     };
     let before = client.potential_loads(&overlap).await.unwrap();
@@ -433,7 +413,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
         .unwrap();
     let synced = || ReplicaConfig {
         sync: Some(SyncConfig::default()),
-        ..replica_config(SchedulerConfig::default())
+        ..replica_config()
     };
     let a = Replica::start(synced(), bus.clone()).await.unwrap();
     let b = Replica::start(synced(), bus.clone()).await.unwrap();
@@ -442,7 +422,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let mut decisions = Vec::new();
     for i in 0..12u32 {
-        let req = RouteRequest::new(MODEL, prompt(i, i, 4)).booked(format!("q{i}"));
+        let req = RouteRequest::new(MODEL, shared_prefix_prompt(i, i, 4)).booked(format!("q{i}"));
         decisions.push(client.route(&req).await.unwrap());
     }
     let by: std::collections::HashSet<_> = decisions.iter().map(|d| d.replica_id.clone()).collect();
@@ -518,13 +498,11 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
     )
     .await
     .unwrap();
-    let replica = Replica::start(replica_config(SchedulerConfig::default()), bus.clone())
-        .await
-        .unwrap();
+    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let pinned = |w: u64, r: Option<u32>| {
-        RouteRequest::new(MODEL, prompt(3, 3, 4)).with_pin(kvrouter_protocol::Pin {
+        RouteRequest::new(MODEL, shared_prefix_prompt(3, 3, 4)).with_pin(kvrouter_protocol::Pin {
             worker_id: w,
             dp_rank: r,
         })
@@ -605,7 +583,7 @@ async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
         let config = ReplicaConfig {
             replica_id: Some(id.into()),
             discovery_window: Duration::from_millis(window_ms),
-            ..replica_config(SchedulerConfig::default())
+            ..replica_config()
         };
         Replica::start(config, bus.clone())
     };
@@ -616,7 +594,7 @@ async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
     let route = |i: u32| {
         let client = client.clone();
         async move {
-            let mut req = kvrouter_client::route_request(MODEL, prompt(i, i, 2));
+            let mut req = kvrouter_client::route_request(MODEL, shared_prefix_prompt(i, i, 2));
             req.update_states = false;
             client.route(&req).await.unwrap().replica_id
         }
@@ -640,7 +618,7 @@ async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
 async fn synced(bus: &Bus) -> Replica {
     let config = ReplicaConfig {
         sync: Some(SyncConfig::default()),
-        ..replica_config(SchedulerConfig::default())
+        ..replica_config()
     };
     let r = Replica::start(config, bus.clone()).await.unwrap();
     assert!(r.wait_ready(Duration::from_secs(5)).await);
@@ -656,7 +634,8 @@ async fn eventually(what: &str, mut ok: impl FnMut() -> bool) {
     }
 }
 
-fn route_request(id: &str, tokens: Vec<u32>) -> RouteRequest {
+/// A route request of `tokens` booked as `id`.
+fn booked_request(id: &str, tokens: Vec<u32>) -> RouteRequest {
     RouteRequest::new(MODEL, tokens).booked(id)
 }
 
@@ -670,7 +649,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
         .unwrap();
     let (a, b) = (synced(&bus).await, synced(&bus).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
-    let mut req = route_request("q", prompt(1, 1, 4));
+    let mut req = booked_request("q", shared_prefix_prompt(1, 1, 4));
     req.expected_output_tokens = Some(20); // 2 blocks of 16
     let d = client.route(&req).await.unwrap();
     assert_eq!(d.block_size, 16);
@@ -713,7 +692,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
         matches!(&unknown, ClientError::Router(e) if e.kind == ErrorKind::UnknownRequest),
         "{unknown:?}"
     );
-    let mut jumpy = route_request("j", prompt(2, 2, 2));
+    let mut jumpy = booked_request("j", shared_prefix_prompt(2, 2, 2));
     jumpy.priority_jump = -1.0;
     let refused = client.route(&jumpy).await.unwrap_err();
     assert!(
@@ -742,7 +721,7 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     let a_id = a.shared().replica_id.clone();
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     for i in 0..6u32 {
-        let req = route_request(&format!("q{i}"), prompt(i, i, 4));
+        let req = booked_request(&format!("q{i}"), shared_prefix_prompt(i, i, 4));
         client.route(&req).await.unwrap();
     }
     let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
@@ -812,7 +791,7 @@ async fn a_restarted_peer_instance_takes_its_old_requests_with_it() {
     let named = |id: &str| ReplicaConfig {
         replica_id: Some(id.to_string()),
         sync: Some(SyncConfig::default()),
-        ..replica_config(SchedulerConfig::default())
+        ..replica_config()
     };
     let a = Replica::start(named("a"), bus.clone()).await.unwrap();
     let b = Replica::start(named("b"), bus.clone()).await.unwrap();
@@ -822,7 +801,10 @@ async fn a_restarted_peer_instance_takes_its_old_requests_with_it() {
     let mut on_a = 0;
     for i in 0..8u32 {
         let d = client
-            .route(&route_request(&format!("q{i}"), prompt(i, i, 4)))
+            .route(&booked_request(
+                &format!("q{i}"),
+                shared_prefix_prompt(i, i, 4),
+            ))
             .await
             .unwrap();
         on_a += i64::from(d.replica_id == "a");
@@ -874,7 +856,7 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
         }
     };
     let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
-    let mut req = route_request("q", prompt(1, 1, 4));
+    let mut req = booked_request("q", shared_prefix_prompt(1, 1, 4));
     req.call_id = 7;
     let d = client.route(&req).await.unwrap();
     eventually("both see it", || active(&a) == 1 && active(&b) == 1).await;
@@ -891,7 +873,7 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
     // Abandoned before it arrives (the copy waited in a stopped replica's socket).
     abandon("late", 9, None).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut late = route_request("late", prompt(2, 2, 4));
+    let mut late = booked_request("late", shared_prefix_prompt(2, 2, 4));
     late.call_id = 9;
     let refused = client.route(&late).await.unwrap_err();
     assert!(
@@ -925,10 +907,11 @@ async fn a_request_a_replica_drops_by_itself_leaves_its_peers_too() {
     let config = |id: &str, timeout: Duration| ReplicaConfig {
         replica_id: Some(id.to_string()),
         sync: Some(SyncConfig::default()),
-        ..replica_config(SchedulerConfig {
+        scheduler: SchedulerConfig {
             request_timeout: timeout,
             ..SchedulerConfig::default()
-        })
+        },
+        ..replica_config()
     };
     let a = Replica::start(config("a", Duration::from_secs(1)), bus.clone())
         .await
@@ -945,7 +928,7 @@ async fn a_request_a_replica_drops_by_itself_leaves_its_peers_too() {
     for i in 0..64u32 {
         let id = format!("q{i}");
         let d = client
-            .route(&route_request(&id, prompt(i, i, 4)))
+            .route(&booked_request(&id, shared_prefix_prompt(i, i, 4)))
             .await
             .unwrap();
         if d.replica_id == "a" {

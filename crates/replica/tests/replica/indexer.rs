@@ -1,9 +1,10 @@
 //! Served and remote indexers on the in-process bus: start-up refusals, a remote replica that
 //! routes on load alone while no serving indexer exists, and overlap once one does.
 
+use crate::support::{fleet_config, model_metric, replica_config, BLOCK, MODEL};
 use kvrouter_bus::Bus;
 use kvrouter_client::{GenerateParams, KvRouterClient};
-use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_mocker::MockerFleet;
 use kvrouter_protocol::RouteRequest;
 use kvrouter_replica::{
     IndexFlags, IndexSource, RemoteIndex, Replica, ReplicaConfig, ReplicaError,
@@ -11,15 +12,11 @@ use kvrouter_replica::{
 use kvrouter_scheduler::SchedulerConfig;
 use std::time::{Duration, Instant};
 
-const MODEL: &str = "m";
-const BLOCK: u32 = 16;
-
-fn config(id: &str) -> ReplicaConfig {
+/// A replica of [`MODEL`] with the id `id`.
+fn named_config(id: &str) -> ReplicaConfig {
     ReplicaConfig {
         replica_id: Some(id.into()),
-        models: vec![MODEL.into()],
-        discovery_window: Duration::from_millis(100),
-        ..ReplicaConfig::default()
+        ..replica_config()
     }
 }
 
@@ -53,7 +50,7 @@ async fn conflicting_indexer_settings_are_refused() {
         e.contains("--serve-indexer") && e.contains("--use-remote-indexer"),
         "{e}"
     );
-    let mut c = config("a");
+    let mut c = named_config("a");
     c.index = IndexSource::Events { serve: true };
     c.scheduler = SchedulerConfig {
         overlap_credit: 0.0,
@@ -61,14 +58,14 @@ async fn conflicting_indexer_settings_are_refused() {
     };
     let e = refused(c).await;
     assert!(e.contains("--overlap-credit 0"), "{e}");
-    let mut c = config("a");
+    let mut c = named_config("a");
     c.index = IndexSource::Remote(RemoteIndex {
         timeout: Duration::ZERO,
         ..RemoteIndex::default()
     });
     let e = refused(c).await;
     assert!(e.contains("--remote-indexer-timeout-ms"), "{e}");
-    let mut c = config("a");
+    let mut c = named_config("a");
     c.index = IndexSource::Remote(RemoteIndex {
         breaker_cooldown: Duration::ZERO,
         ..RemoteIndex::default()
@@ -77,37 +74,18 @@ async fn conflicting_indexer_settings_are_refused() {
     assert!(e.contains("--remote-indexer-breaker-cooldown-ms"), "{e}");
 }
 
-fn route_req(tokens: Vec<u32>) -> RouteRequest {
-    RouteRequest::new(MODEL, tokens)
-}
-
 /// Two simulated workers (ids 10 and 11) of [`BLOCK`]-token blocks.
 async fn two_workers(bus: &Bus) -> MockerFleet {
-    MockerFleet::start(
-        bus.clone(),
-        FleetConfig {
-            model: MODEL.into(),
-            workers: 2,
-            worker_id_start: 10,
-            engine: EngineConfig {
-                block_size: BLOCK as usize,
-                capacity_blocks: 256,
-                ..EngineConfig::default()
-            },
-            speedup: 1000.0,
-            heartbeat_interval: Duration::from_millis(200),
-            ..FleetConfig::default()
-        },
-    )
-    .await
-    .unwrap()
+    MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     let bus = Bus::local();
     let _fleet = two_workers(&bus).await;
-    let mut c = config("remote");
+    let mut c = named_config("remote");
     c.index = IndexSource::Remote(RemoteIndex::default());
     let remote = Replica::start(c, bus.clone()).await.unwrap();
     assert!(remote.wait_ready(Duration::from_secs(5)).await);
@@ -122,7 +100,10 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     // No serving indexer: routed on load alone (the generate's route too), counted, never
     // failed.
     for _ in 0..5 {
-        let d = client.route(&route_req(tokens.clone())).await.unwrap();
+        let d = client
+            .route(&RouteRequest::new(MODEL, tokens.clone()))
+            .await
+            .unwrap();
         assert_eq!(d.overlap_blocks, 0);
     }
     let text = remote.shared().metrics.render();
@@ -133,7 +114,7 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
 
     // A serving indexer fetches the workers' state; the remote replica's routes find the
     // prefix through it.
-    let mut c = config("serving");
+    let mut c = named_config("serving");
     c.index = IndexSource::Events { serve: true };
     let serving = Replica::start(c, bus.clone()).await.unwrap();
     assert!(serving.wait_ready(Duration::from_secs(5)).await);
@@ -160,13 +141,13 @@ async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
     let _fleet = two_workers(&bus).await;
     let mut serving = Vec::new();
     for id in ["s1", "s2"] {
-        let mut c = config(id);
+        let mut c = named_config(id);
         c.index = IndexSource::Events { serve: true };
         let r = Replica::start(c, bus.clone()).await.unwrap();
         assert!(r.wait_ready(Duration::from_secs(5)).await);
         serving.push(r);
     }
-    let mut c = config("remote");
+    let mut c = named_config("remote");
     c.index = IndexSource::Remote(RemoteIndex::default());
     let remote = Replica::start(c, bus.clone()).await.unwrap();
     assert!(remote.wait_ready(Duration::from_secs(5)).await);
@@ -177,7 +158,7 @@ async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
         None,
     )
     .unwrap();
-    let answered = |r: &Replica| metric(r, "kvrouter_served_indexer_queries_total");
+    let answered = |r: &Replica| model_metric(r, "kvrouter_served_indexer_queries_total");
     // Both subscribe a moment after they turn ready.
     let deadline = Instant::now() + Duration::from_secs(5);
     while serving.iter().any(|r| answered(r) == 0) {
@@ -185,7 +166,7 @@ async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
         assert!(Instant::now() < deadline, "both serving indexers answer");
     }
     let before: Vec<u64> = serving.iter().map(answered).collect();
-    let fallbacks = metric(&remote, "kvrouter_remote_indexer_fallbacks_total");
+    let fallbacks = model_metric(&remote, "kvrouter_remote_indexer_fallbacks_total");
     for _ in 0..40 {
         remote_index.find_matches(BLOCK, &local).await;
     }
@@ -201,22 +182,13 @@ async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
     );
     assert!(share.iter().all(|&n| n > 0), "both take a share: {share:?}");
     assert_eq!(
-        metric(&remote, "kvrouter_remote_indexer_fallbacks_total"),
+        model_metric(&remote, "kvrouter_remote_indexer_fallbacks_total"),
         fallbacks
     );
     remote.shutdown().await;
     for r in serving {
         r.shutdown().await;
     }
-}
-
-/// The value of a `{model="m"}` series, 0 when absent.
-fn metric(replica: &Replica, name: &str) -> u64 {
-    let text = replica.shared().metrics.render();
-    let prefix = format!("{name}{{model=\"{MODEL}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map_or(0, |v| v.trim().parse::<f64>().unwrap() as u64)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,7 +216,7 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
     });
 
     let cooldown = Duration::from_millis(800);
-    let mut c = config("remote");
+    let mut c = named_config("remote");
     c.index = IndexSource::Remote(RemoteIndex {
         timeout: Duration::from_millis(200),
         breaker_failures: 3,
@@ -260,7 +232,10 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
     const ROUTES: usize = 30;
     let started = Instant::now();
     for _ in 0..ROUTES {
-        let d = client.route(&route_req(tokens.clone())).await.unwrap();
+        let d = client
+            .route(&RouteRequest::new(MODEL, tokens.clone()))
+            .await
+            .unwrap();
         assert_eq!(d.overlap_blocks, 0);
     }
     // Three failures, plus at most one probe per cooldown that passed (the margins absorb a
@@ -273,14 +248,17 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
         "{hits} of {ROUTES} lookups reached the hung indexer ({probes} probes allowed)"
     );
     assert_eq!(
-        metric(&remote, "kvrouter_remote_indexer_fallbacks_total"),
+        model_metric(&remote, "kvrouter_remote_indexer_fallbacks_total"),
         ROUTES as u64
     );
     assert_eq!(
-        metric(&remote, "kvrouter_remote_indexer_skipped_total"),
+        model_metric(&remote, "kvrouter_remote_indexer_skipped_total"),
         (ROUTES - hits) as u64
     );
-    assert_eq!(metric(&remote, "kvrouter_remote_indexer_breaker_open"), 1);
+    assert_eq!(
+        model_metric(&remote, "kvrouter_remote_indexer_breaker_open"),
+        1
+    );
 
     // The hung indexer is replaced by a real one: a probe is answered and overlap returns.
     hung.abort();
@@ -290,13 +268,16 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
         .await
         .unwrap();
     let holder = done.decision.key();
-    let mut s = config("serving");
+    let mut s = named_config("serving");
     s.index = IndexSource::Events { serve: true };
     let serving = Replica::start(s, bus.clone()).await.unwrap();
     assert!(serving.wait_ready(Duration::from_secs(5)).await);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let d = client.route(&route_req(tokens.clone())).await.unwrap();
+        let d = client
+            .route(&RouteRequest::new(MODEL, tokens.clone()))
+            .await
+            .unwrap();
         // The serving replica routes too, from its own index: wait for the remote's answer.
         if d.replica_id == "remote" && (d.key(), d.overlap_blocks) == (holder, 6) {
             break;
@@ -304,7 +285,10 @@ async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns()
         assert!(Instant::now() < deadline, "overlap never came back");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(metric(&remote, "kvrouter_remote_indexer_breaker_open"), 0);
+    assert_eq!(
+        model_metric(&remote, "kvrouter_remote_indexer_breaker_open"),
+        0
+    );
     assert!(!remote.shared().models[MODEL]
         .remote_index
         .as_ref()

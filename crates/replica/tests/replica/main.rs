@@ -7,4 +7,5 @@ mod in_process;
 mod indexer;
 mod peers;
 mod replica_sync_model;
+mod support;
 mod sync_model;

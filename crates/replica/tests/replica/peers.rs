@@ -2,10 +2,11 @@
 //! state queries gets no routes and does not keep the replica unready; a huge registration
 //! cannot make a replica fetch without bound; undecodable messages are counted per subject.
 
+use crate::support::{fleet_config, replica_config, BLOCK, MODEL};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_client::{GenerateParams, KvRouterClient};
-use kvrouter_mocker::{EngineConfig, FleetConfig, MockerFleet};
+use kvrouter_mocker::MockerFleet;
 use kvrouter_protocol::{
     encode, EngineKind, Heartbeat, KvEvent, KvEventBatch, KvEventData, Registration, RouteRequest,
     Subjects, Tier, WorkerKey, WorkerRole, WorkerSubject,
@@ -16,8 +17,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-const MODEL: &str = "m";
-const BLOCK: u32 = 16;
 /// The worker id of the silent worker (the mocker's start at 10).
 const SILENT: u64 = 500;
 
@@ -25,28 +24,11 @@ fn subjects() -> kvrouter_protocol::ModelSubjects {
     Subjects::new("kvrouter").unwrap().model(MODEL).unwrap()
 }
 
-fn fleet_config() -> FleetConfig {
-    FleetConfig {
-        model: MODEL.into(),
-        workers: 2,
-        worker_id_start: 10,
-        engine: EngineConfig {
-            block_size: BLOCK as usize,
-            capacity_blocks: 1024,
-            ..EngineConfig::default()
-        },
-        speedup: 1000.0,
-        heartbeat_interval: Duration::from_millis(200),
-        ..FleetConfig::default()
-    }
-}
-
-fn replica_config() -> ReplicaConfig {
+/// A replica that gives up on a worker's state after 200 ms.
+fn short_fetch_config() -> ReplicaConfig {
     ReplicaConfig {
-        models: vec![MODEL.into()],
-        discovery_window: Duration::from_millis(100),
         state_fetch_timeout: Duration::from_millis(200),
-        ..ReplicaConfig::default()
+        ..replica_config()
     }
 }
 
@@ -105,7 +87,8 @@ async fn silent_worker(
     (queries, task)
 }
 
-fn metric(replica: &Replica, line_start: &str) -> Option<i64> {
+/// The value of the first metrics line starting with `line_start`, if any.
+fn metric_line(replica: &Replica, line_start: &str) -> Option<i64> {
     let text = replica.shared().metrics.render();
     text.lines()
         .find(|l| l.starts_with(line_start))
@@ -117,11 +100,13 @@ fn metric(replica: &Replica, line_start: &str) -> Option<i64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() {
     let bus = Bus::local();
-    let _fleet = MockerFleet::start(bus.clone(), fleet_config())
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 1024))
         .await
         .unwrap();
     let (queries, silent) = silent_worker(&bus, SILENT, 1).await;
-    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
     assert!(
         replica.wait_ready(Duration::from_secs(5)).await,
         "a silent worker kept the replica unready: {}",
@@ -135,7 +120,7 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
         "{body}"
     );
     assert_eq!(
-        metric(&replica, "kvrouter_unroutable_ranks{"),
+        metric_line(&replica, "kvrouter_unroutable_ranks{"),
         Some(1),
         "the metric names it"
     );
@@ -168,7 +153,9 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_with_thousands_of_ranks_is_fetched_a_few_at_a_time() {
     let bus = Bus::local();
-    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
     let (queries, silent) = silent_worker(&bus, SILENT, 4096).await;
     // Over one second with a 200 ms fetch timeout: at most 4 at a time, each slot turning
     // over about every 200 ms (plus backoff), so a few dozen at most, not 4,096.
@@ -184,7 +171,9 @@ async fn a_registration_with_thousands_of_ranks_is_fetched_a_few_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn absurd_registrations_are_refused_and_takeovers_counted() {
     let bus = Bus::local();
-    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let s = subjects();
     let publish = |r: Registration| {
@@ -203,27 +192,29 @@ async fn absurd_registrations_are_refused_and_takeovers_counted() {
     no_beat.heartbeat_interval_ms = 0;
     publish(no_beat).await;
     let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(&replica, "kvrouter_refused_registrations_total{") != Some(2) {
+    while metric_line(&replica, "kvrouter_refused_registrations_total{") != Some(2) {
         assert!(Instant::now() < deadline, "refusals never counted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(metric(&replica, "kvrouter_workers{"), Some(0));
+    assert_eq!(metric_line(&replica, "kvrouter_workers{"), Some(0));
 
     // The same worker id from a new instance while the first is live: allowed, counted.
     publish(registration(3, Uuid::new_v4(), 1)).await;
     publish(registration(3, Uuid::new_v4(), 1)).await;
-    while metric(&replica, "kvrouter_worker_instance_takeovers_total{") != Some(1) {
+    while metric_line(&replica, "kvrouter_worker_instance_takeovers_total{") != Some(1) {
         assert!(Instant::now() < deadline, "the takeover was never counted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(metric(&replica, "kvrouter_workers{"), Some(1));
+    assert_eq!(metric_line(&replica, "kvrouter_workers{"), Some(1));
     replica.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
     let bus = Bus::local();
-    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let s = subjects();
     let publish = |subject: String, bytes: Vec<u8>| {
@@ -234,7 +225,7 @@ async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
     let forged = registration(5, Uuid::new_v4(), 1);
     publish(s.register(6), encode(&forged).unwrap()).await;
     let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(
+    while metric_line(
         &replica,
         "kvrouter_misattributed_messages_total{subject=\"registration\"}",
     ) != Some(1)
@@ -242,12 +233,12 @@ async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
         assert!(Instant::now() < deadline, "the forgery was never counted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(metric(&replica, "kvrouter_workers{").unwrap_or(0), 0);
+    assert_eq!(metric_line(&replica, "kvrouter_workers{").unwrap_or(0), 0);
 
     // Worker 5 registered on its own subject; worker 6 then claims a block for it.
     let genuine = registration(5, Uuid::new_v4(), 1);
     publish(s.register(5), encode(&genuine).unwrap()).await;
-    while metric(&replica, "kvrouter_workers{") != Some(1) {
+    while metric_line(&replica, "kvrouter_workers{") != Some(1) {
         assert!(Instant::now() < deadline, "worker 5 never joined");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -262,7 +253,7 @@ async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
         }],
     };
     publish(s.kv_events(6), encode(&claim).unwrap()).await;
-    while metric(
+    while metric_line(
         &replica,
         "kvrouter_misattributed_messages_total{subject=\"kv_events\"}",
     ) != Some(1)
@@ -284,7 +275,9 @@ async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
     let bus = Bus::local();
-    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let s = subjects();
     let garbage = Bytes::from_static(&[1, 0xff, 0xff, 0xff]);
@@ -302,12 +295,12 @@ async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
     let deadline = Instant::now() + Duration::from_secs(5);
     for kind in ["registration", "heartbeat", "route"] {
         let line = format!("kvrouter_undecodable_messages_total{{subject=\"{kind}\"}}");
-        while metric(&replica, &line) != Some(1) {
+        while metric_line(&replica, &line) != Some(1) {
             assert!(Instant::now() < deadline, "{line} never reached 1");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    assert_eq!(metric(&replica, "kvrouter_bus_connected "), Some(1));
+    assert_eq!(metric_line(&replica, "kvrouter_bus_connected "), Some(1));
     replica.shutdown().await;
 }
 
@@ -317,10 +310,12 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         decode_versioned, encode_as, Reply, RouteDecision, FORMAT_VERSION, MIN_READ_VERSION,
     };
     let bus = Bus::local();
-    let _fleet = MockerFleet::start(bus.clone(), fleet_config())
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 1024))
         .await
         .unwrap();
-    let replica = Replica::start(replica_config(), bus.clone()).await.unwrap();
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
     assert!(replica.wait_ready(Duration::from_secs(5)).await);
     let route = Subjects::new("kvrouter").unwrap().route();
     let req = RouteRequest::new(MODEL, (0..4 * BLOCK).collect());
@@ -357,7 +352,7 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
     let legacy = subjects().legacy(WorkerSubject::Register).unwrap();
     bus.publish(&legacy, Bytes::from(bytes)).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(&replica, "kvrouter_workers{") != Some(3) {
+    while metric_line(&replica, "kvrouter_workers{") != Some(3) {
         assert!(
             Instant::now() < deadline,
             "the previous-version registration was not taken"
@@ -365,7 +360,7 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        metric(&replica, "kvrouter_undecodable_messages_total{"),
+        metric_line(&replica, "kvrouter_undecodable_messages_total{"),
         None
     );
     replica.shutdown().await;

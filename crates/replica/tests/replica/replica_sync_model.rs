@@ -126,7 +126,7 @@ fn instance(r: usize) -> Uuid {
 }
 
 /// What a replica holds: every active sequence's id, and whether its prefill is done.
-fn held(core: &Scheduler<()>) -> BTreeSet<(String, bool)> {
+fn held_requests(core: &Scheduler<()>) -> BTreeSet<(String, bool)> {
     export_active(core, None)
         .into_iter()
         .map(|c| match c {
@@ -420,7 +420,7 @@ fn check(n: usize, late: bool, ops: &[Op]) -> Result<(), TestCaseError> {
     let expected = world.truth.expected();
     for (i, rep) in world.replicas.iter().enumerate() {
         prop_assert!(rep.sync.is_caught_up());
-        prop_assert_eq!(held(&rep.core), expected.clone(), "replica r{}", i);
+        prop_assert_eq!(held_requests(&rep.core), expected.clone(), "replica r{}", i);
     }
     Ok(())
 }

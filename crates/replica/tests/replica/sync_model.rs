@@ -106,7 +106,7 @@ fn load(
 }
 
 /// Which prefixes of the prompts the index (or engine dump) holds, block by block.
-fn held(index: &Index, prompts: &[Vec<u32>]) -> BTreeSet<(usize, u32)> {
+fn held_prefixes(index: &Index, prompts: &[Vec<u32>]) -> BTreeSet<(usize, u32)> {
     prompts
         .iter()
         .enumerate()
@@ -122,7 +122,7 @@ fn truth(dump: &[KvEvent], prompts: &[Vec<u32>]) -> BTreeSet<(usize, u32)> {
     for ev in dump {
         index.apply_unsequenced(KEY, &ev.data).unwrap();
     }
-    held(&index, prompts)
+    held_prefixes(&index, prompts)
 }
 
 proptest! {
@@ -185,6 +185,6 @@ proptest! {
             load(&mut index, &mut sync, last);
         }
         prop_assert!(sync.is_synced(KEY));
-        prop_assert_eq!(held(&index, &run.prompts), truth(&last.1, &run.prompts));
+        prop_assert_eq!(held_prefixes(&index, &run.prompts), truth(&last.1, &run.prompts));
     }
 }

@@ -3,7 +3,7 @@
 
 use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
-use super::serve::renamed_env;
+use super::renamed_env;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use kvrouter_client::KvRouterClient;

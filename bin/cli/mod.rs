@@ -18,6 +18,7 @@ pub mod hash;
 pub mod lifecycle;
 pub mod mocker;
 pub mod nats_args;
+pub mod renamed_env;
 pub mod replay;
 pub mod route;
 pub mod serve;

@@ -1,10 +1,9 @@
 //! `kvrouter serve`: one router replica.
 
+use super::cost_args::CostArgs;
 use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
-// The home of the renamed twins; its `mod` line belongs in cli/mod.rs.
-#[path = "renamed_env.rs"]
-pub mod renamed_env;
+use super::renamed_env;
 use anyhow::Context;
 use clap::Args;
 use kvrouter_replica::{IndexFlags, Replica, ReplicaConfig, SyncConfig};
@@ -41,42 +40,8 @@ pub struct ServeArgs {
     /// Active requests never freed are dropped after this many seconds.
     #[arg(long, env = "KVROUTER_REQUEST_TIMEOUT_SECS", default_value_t = 300.0)]
     request_timeout_secs: f64,
-    /// Prefill blocks one cached block saves in the cost.
-    #[arg(long, env = "KVROUTER_OVERLAP_CREDIT", default_value_t = 1.0)]
-    overlap_credit: f64,
-    /// Prefill blocks one block cached in a worker's host memory saves (a transfer, not a
-    /// prefill).
-    #[arg(long, env = "KVROUTER_HOST_CACHE_HIT_WEIGHT",
-          default_value_t = kvrouter_scheduler::DEFAULT_HOST_CACHE_HIT_WEIGHT)]
-    host_cache_hit_weight: f64,
-    /// Prefill blocks one block cached on a worker's disk saves.
-    #[arg(long, env = "KVROUTER_DISK_CACHE_HIT_WEIGHT",
-          default_value_t = kvrouter_scheduler::DEFAULT_DISK_CACHE_HIT_WEIGHT)]
-    disk_cache_hit_weight: f64,
-    /// Prefill blocks one block in shared storage (any worker of the model can load it)
-    /// saves.
-    #[arg(long, env = "KVROUTER_SHARED_CACHE_HIT_WEIGHT",
-          default_value_t = kvrouter_scheduler::DEFAULT_SHARED_CACHE_HIT_WEIGHT)]
-    shared_cache_hit_weight: f64,
-    /// Weight of prefill blocks against decode blocks in the cost.
-    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE",
-          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_LOAD_SCALE)]
-    prefill_load_scale: f64,
-    /// Predicted blocks: prefill blocks saved per leading prompt block that belongs to a
-    /// request active on the worker but is not in the index yet (its prefill under way, or
-    /// its KV events on their way); lasts while that request is active. 0: off.
-    #[arg(long, env = "KVROUTER_ACTIVE_PREFIX_CREDIT",
-          default_value_t = kvrouter_scheduler::DEFAULT_ACTIVE_PREFIX_CREDIT)]
-    active_prefix_credit: f64,
-    /// In-flight prefill tokens on a worker rank past this many no longer count against it
-    /// in the cost: once every candidate has seconds of prefill queued, the cached prefix
-    /// decides, not the slightly shorter backlog. 0: no cap.
-    #[arg(long, env = "KVROUTER_PREFILL_QUEUE_CAP_TOKENS",
-          default_value_t = kvrouter_scheduler::DEFAULT_PREFILL_QUEUE_CAP_TOKENS)]
-    prefill_queue_cap_tokens: u64,
-    /// 0: lowest cost wins; > 0: sample with probability ∝ exp(-(cost/max cost)/T).
-    #[arg(long, env = "KVROUTER_ROUTER_TEMPERATURE", default_value_t = 0.0)]
-    router_temperature: f64,
+    #[command(flatten)]
+    cost: CostArgs,
     /// A worker rank is busy when its active blocks reach this fraction of its capacity.
     #[arg(long, env = "KVROUTER_BUSY_ACTIVE_BLOCKS_FRAC")]
     busy_active_blocks_frac: Option<f64>,
@@ -207,15 +172,7 @@ pub fn millis(name: &str, v: f64) -> anyhow::Result<Duration> {
 
 impl ServeArgs {
     fn config(&self) -> anyhow::Result<ReplicaConfig> {
-        let scheduler = SchedulerConfig {
-            overlap_credit: self.overlap_credit,
-            host_cache_hit_weight: self.host_cache_hit_weight,
-            disk_cache_hit_weight: self.disk_cache_hit_weight,
-            shared_cache_hit_weight: self.shared_cache_hit_weight,
-            prefill_load_scale: self.prefill_load_scale,
-            active_prefix_credit: self.active_prefix_credit,
-            prefill_queue_cap_tokens: self.prefill_queue_cap_tokens,
-            temperature: self.router_temperature,
+        let scheduler = self.cost.apply(SchedulerConfig {
             busy_active_blocks_frac: self.busy_active_blocks_frac,
             busy_prefill_tokens: self.busy_prefill_tokens,
             busy_waiting_requests: self.busy_waiting_requests,
@@ -226,7 +183,7 @@ impl ServeArgs {
             policy: self.policy,
             queue_policy: self.queue_policy,
             ..SchedulerConfig::default()
-        };
+        });
         let block_sizes: HashMap<String, u32> = self.block_sizes.iter().cloned().collect();
         let index = IndexFlags {
             no_kv_events: self.no_kv_events,

@@ -63,11 +63,11 @@ fn url(nats: &NatsServer, (user, password): (&str, &str)) -> String {
     format!("nats://{user}:{password}@127.0.0.1:{}", nats.port)
 }
 
-fn subjects() -> ModelSubjects {
+fn e2e_model_subjects() -> ModelSubjects {
     Subjects::new("kvrouter").unwrap().model(E2E_MODEL).unwrap()
 }
 
-fn registration(worker_id: u64) -> Registration {
+fn fresh_registration(worker_id: u64) -> Registration {
     Registration {
         worker_id,
         instance_id: Uuid::new_v4(),
@@ -267,13 +267,13 @@ fn a_fleet_routes_and_generates_with_least_privilege_credentials() {
 #[test]
 fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
     let nats = server();
-    let s = subjects();
+    let s = e2e_model_subjects();
     let observer = Party::connect(&nats, REPLICA);
     let sync = Subjects::new("kvrouter").unwrap().sync();
     let mut subs = observer.subscribe_all(worker_subjects(&s).into_iter().chain([sync.clone()]));
     let w10 = Party::connect(&nats, WORKER_10);
     // As worker 11, on worker 11's subjects and on the model-wide ones.
-    w10.publish(&s.register(11), encode(&registration(11)).unwrap());
+    w10.publish(&s.register(11), encode(&fresh_registration(11)).unwrap());
     w10.publish(&s.kv_events(11), encode(&events(11)).unwrap());
     for legacy in [WorkerSubject::Register, WorkerSubject::KvEvents] {
         w10.publish(&s.legacy(legacy).unwrap(), encode(&events(11)).unwrap());
@@ -294,7 +294,7 @@ fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
         instance_id: Uuid::new_v4(),
     };
     w10.publish(&own, encode(&bye).unwrap());
-    w10.publish(&s.register(10), encode(&registration(10)).unwrap());
+    w10.publish(&s.register(10), encode(&fresh_registration(10)).unwrap());
     w10.publish(&s.kv_events(10), encode(&events(10)).unwrap());
     // Each arrives alone on its subscription: the forged ones, published first, never came.
     for (what, own) in [
@@ -311,7 +311,7 @@ fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
 #[test]
 fn a_frontend_cannot_publish_kv_events_or_registrations() {
     let nats = server();
-    let s = subjects();
+    let s = e2e_model_subjects();
     let observer = Party::connect(&nats, REPLICA);
     let route = Subjects::new("kvrouter").unwrap().route();
     let mut subs = observer.subscribe_all(worker_subjects(&s).into_iter().chain([route.clone()]));
@@ -321,7 +321,7 @@ fn a_frontend_cannot_publish_kv_events_or_registrations() {
         &s.legacy(WorkerSubject::KvEvents).unwrap(),
         encode(&events(10)).unwrap(),
     );
-    frontend.publish(&s.register(10), encode(&registration(10)).unwrap());
+    frontend.publish(&s.register(10), encode(&fresh_registration(10)).unwrap());
     frontend.publish(&s.load(10), Vec::new());
     // What a frontend may do, published last: a route request.
     frontend.publish(&route, encode(&plain_route(&e2e_tokens(1, 2))).unwrap());

@@ -18,7 +18,8 @@ fn url_with(userinfo: &str, server: &NatsServer) -> String {
     format!("nats://{userinfo}@127.0.0.1:{}", server.port)
 }
 
-fn connect_error(r: Result<Bus, BusError>) -> String {
+/// The message of the Connect error a refused connection gives (`r` must be one).
+fn refused_connect_message(r: Result<Bus, BusError>) -> String {
     match r {
         Err(BusError::Connect(m)) => m,
         Err(other) => panic!("expected a Connect error, got {other:?}"),
@@ -26,7 +27,8 @@ fn connect_error(r: Result<Bus, BusError>) -> String {
     }
 }
 
-async fn request_reply(bus: &Bus) {
+/// A request to an echo subscriber on `bus` gets its payload back.
+async fn echo_round_trip(bus: &Bus) {
     let mut sub = bus.subscribe("creds.echo").await.unwrap();
     let responder = bus.clone();
     tokio::spawn(async move {
@@ -55,11 +57,11 @@ async fn bus_user_and_password_in_the_url() {
     let bus = Bus::connect(&NatsOptions::new(url.clone()))
         .await
         .expect("the URL's credentials are used");
-    request_reply(&bus).await;
+    echo_round_trip(&bus).await;
 
     let started = Instant::now();
     let wrong = url_with(&format!("{USER}:wrong-pass"), &server);
-    let msg = connect_error(Bus::connect(&NatsOptions::new(wrong)).await);
+    let msg = refused_connect_message(Bus::connect(&NatsOptions::new(wrong)).await);
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "{:?}",
@@ -75,7 +77,7 @@ async fn bus_user_and_password_in_the_url() {
     let mut both = NatsOptions::new(url);
     both.user = Some(USER.into());
     both.password = Some(PASS.into());
-    let msg = connect_error(Bus::connect(&both).await);
+    let msg = refused_connect_message(Bus::connect(&both).await);
     assert!(
         msg.contains("credentials in the URL and user/password"),
         "{msg}"
@@ -88,8 +90,9 @@ async fn bus_token_in_the_url() {
     let bus = Bus::connect(&NatsOptions::new(url_with("t0k%2Fen", &server)))
         .await
         .expect("a lone userinfo is a token");
-    request_reply(&bus).await;
-    let msg = connect_error(Bus::connect(&NatsOptions::new(url_with("nope", &server))).await);
+    echo_round_trip(&bus).await;
+    let msg =
+        refused_connect_message(Bus::connect(&NatsOptions::new(url_with("nope", &server))).await);
     assert!(msg.to_lowercase().contains("authorization"), "{msg}");
     assert!(!msg.contains("nope"), "{msg}");
 }

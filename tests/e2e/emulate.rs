@@ -4,95 +4,19 @@
 
 use crate::common;
 
+use crate::support::{emulated_engine, emulated_engine_with, EmulatedEngine};
 use common::*;
 use kvrouter_protocol::{OverlapRequest, RouteOverrides, TierBlocks, WorkerKey};
 use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-struct Engine {
-    proc: Proc,
-    http: u16,
-    zmq: u16,
-    dp: u32,
-    kind: &'static str,
-    capacity_blocks: u32,
-}
-
-fn engine(kind: &'static str, wire: &str, dp: u32, zmq: u16, http: u16) -> Engine {
-    engine_with(kind, wire, dp, zmq, http, 512, &[])
-}
-
-fn engine_with(
-    kind: &'static str,
-    wire: &str,
-    dp: u32,
-    zmq: u16,
-    http: u16,
-    capacity_blocks: u32,
-    extra: &[&str],
-) -> Engine {
-    let (z, h, d, c) = (
-        zmq.to_string(),
-        http.to_string(),
-        dp.to_string(),
-        capacity_blocks.to_string(),
-    );
-    let mut args = vec![
-        "mocker",
-        "--emulate",
-        kind,
-        "--zmq-port",
-        &z,
-        "--http-port",
-        &h,
-        "--zmq-wire",
-        wire,
-        "--model",
-        E2E_MODEL,
-        "--dp-size",
-        &d,
-        "--block-size",
-        "16",
-        "--capacity-blocks",
-        &c,
-        "--speedup",
-        "100",
-    ];
-    args.extend_from_slice(extra);
-    let mut p = kvrouter_proc("engine", &args);
-    let v = p.first_json();
-    assert_eq!(v["base_url"], format!("http://127.0.0.1:{http}"));
-    Engine {
-        proc: p,
-        http,
-        zmq,
-        dp,
-        kind,
-        capacity_blocks,
-    }
-}
-
-impl Engine {
-    /// How a bridge finds it.
-    fn at(&self) -> EngineAt {
-        EngineAt {
-            kind: self.kind,
-            zmq: self.zmq,
-            replay: Some(self.zmq + self.dp as u16),
-            http: self.http,
-            dp: self.dp,
-            capacity_blocks: self.capacity_blocks,
-        }
-    }
-}
-
 /// A completion on rank `rank` of the engine, as a frontend sends it after a route.
-fn complete(e: &Engine, rank: u32, prompt: &[u32]) -> Value {
+fn complete(e: &EmulatedEngine, rank: u32, prompt: &[u32]) -> Value {
     complete_n(e, rank, prompt, 2)
 }
 
-fn complete_n(e: &Engine, rank: u32, prompt: &[u32], max_tokens: u32) -> Value {
+fn complete_n(e: &EmulatedEngine, rank: u32, prompt: &[u32], max_tokens: u32) -> Value {
     let r = rank.to_string();
     let (headers, body) = match e.kind {
         "sglang" => (
@@ -118,7 +42,7 @@ fn blocks_of(body: &str) -> Vec<Value> {
 }
 
 /// What the engine caches on `rank` (its test hook).
-fn engine_cache(e: &Engine, rank: u32) -> Vec<Value> {
+fn engine_cache(e: &EmulatedEngine, rank: u32) -> Vec<Value> {
     blocks_of(&http_get(e.http, &format!("/kvrouter/test/cache?dp_rank={rank}")).1)
 }
 
@@ -146,7 +70,7 @@ fn emulated_sglang_the_same() {
 fn scenario(kind: &'static str, wire: &str) {
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
-    let mut e = engine(kind, wire, 2, zmq, http);
+    let mut e = emulated_engine(kind, wire, 2, zmq, http);
     let (a1, a2, ab) = (free_port(), free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
@@ -237,7 +161,7 @@ fn scenario(kind: &'static str, wire: &str) {
     // an empty cache): the old blocks are gone everywhere, the new ones arrive.
     // Its first batch may go out before the bridge has reconnected; the next one shows the
     // restart and the bridge replays what it missed from the new process's buffer.
-    let mut e = engine(kind, wire, 2, zmq, http);
+    let mut e = emulated_engine(kind, wire, 2, zmq, http);
     let fresh = e2e_tokens(5, 2);
     assert!(wait_until(Duration::from_secs(10), || client
         .route_tokens(&fresh)
@@ -278,7 +202,7 @@ fn emulated_sglang_behind_a_bridge() {
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
     // The third wire form: a map batch of map events.
-    let e = engine("sglang", "map", 2, zmq, http);
+    let e = emulated_engine("sglang", "map", 2, zmq, http);
     let (a1, ab) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let (_b, worker) = bridge(&nats, &e.at(), ab);
@@ -342,13 +266,14 @@ fn emulated_vllm_with_a_host_tier_routes_offloaded_prefixes_to_their_holder() {
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
     // 16 device blocks a rank, 64 in host memory.
-    let e = engine_with(
+    let e = emulated_engine_with(
         "vllm",
         "array-batch",
         2,
         zmq,
         http,
         16,
+        100,
         &["--host-capacity-blocks", "64"],
     );
     let (a1, ab) = (free_port(), free_port());
@@ -445,7 +370,7 @@ fn emulated_vllm_with_a_host_tier_routes_offloaded_prefixes_to_their_holder() {
 fn a_bridge_restarted_beside_a_running_engine_rebuilds_its_cache_from_the_replay_buffer() {
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
-    let e = engine("vllm", "array-batch", 2, zmq, http);
+    let e = emulated_engine("vllm", "array-batch", 2, zmq, http);
     let (a1, a2, ab) = (free_port(), free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);

@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use crate::support::{emulated_engine_with, EmulatedEngine};
 use common::*;
 use serde_json::Value;
 use std::process::Command;
@@ -50,50 +51,19 @@ fn sdk(scenario: &str, port: u16, args: &[&str]) -> Value {
 /// An emulated vLLM engine (one rank per worker here, two for the first) and its bridge.
 /// A rank's cache holds several 7,000-token answers at once: a full cache would end a held
 /// stream early and let the overload check through.
-struct Engine {
-    proc: Proc,
+struct BridgedEngine {
+    engine: EmulatedEngine,
     bridge: Proc,
     worker_id: u64,
 }
 
-fn engine(nats: &NatsServer, dp: u32) -> Engine {
+fn bridged_engine(nats: &NatsServer, dp: u32) -> BridgedEngine {
     let ports = free_ports(6);
     let (zmq, http, admin) = (ports, ports + 4, ports + 5);
-    let (z, h, d) = (zmq.to_string(), http.to_string(), dp.to_string());
-    let mut proc = kvrouter_proc(
-        "engine",
-        &[
-            "mocker",
-            "--emulate",
-            "vllm",
-            "--zmq-port",
-            &z,
-            "--http-port",
-            &h,
-            "--model",
-            E2E_MODEL,
-            "--dp-size",
-            &d,
-            "--block-size",
-            "16",
-            "--capacity-blocks",
-            "4096",
-            "--speedup",
-            "20",
-        ],
-    );
-    proc.first_json();
-    let at = EngineAt {
-        kind: "vllm",
-        zmq,
-        replay: Some(zmq + dp as u16),
-        http,
-        dp,
-        capacity_blocks: 4096,
-    };
-    let (bridge, worker_id) = common::bridge(nats, &at, admin);
-    Engine {
-        proc,
+    let engine = emulated_engine_with("vllm", "array-batch", dp, zmq, http, 4096, 20, &[]);
+    let (bridge, worker_id) = common::bridge(nats, &engine.at(), admin);
+    BridgedEngine {
+        engine,
         bridge,
         worker_id,
     }
@@ -110,7 +80,7 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
     let (a1, a2) = (free_port(), free_port());
     let r1 = serve(&nats, "r1", a1, &[]);
     let r2 = serve(&nats, "r2", a2, &[]);
-    let mut engines = vec![engine(&nats, 2), engine(&nats, 1)];
+    let mut engines = vec![bridged_engine(&nats, 2), bridged_engine(&nats, 1)];
     let dir = model_dir();
     let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
     let url = nats.url();
@@ -212,7 +182,7 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
 
     let mut victim = engines.remove(dead);
     victim.bridge.signal(libc::SIGSTOP); // its registration outlives the engine for a while
-    victim.proc.kill();
+    victim.engine.proc.kill();
     let v = sdk("many", port, &["5", "50"]);
     assert_eq!(v["ok"], 5, "{v}");
     assert_eq!(v["failed"], serde_json::json!([]));

@@ -13,4 +13,5 @@ mod lifecycle;
 mod peer_api;
 mod readiness;
 mod replica;
+mod support;
 mod sync;

@@ -116,10 +116,6 @@ fn route_body(tokens: &[u32], extra: Value) -> Value {
 
 const ACTIVE: &str = "kvrouter_worker_active_requests";
 
-fn mocker(nats: &NatsServer) -> Proc {
-    common::mocker(nats, 100, 2, 2, BLOCK)
-}
-
 /// `kvrouter generate` of `tokens`: the mocker runs it and stores its blocks.
 fn generate(nats: &NatsServer, tokens: &[u32]) {
     let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
@@ -148,7 +144,7 @@ fn free(port: u16, id: &str, replica: Option<&str>) -> Answer {
 #[test]
 fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() {
     let nats = NatsServer::start();
-    let _fleet = mocker(&nats);
+    let _fleet = common::mocker(&nats, 100, 2, 2, BLOCK);
     let (admin, api) = (free_port(), free_port());
     let api_addr = format!("127.0.0.1:{api}");
     let _a = serve(
@@ -404,7 +400,7 @@ fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() 
 #[test]
 fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
     let nats = NatsServer::start();
-    let _fleet = mocker(&nats);
+    let _fleet = common::mocker(&nats, 100, 2, 2, BLOCK);
     let (pa, pb) = (free_port(), free_port());
     let _a = serve(&nats, "a", pa, &[]);
     // b: a rank with any prefill in flight is busy, nothing waits, leases of 1 s.

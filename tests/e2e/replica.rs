@@ -17,10 +17,6 @@ use kvrouter_protocol::{
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-fn mocker(nats: &NatsServer, first_id: u64, workers: u32, dp: u32) -> Proc {
-    common::mocker(nats, first_id, workers, dp, BLOCK)
-}
-
 impl Client {
     fn overlaps(&self, tokens: &[u32]) -> HashMap<WorkerKey, u32> {
         let req = OverlapRequest {
@@ -96,7 +92,7 @@ fn cached_prefix(cache: &HashSet<SequenceHash>, tokens: &[u32]) -> u32 {
 #[test]
 fn replicas_route_repeated_prefixes_to_the_holder_and_survive_each_other() {
     let nats = NatsServer::start();
-    let _fleet = mocker(&nats, 100, 2, 2);
+    let _fleet = common::mocker(&nats, 100, 2, 2, BLOCK);
     let (p1, p2, p3) = (free_port(), free_port(), free_port());
     let r1 = serve(&nats, "r1", p1, &[]);
     let r2 = serve(&nats, "r2", p2, &[]);
@@ -165,8 +161,8 @@ fn replicas_route_repeated_prefixes_to_the_holder_and_survive_each_other() {
 #[test]
 fn workers_leave_restart_and_lost_events_are_recovered() {
     let nats = NatsServer::start();
-    let _a = mocker(&nats, 1, 1, 1);
-    let b = mocker(&nats, 2, 1, 1);
+    let _a = common::mocker(&nats, 1, 1, 1, BLOCK);
+    let b = common::mocker(&nats, 2, 1, 1, BLOCK);
     let port = free_port();
     let _r = serve(&nats, "r1", port, &[]);
     assert!(ready(port));
@@ -188,7 +184,7 @@ fn workers_leave_restart_and_lost_events_are_recovered() {
         .get(&k2)
         == Some(&6)));
     b.kill();
-    let b = mocker(&nats, 2, 1, 1);
+    let b = common::mocker(&nats, 2, 1, 1, BLOCK);
     assert!(
         wait_until(Duration::from_secs(10), || !c
             .overlaps(&pb)
@@ -279,7 +275,7 @@ fn workers_leave_restart_and_lost_events_are_recovered() {
 #[test]
 fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
     let nats = NatsServer::start();
-    let _fleet = mocker(&nats, 7, 1, 2);
+    let _fleet = common::mocker(&nats, 7, 1, 2, BLOCK);
     let port = free_port();
     let _r = serve(&nats, "r1", port, &["--max-prompt-tokens", "1000"]);
     assert!(ready(port));

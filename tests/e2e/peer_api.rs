@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::{
-    e2e_tokens as tokens, free_port, metric_sum as sum, ready, serve, wait_until, NatsServer, Proc,
+    e2e_tokens as tokens, free_port, metric_sum as sum, ready, serve, wait_until, NatsServer,
     E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use serde_json::{json, Value};

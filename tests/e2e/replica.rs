@@ -6,7 +6,7 @@ use crate::common;
 use bytes::Bytes;
 use common::{
     e2e_tokens as tokens, free_port, http_get, kvrouter, let_nats_notice, metrics, ready, serve,
-    wait_until, E2eClient as Client, NatsServer, Proc, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
+    wait_until, E2eClient as Client, NatsServer, E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use kvrouter_client::ClientError;
 use kvrouter_protocol::{

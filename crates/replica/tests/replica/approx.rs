@@ -8,7 +8,9 @@ use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_mocker::MockerFleet;
 use kvrouter_protocol::{OverlapRequest, RouteDecision, RouteRequest, Subjects, WorkerKey};
 use kvrouter_replica::{IndexSource, Replica, ReplicaConfig};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// The runtime's clock, as the replica's TTL expiry reads it (paused in most tests here).
+use tokio::time::Instant;
 
 const WORKERS: u64 = 3;
 
@@ -101,7 +103,7 @@ fn key(d: &RouteDecision) -> WorkerKey {
     WorkerKey::new(d.worker_id, d.dp_rank)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
     let (_bus, fleet, replica, client, mut state_queries) = start(Duration::from_secs(120)).await;
     // (1) Ready without any state fetch: every rank counts as synced once it joins.
@@ -191,7 +193,7 @@ async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
     fleet.shutdown().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn recorded_decisions_expire_after_the_router_ttl() {
     let ttl = Duration::from_secs(2);
     let (_bus, fleet, replica, client, _state_queries) = start(ttl).await;
@@ -249,7 +251,7 @@ fn index_overlaps(replica: &Replica, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {
     scores
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
     // A small payload limit, so that the dump travels in several chunks.
     let bus = Bus::from(kvrouter_bus::LocalBus::with_max_payload(80 << 10));
@@ -336,7 +338,7 @@ async fn a_late_serving_indexer_loads_a_peers_approximate_index() {
 
 /// A serving indexer records published decisions only for registered workers' ranks: one
 /// for a worker that left (or that never was) would bring its index state back for good.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn published_decisions_for_unregistered_ranks_are_not_recorded() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(WORKERS as u32, 1, 256))

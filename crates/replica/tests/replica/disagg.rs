@@ -54,7 +54,7 @@ fn expected_decode_rank(prefill_rank: u32) -> u32 {
     (prefill_rank - 2) % 4
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_the_prefill() {
     let bus = Bus::local();
     let prefill = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Prefill, 100, 2, 2))
@@ -207,7 +207,7 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_model_without_pools_refuses_disagg_and_routes_aggregated_over_all() {
     let bus = Bus::local();
     let prefill = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Prefill, 100, 2, 2))
@@ -299,6 +299,8 @@ async fn run_on(bus: &Bus, worker: u64, request_id: &str, tokens: Vec<u32>) {
     assert!(done, "{request_id} on worker {worker} ran to its end");
 }
 
+// Real clock: the replica finds transfers overdue by std `Instant`, which a paused clock
+// does not move.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_one_is_overdue() {
     let bus = Bus::local();
@@ -396,7 +398,7 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_overdue() {
     let bus = Bus::local();
     let (silenced, healthy, decode) = tp_pools(&bus).await;
@@ -502,7 +504,7 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
 
 /// A prefill pool wider than the decode pool: the rank offset wraps modulo the decode
 /// worker's dp_size, onto its own start rank (prefill ranks 0..4, decode ranks 6..8).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn the_rank_offset_wraps_onto_a_narrower_decode_pool() {
     let bus = Bus::local();
     let prefill = MockerFleet::start(bus.clone(), pool_config(WorkerRole::Prefill, 100, 4, 0))

@@ -55,7 +55,7 @@ fn shared_prefix_prompt(prefix: u32, suffix: u32, blocks: u32) -> Vec<u32> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
     let bus = Bus::local();
     // Small caches, so evictions (Removed events) are part of the stream.
@@ -163,6 +163,8 @@ async fn replicas_match_worker_caches_after_syncing_under_traffic_and_loss() {
     fleet.shutdown().await.unwrap();
 }
 
+// Real clock: `wait_ready` has a std `Instant` deadline; on a paused clock its 20 ms sleeps
+// jump ahead and the 60 s wait for a second worker ends within its 600 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn min_initial_workers_holds_routes_until_enough_workers_are_known() {
     let bus = Bus::local();
@@ -201,7 +203,7 @@ async fn min_initial_workers_holds_routes_until_enough_workers_are_known() {
     second.shutdown().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn min_initial_workers_gives_up_waiting_after_its_timeout() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 64))
@@ -223,7 +225,7 @@ async fn min_initial_workers_gives_up_waiting_after_its_timeout() {
 
 // A worker's last batch before it goes quiet is lost: no later event id shows the gap, the
 // worker's event marks do.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_lost_last_batch_is_found_by_the_workers_marks() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 64))
@@ -297,7 +299,7 @@ async fn a_lost_last_batch_is_found_by_the_workers_marks() {
     fleet.shutdown().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 256))
@@ -405,7 +407,7 @@ fn gauge_sum(replica: &Replica, name: &str) -> i64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(3, 1, 256))
@@ -485,7 +487,7 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     fleet.shutdown().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
     let bus = Bus::local();
     // Two workers with ranks 4 and 5 each.
@@ -573,7 +575,7 @@ async fn a_rank_taken_down_leaves_routing_alone_and_comes_back() {
 /// A replica joins the route queue group only once it can route (NATS knows nothing of
 /// readiness probes): while a late one discovers its workers, the ready one answers every
 /// route; then both do.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_starting_replica_takes_no_routes_until_it_is_ready() {
     let bus = Bus::local();
     let _fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
@@ -641,7 +643,7 @@ fn booked_request(id: &str, tokens: Vec<u32>) -> RouteRequest {
 
 /// Expected output counts at once, reported output blocks grow it, and the peers see both;
 /// a bad decay fraction or priority jump is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 256))
@@ -711,7 +713,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
 /// A peer that sees a gap in a replica's sync batches fetches that replica's own requests
 /// again: what it held but the replica does not (here a request it was told of in a batch
 /// the replica never sent, standing for one whose `Free` it lost) goes, what it holds stays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
@@ -782,7 +784,7 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
 
 /// A replica restarted under its id: its peers drop what its previous instance routed as
 /// soon as they hear the new one (no lease to wait out: the peer never looked lost).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_restarted_peer_instance_takes_its_old_requests_with_it() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
@@ -833,7 +835,7 @@ async fn a_restarted_peer_instance_takes_its_old_requests_with_it() {
 /// A caller that abandons a route call (it asked another replica after a timeout) frees the
 /// booking everywhere but on the replica it kept, peers included; a copy of the call that
 /// arrives after the abandon is turned away, a new call for the same request id is not.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
@@ -898,7 +900,7 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
 /// A replica that drops one of its own requests by itself (here its request-timeout sweep;
 /// likewise when its view of a worker ends) tells its peers, whose own view or timeout may
 /// differ: otherwise they would hold the request until their sweep.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_request_a_replica_drops_by_itself_leaves_its_peers_too() {
     let bus = Bus::local();
     let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))

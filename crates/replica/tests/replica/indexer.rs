@@ -81,7 +81,7 @@ async fn two_workers(bus: &Bus) -> MockerFleet {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
     let bus = Bus::local();
     let _fleet = two_workers(&bus).await;
@@ -135,7 +135,7 @@ async fn a_remote_replica_routes_on_load_until_a_serving_indexer_appears() {
 
 /// Serving indexers share find_matches as a queue group: each lookup is answered by one of
 /// them (not by every one), and both take a share.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
     let bus = Bus::local();
     let _fleet = two_workers(&bus).await;
@@ -191,7 +191,7 @@ async fn each_lookup_is_answered_by_one_of_the_serving_indexers() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_hung_serving_indexer_costs_only_a_few_timeouts_then_overlap_returns() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;

@@ -97,7 +97,7 @@ fn metric_line(replica: &Replica, line_start: &str) -> Option<i64> {
         .map(|v| v as i64)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() {
     let bus = Bus::local();
     let _fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 1024))
@@ -150,7 +150,7 @@ async fn a_worker_that_never_syncs_gets_no_routes_and_does_not_hold_readiness() 
     replica.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_registration_with_thousands_of_ranks_is_fetched_a_few_at_a_time() {
     let bus = Bus::local();
     let replica = Replica::start(short_fetch_config(), bus.clone())
@@ -168,7 +168,7 @@ async fn a_registration_with_thousands_of_ranks_is_fetched_a_few_at_a_time() {
     replica.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn absurd_registrations_are_refused_and_takeovers_counted() {
     let bus = Bus::local();
     let replica = Replica::start(short_fetch_config(), bus.clone())
@@ -209,7 +209,7 @@ async fn absurd_registrations_are_refused_and_takeovers_counted() {
     replica.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
     let bus = Bus::local();
     let replica = Replica::start(short_fetch_config(), bus.clone())
@@ -272,7 +272,7 @@ async fn a_worker_cannot_speak_for_another_on_its_own_subjects() {
     replica.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
     let bus = Bus::local();
     let replica = Replica::start(short_fetch_config(), bus.clone())
@@ -304,7 +304,7 @@ async fn undecodable_messages_are_counted_per_subject_and_requests_answered() {
     replica.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn previous_version_peers_are_read_and_answered_in_their_version() {
     use kvrouter_protocol::{
         decode_versioned, encode_as, Reply, RouteDecision, FORMAT_VERSION, MIN_READ_VERSION,

@@ -47,7 +47,7 @@ impl<P> Queued<P> {
             request_id,
             prompt_tokens: query.prompt_tokens,
             sequence_hashes: query.sequence_hashes.to_vec(),
-            filters: query.filters().to_filters(),
+            filters: query.filters.to_filters(),
             overrides: query.overrides,
             overlaps: overlaps.to_vec(),
             lower_tiers: query.lower_tiers.to_vec(),

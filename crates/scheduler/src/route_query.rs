@@ -1,28 +1,17 @@
 //! A request to place: prompt, block hashes and the filters narrowing where it may go.
 
 use crate::filters::FilterView;
-use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerId, WorkerKey};
+use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerKey};
 
-/// A request to place. Its five filter fields are one [`crate::RouteFilters`] borrowed
-/// ([`RouteQuery::filters`], [`RouteQuery::with_filters`]); they stay plain fields so a
-/// test or a caller can set one filter alone.
+/// A request to place.
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
 pub struct RouteQuery<'a> {
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
     /// Sequence hashes of the prompt's full blocks.
     pub sequence_hashes: &'a [SequenceHash],
-    /// Only these workers may serve it (None: any).
-    pub allowed_workers: Option<&'a [WorkerId]>,
-    /// Only this worker key may serve it.
-    pub pinned: Option<WorkerKey>,
-    /// Only this worker (any of its ranks) may serve it.
-    pub pinned_worker: Option<WorkerId>,
-    /// Only these worker keys may serve it (None: any), on top of the other filters (e.g.
-    /// the decode ranks a disaggregated request may go to).
-    pub allowed_keys: Option<&'a [WorkerKey]>,
-    /// Never these workers, whatever the other filters allow.
-    pub excluded_workers: &'a [WorkerId],
+    /// Where it may go: allowed and excluded workers, a pinned worker or key, allowed keys.
+    pub filters: FilterView<'a>,
     /// This request's own cost settings (each `None`: the scheduler's).
     pub overrides: RouteOverrides,
     /// Keys whose cached prefix a lower tier (host, disk, shared storage) extends, by tier
@@ -49,31 +38,13 @@ impl<'a> RouteQuery<'a> {
     }
 
     /// The query with these filters (in place of its own).
-    pub fn with_filters(self, f: FilterView<'a>) -> Self {
-        Self {
-            allowed_workers: f.allowed_workers,
-            excluded_workers: f.excluded_workers,
-            pinned: f.pinned,
-            pinned_worker: f.pinned_worker,
-            allowed_keys: f.allowed_keys,
-            ..self
-        }
-    }
-
-    /// The query's filters.
-    pub fn filters(&self) -> FilterView<'a> {
-        FilterView {
-            allowed_workers: self.allowed_workers,
-            excluded_workers: self.excluded_workers,
-            pinned: self.pinned,
-            pinned_worker: self.pinned_worker,
-            allowed_keys: self.allowed_keys,
-        }
+    pub fn with_filters(self, filters: FilterView<'a>) -> Self {
+        Self { filters, ..self }
     }
 
     /// True if any filter (allowed, excluded or pinned workers, allowed or pinned keys) is
     /// set.
     pub fn is_filtered(&self) -> bool {
-        self.filters().is_filtered()
+        self.filters.is_filtered()
     }
 }

@@ -457,7 +457,7 @@ impl<P> Scheduler<P> {
 
     /// Fills `self.candidates` with the slots the filters allow (before busy).
     fn filter_candidates(&mut self, req: &RouteQuery<'_>) -> Result<(), ScheduleError> {
-        req.filters().candidates(&self.active, &mut self.candidates)
+        req.filters.candidates(&self.active, &mut self.candidates)
     }
 
     /// Loads overlaps and "blocks already active" counts into the per-slot scratch;
@@ -732,6 +732,7 @@ fn is_busy(config: &SchedulerConfig, load: &KeyLoad) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::FilterView;
     use kvrouter_protocol::RouteOverrides;
     use std::time::Duration;
 
@@ -784,7 +785,10 @@ mod tests {
         s.add_worker_key(k(2, 0), 100);
 
         let pinned = |key| RouteQuery {
-            pinned: Some(key),
+            filters: FilterView {
+                pinned: Some(key),
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(
@@ -803,7 +807,10 @@ mod tests {
         }
         let allowed = [7u64, 8];
         let q_allowed = RouteQuery {
-            allowed_workers: Some(&allowed),
+            filters: FilterView {
+                allowed_workers: Some(&allowed),
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(
@@ -812,7 +819,10 @@ mod tests {
         );
         let empty: [u64; 0] = [];
         let q_empty = RouteQuery {
-            allowed_workers: Some(&empty),
+            filters: FilterView {
+                allowed_workers: Some(&empty),
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(
@@ -821,7 +831,10 @@ mod tests {
         );
         let allowed = [2u64, 7, 2];
         let q_allowed = RouteQuery {
-            allowed_workers: Some(&allowed),
+            filters: FilterView {
+                allowed_workers: Some(&allowed),
+                ..q.filters
+            },
             ..q
         };
         for _ in 0..20 {
@@ -829,7 +842,10 @@ mod tests {
         }
         // Pinned outside the allowed list.
         let q_conflict = RouteQuery {
-            pinned: Some(k(1, 0)),
+            filters: FilterView {
+                pinned: Some(k(1, 0)),
+                ..q_allowed.filters
+            },
             ..q_allowed
         };
         assert_eq!(
@@ -838,7 +854,10 @@ mod tests {
         );
 
         let q_worker = |w| RouteQuery {
-            pinned_worker: Some(w),
+            filters: FilterView {
+                pinned_worker: Some(w),
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(
@@ -865,7 +884,10 @@ mod tests {
         }
         let keys = [k(1, 3), k(9, 0)];
         let q_keys = RouteQuery {
-            allowed_keys: Some(&keys),
+            filters: FilterView {
+                allowed_keys: Some(&keys),
+                ..q.filters
+            },
             ..q
         };
         assert!(q_keys.is_filtered());
@@ -875,19 +897,28 @@ mod tests {
         }
         let allowed = [2u64];
         let q_both = RouteQuery {
-            allowed_workers: Some(&allowed),
+            filters: FilterView {
+                allowed_workers: Some(&allowed),
+                ..q_keys.filters
+            },
             ..q_keys
         };
         assert_eq!(s.select(&q_both, &[]), Err(ScheduleError::NoAllowedWorkers));
         let none: [WorkerKey; 0] = [];
         let q_none = RouteQuery {
-            allowed_keys: Some(&none),
+            filters: FilterView {
+                allowed_keys: Some(&none),
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(s.select(&q_none, &[]), Err(ScheduleError::NoAllowedWorkers));
         // A pinned worker narrowed to one of its ranks.
         let q_pin = RouteQuery {
-            pinned_worker: Some(1),
+            filters: FilterView {
+                pinned_worker: Some(1),
+                ..q_keys.filters
+            },
             ..q_keys
         };
         for _ in 0..20 {
@@ -905,7 +936,10 @@ mod tests {
         }
         let out = [1u64, 3];
         let q_out = RouteQuery {
-            excluded_workers: &out,
+            filters: FilterView {
+                excluded_workers: &out,
+                ..q.filters
+            },
             ..q
         };
         assert!(q_out.is_filtered());
@@ -916,13 +950,19 @@ mod tests {
         }
         // Exclusion narrows the other filters too.
         let pinned = RouteQuery {
-            pinned: Some(k(1, 1)),
+            filters: FilterView {
+                pinned: Some(k(1, 1)),
+                ..q_out.filters
+            },
             ..q_out
         };
         assert_eq!(s.select(&pinned, &[]), Err(ScheduleError::NoAllowedWorkers));
         let all = [1u64, 2, 3];
         let q_all = RouteQuery {
-            excluded_workers: &all,
+            filters: FilterView {
+                excluded_workers: &all,
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(s.select(&q_all, &[]), Err(ScheduleError::NoAllowedWorkers));
@@ -1150,7 +1190,10 @@ mod tests {
         // "b" pinned to key 2: 3 uncached blocks, plus the in-flight prefill (1 block) and
         // decode blocks (3) of "a" counted three times (ours and two peers' echoes).
         let pinned = RouteQuery {
-            pinned: Some(k(2, 0)),
+            filters: FilterView {
+                pinned: Some(k(2, 0)),
+                ..qb.filters
+            },
             ..qb
         };
         let b = s.select(&pinned, &[]).unwrap();
@@ -1213,10 +1256,10 @@ mod tests {
         assert_eq!(s.select(&y, &[]).unwrap().key, k(1, 0));
         // Once we route in a burst, the peer ahead is assumed to take the idle key for a
         // request like ours...
-        let pin3 = RouteQuery {
+        let pin3 = RouteQuery::new(4, &[]).with_filters(FilterView {
             pinned: Some(k(3, 0)),
-            ..RouteQuery::new(4, &[])
-        };
+            ..FilterView::default()
+        });
         s.route(&pin3, &[], "h".into(), true, t0).unwrap();
         let sel = s.select(&y, &[]).unwrap();
         assert_eq!(sel.key, k(2, 0));
@@ -1289,7 +1332,10 @@ mod tests {
         }
         // A busy pinned key is AllBusy, not rerouted.
         let pinned = RouteQuery {
-            pinned: Some(k(1, 0)),
+            filters: FilterView {
+                pinned: Some(k(1, 0)),
+                ..q.filters
+            },
             ..q
         };
         assert_eq!(s.select(&pinned, &[]), Err(ScheduleError::AllBusy));
@@ -1318,7 +1364,10 @@ mod tests {
         assert!(s.drain_ready(t(0)).is_empty());
 
         let pinned_q = RouteQuery {
-            pinned: Some(k(2, 0)),
+            filters: FilterView {
+                pinned: Some(k(2, 0)),
+                ..q.filters
+            },
             ..q
         };
         s.enqueue(Queued::new(&q, &[], "q1".into(), true, t(1), 1))

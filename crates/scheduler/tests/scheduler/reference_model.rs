@@ -587,14 +587,14 @@ fn query<'a>(
     q.overrides = cached.overrides;
     match filter {
         Filter::None => {}
-        Filter::Allowed(list) => q.allowed_workers = Some(list),
-        Filter::AllowedKeys(list) => q.allowed_keys = Some(list),
-        Filter::Excluded(list) => q.excluded_workers = list,
-        Filter::Pinned(k) => q.pinned = Some(*k),
-        Filter::PinnedWorker(w) => q.pinned_worker = Some(*w),
+        Filter::Allowed(list) => q.filters.allowed_workers = Some(list),
+        Filter::AllowedKeys(list) => q.filters.allowed_keys = Some(list),
+        Filter::Excluded(list) => q.filters.excluded_workers = list,
+        Filter::Pinned(k) => q.filters.pinned = Some(*k),
+        Filter::PinnedWorker(w) => q.filters.pinned_worker = Some(*w),
         Filter::PinnedBoth(k, w) => {
-            q.pinned = Some(*k);
-            q.pinned_worker = Some(*w);
+            q.filters.pinned = Some(*k);
+            q.filters.pinned_worker = Some(*w);
         }
     }
     q

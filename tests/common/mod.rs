@@ -235,18 +235,19 @@ pub struct EngineAt {
     pub capacity_blocks: u32,
 }
 
-/// `kvrouter bridge` for [`E2E_MODEL`] (block size [`E2E_BLOCK`]) beside an engine, with an
-/// admin port and 200 ms heartbeats; returns it and its worker id once it has started.
-pub fn bridge(nats: &NatsServer, e: &EngineAt, admin: u16) -> (Proc, u64) {
-    bridge_with(nats, e, admin, &[])
+/// `kvrouter bridge` for [`E2E_MODEL`] (block size [`E2E_BLOCK`]) beside an engine, with
+/// 200 ms heartbeats and its admin endpoint on a port of its own choosing (port 0); returns
+/// it, its worker id and its admin port, from its start line.
+pub fn bridge(nats: &NatsServer, e: &EngineAt) -> (Proc, u64, u16) {
+    bridge_with(nats, e, &[])
 }
 
 /// [`bridge`] with more arguments.
-pub fn bridge_with(nats: &NatsServer, e: &EngineAt, admin: u16, extra: &[&str]) -> (Proc, u64) {
+pub fn bridge_with(nats: &NatsServer, e: &EngineAt, extra: &[&str]) -> (Proc, u64, u16) {
     let url = nats.url();
     let zmq = format!("tcp://127.0.0.1:{}", e.zmq);
     let base = format!("http://127.0.0.1:{}", e.http);
-    let admin = format!("127.0.0.1:{admin}");
+    let admin = "127.0.0.1:0";
     let (dp, block, cap) = (
         e.dp.to_string(),
         E2E_BLOCK.to_string(),
@@ -271,7 +272,7 @@ pub fn bridge_with(nats: &NatsServer, e: &EngineAt, admin: u16, extra: &[&str]) 
         "--base-url",
         &base,
         "--admin-addr",
-        &admin,
+        admin,
         "--heartbeat-ms",
         "200",
     ];
@@ -281,6 +282,11 @@ pub fn bridge_with(nats: &NatsServer, e: &EngineAt, admin: u16, extra: &[&str]) 
     }
     args.extend_from_slice(extra);
     let mut p = kvrouter_proc("bridge", &args);
-    let id = p.first_json()["worker_id"].as_u64().expect("worker_id");
-    (p, id)
+    let line = p.first_json();
+    let id = line["worker_id"].as_u64().expect("worker_id");
+    let admin: std::net::SocketAddr = line["admin"]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no admin address in the bridge's start line {line}"));
+    (p, id, admin.port())
 }

@@ -1492,6 +1492,15 @@ fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
     models
 }
 
+/// The port of the `ip:port` at `pointer` in a start line (processes given port 0 say which
+/// one they bound).
+fn port_in(line: &serde_json::Value, pointer: &str) -> u16 {
+    text(line, pointer)
+        .parse::<std::net::SocketAddr>()
+        .unwrap_or_else(|e| panic!("{pointer} in {line} is no address: {e}"))
+        .port()
+}
+
 /// The base's replica, bridge and frontend started from their rendered settings (addresses
 /// moved to loopback), with an emulated vLLM engine as vllm.yaml starts it: every probe path
 /// answers, a completion goes through the frontend, the replica and the engine, and each
@@ -1526,8 +1535,8 @@ fn a_fleet_runs_from_the_rendered_settings() {
     // The engine, with the model, block size and ranks the bridge's settings give vLLM.
     let (bw, bc) = m.kvrouter("bridge");
     let env = m.env(bc);
-    let ports = free_ports(6);
-    let (zmq, http, bridge_admin) = (ports, ports + 4, ports + 5);
+    let ports = free_ports(5);
+    let (zmq, http) = (ports, ports + 4);
     let dp = env
         .get("KVROUTER_DP_SIZE")
         .cloned()
@@ -1559,7 +1568,7 @@ fn a_fleet_runs_from_the_rendered_settings() {
         &env,
         &[
             ("KVROUTER_NATS", nats.url()),
-            ("KVROUTER_ADMIN_ADDR", format!("127.0.0.1:{bridge_admin}")),
+            ("KVROUTER_ADMIN_ADDR", "127.0.0.1:0".to_string()),
             ("KVROUTER_BASE_URL", text(&at, "/base_url").to_string()),
             (
                 "KVROUTER_ZMQ_ENDPOINT",
@@ -1572,7 +1581,8 @@ fn a_fleet_runs_from_the_rendered_settings() {
         ],
     );
     cmd.args(args_of(bc));
-    let bridge = spawn_proc("kvrouter bridge", cmd);
+    let mut bridge = spawn_proc("kvrouter bridge", cmd);
+    let bridge_admin = port_in(&bridge.first_json(), "/admin");
     probe_ok(
         bridge_admin,
         &http_probe(bc, "readinessProbe").0,
@@ -1596,17 +1606,17 @@ fn a_fleet_runs_from_the_rendered_settings() {
     let scratch = tempfile::tempdir().unwrap();
     let volume = tempfile::tempdir().unwrap();
     let models = fetch_tokenizers(m, volume.path(), scratch.path());
-    let listen = free_port();
     let mut cmd = kvrouter_with_env(
         &m.env(fc),
         &[
             ("KVROUTER_NATS", nats.url()),
-            ("KVROUTER_LISTEN", format!("127.0.0.1:{listen}")),
+            ("KVROUTER_LISTEN", "127.0.0.1:0".to_string()),
             ("KVROUTER_MODEL", models),
         ],
     );
     cmd.args(args_of(fc));
-    let frontend = spawn_proc("kvrouter frontend", cmd);
+    let mut frontend = spawn_proc("kvrouter frontend", cmd);
+    let listen = port_in(&frontend.first_json(), "/listen");
     probe_ok(listen, &http_probe(fc, "readinessProbe").0, "the frontend");
     probe_ok(listen, &http_probe(fc, "livenessProbe").0, "the frontend");
     let body = serde_json::json!({

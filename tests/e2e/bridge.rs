@@ -105,10 +105,10 @@ fn metric(text: &str, name: &str) -> u64 {
 fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     let nats = NatsServer::start();
     let mut engine = FakeEngine::start(2, "map");
-    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let (a1, a2) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
-    let (_bridge, worker) = bridge(&nats, &engine.at(2, true), ab);
+    let (_bridge, worker, ab) = bridge(&nats, &engine.at(2, true));
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1) && ready(a2));
     let client = E2eClient::new(&nats);
@@ -223,9 +223,9 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
 fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     let nats = NatsServer::start();
     let mut engine = FakeEngine::start(1, "array");
-    let (a1, ab) = (free_port(), free_port());
+    let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (bridge, worker) = bridge(&nats, &engine.at(1, false), ab);
+    let (bridge, worker, ab) = bridge(&nats, &engine.at(1, false));
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
     let k0 = WorkerKey::new(worker, 0);

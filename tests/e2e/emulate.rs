@@ -71,10 +71,10 @@ fn scenario(kind: &'static str, wire: &str) {
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
     let mut e = emulated_engine(kind, wire, 2, zmq, http);
-    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let (a1, a2) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
-    let (b, worker) = bridge(&nats, &e.at(), ab);
+    let (b, worker, ab) = bridge(&nats, &e.at());
     assert!(ready(ab), "bridge: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1) && ready(a2));
     let client = E2eClient::new(&nats);
@@ -203,9 +203,9 @@ fn emulated_sglang_behind_a_bridge() {
     let (zmq, http) = (free_ports(4), free_port());
     // The third wire form: a map batch of map events.
     let e = emulated_engine("sglang", "map", 2, zmq, http);
-    let (a1, ab) = (free_port(), free_port());
+    let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (_b, worker) = bridge(&nats, &e.at(), ab);
+    let (_b, worker, ab) = bridge(&nats, &e.at());
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
     let a = e2e_tokens(7, 3);
@@ -276,9 +276,9 @@ fn emulated_vllm_with_a_host_tier_routes_offloaded_prefixes_to_their_holder() {
         100,
         &["--host-capacity-blocks", "64"],
     );
-    let (a1, ab) = (free_port(), free_port());
+    let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (_b, worker) = bridge_with(&nats, &e.at(), ab, &["--host-capacity-blocks", "64"]);
+    let (_b, worker, ab) = bridge_with(&nats, &e.at(), &["--host-capacity-blocks", "64"]);
     assert!(ready(ab) && ready(a1));
     let c = E2eClient::new(&nats);
     let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
@@ -371,10 +371,10 @@ fn a_bridge_restarted_beside_a_running_engine_rebuilds_its_cache_from_the_replay
     let nats = NatsServer::start();
     let (zmq, http) = (free_ports(4), free_port());
     let e = emulated_engine("vllm", "array-batch", 2, zmq, http);
-    let (a1, a2, ab) = (free_port(), free_port(), free_port());
+    let (a1, a2) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
-    let (b, worker) = bridge(&nats, &e.at(), ab);
+    let (b, worker, ab) = bridge(&nats, &e.at());
     assert!(ready(ab) && ready(a1) && ready(a2));
     let client = E2eClient::new(&nats);
     // Both ranks cache something while the first bridge listens.
@@ -396,7 +396,7 @@ fn a_bridge_restarted_beside_a_running_engine_rebuilds_its_cache_from_the_replay
         .is_none()));
     // And the engine caches more while no bridge listens.
     complete(&e, 1, &e2e_tokens(4, 2));
-    let (_b, again) = bridge(&nats, &e.at(), ab);
+    let (_b, again, ab) = bridge(&nats, &e.at());
     assert_eq!(
         again, worker,
         "the worker id derives from the engine's address"

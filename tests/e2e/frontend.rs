@@ -58,10 +58,10 @@ struct BridgedEngine {
 }
 
 fn bridged_engine(nats: &NatsServer, dp: u32) -> BridgedEngine {
-    let ports = free_ports(6);
-    let (zmq, http, admin) = (ports, ports + 4, ports + 5);
+    let ports = free_ports(5);
+    let (zmq, http) = (ports, ports + 4);
     let engine = emulated_engine_with("vllm", "array-batch", dp, zmq, http, 4096, 20, &[]);
-    let (bridge, worker_id) = common::bridge(nats, &engine.at(), admin);
+    let (bridge, worker_id, _admin) = common::bridge(nats, &engine.at());
     BridgedEngine {
         engine,
         bridge,

@@ -14,7 +14,7 @@ pub struct BridgeBenchArgs {
     #[arg(long, env = "KVROUTER_RUNS", default_value_t = 5)]
     runs: usize,
     /// Engine publish rate of the latency run, in blocks per second.
-    #[arg(long, env = "KVROUTER_RATE", default_value_t = 50_000.0)]
+    #[arg(long, env = super::renamed_env::env("KVROUTER_BLOCK_RATE"), default_value_t = 50_000.0)]
     rate: f64,
     /// Length of the latency run, in seconds.
     #[arg(long, env = "KVROUTER_DURATION", default_value_t = 5.0)]
@@ -27,6 +27,7 @@ pub struct BridgeBenchArgs {
 }
 
 pub async fn run(args: BridgeBenchArgs) -> anyhow::Result<()> {
+    super::renamed_env::log_warnings();
     if args.runs == 0 || args.blocks == 0 {
         bail!("--runs and --blocks must be at least 1");
     }

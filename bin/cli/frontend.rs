@@ -29,7 +29,7 @@ pub struct FrontendArgs {
     listen: SocketAddr,
     /// A served model, NAME=MODEL_DIR (repeatable): NAME as the router and the engines know
     /// it; the directory holds tokenizer.json (and tokenizer_config.json for chat).
-    #[arg(long = "model", env = "KVROUTER_MODEL", value_delimiter = ',', required = true, value_parser = parse_pair)]
+    #[arg(long = "model", env = renamed_env::env("KVROUTER_MODEL_DIRS"), value_delimiter = ',', required = true, value_parser = parse_pair)]
     models: Vec<(String, String)>,
     /// A LoRA adapter, ADAPTER=MODEL (repeatable): clients ask for it by the adapter's name.
     #[arg(long = "lora", env = renamed_env::env("KVROUTER_LORA_ADAPTERS"), value_delimiter = ',', value_parser = parse_pair)]

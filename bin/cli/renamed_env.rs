@@ -36,6 +36,16 @@ pub const RENAMED: &[Renamed] = &[
         new: "KVROUTER_LORA_ADAPTERS",
         old: "KVROUTER_LORA",
     },
+    Renamed {
+        subcommand: "frontend",
+        new: "KVROUTER_MODEL_DIRS",
+        old: "KVROUTER_MODEL",
+    },
+    Renamed {
+        subcommand: "bench bridge",
+        new: "KVROUTER_BLOCK_RATE",
+        old: "KVROUTER_RATE",
+    },
 ];
 
 /// Warnings for the running subcommand, logged once tracing is up.
@@ -78,11 +88,18 @@ pub fn warning(r: Renamed) -> String {
 }
 
 /// The subcommand on a command line (without the program name): the first argument that is
-/// not a flag (the only global flag, -v, takes no value).
+/// not a flag (the only global flag, -v, takes no value), and for `bench` the next one too
+/// (`bench bridge`).
 pub fn running_subcommand(args: impl IntoIterator<Item = OsString>) -> Option<String> {
-    args.into_iter()
+    let mut words = args
+        .into_iter()
         .map(|a| a.to_string_lossy().into_owned())
-        .find(|a| !a.starts_with('-'))
+        .filter(|a| !a.starts_with('-'));
+    let first = words.next()?;
+    match (first.as_str(), words.next()) {
+        ("bench", Some(second)) => Some(format!("bench {second}")),
+        _ => Some(first),
+    }
 }
 
 /// Logs (once) the warnings [`env`] kept.
@@ -143,6 +160,15 @@ mod tests {
             Some("KVROUTER_REQUEST_TIMEOUT_SECS")
         );
         assert_eq!(got("KVROUTER_LORA_ADAPTERS"), Some("KVROUTER_LORA"));
+        let front = vars(&[("KVROUTER_MODEL", "m=/models/m")]);
+        assert_eq!(
+            adopt("KVROUTER_MODEL_DIRS", Some("frontend"), &front).map(|(r, _)| r.old),
+            Some("KVROUTER_MODEL")
+        );
+        // The bench bridge's rate is in blocks per second; route-latency's keeps KVROUTER_RATE.
+        let rate = vars(&[("KVROUTER_RATE", "9")]);
+        assert!(adopt("KVROUTER_BLOCK_RATE", Some("bench bridge"), &rate).is_some());
+        assert!(adopt("KVROUTER_BLOCK_RATE", Some("bench route-latency"), &rate).is_none());
         // serve's KVROUTER_REQUEST_TIMEOUT_SECS keeps its name.
         assert_eq!(
             adopt("KVROUTER_REQUEST_TIMEOUT_SECS", Some("serve"), &front),
@@ -170,11 +196,19 @@ mod tests {
         let frontend = twins(crate::cli::frontend::FrontendArgs::augment_args(
             clap::Command::new("f"),
         ));
+        #[cfg(feature = "bench")]
+        let bench_bridge = twins(crate::cli::bench_bridge::BridgeBenchArgs::augment_args(
+            clap::Command::new("b"),
+        ));
         for r in RENAMED {
-            let of = if r.subcommand == "serve" {
-                &serve
-            } else {
-                &frontend
+            let of = match r.subcommand {
+                "serve" => &serve,
+                "frontend" => &frontend,
+                #[cfg(feature = "bench")]
+                "bench bridge" => &bench_bridge,
+                #[cfg(not(feature = "bench"))]
+                "bench bridge" => continue,
+                other => panic!("no flags known for {other}"),
             };
             assert!(of.iter().any(|t| t == r.new), "{r:?}: {of:?}");
             assert!(!of.iter().any(|t| t == r.old), "{r:?}: {of:?}");
@@ -189,6 +223,10 @@ mod tests {
             Some("serve")
         );
         assert_eq!(args(&["frontend"]).as_deref(), Some("frontend"));
+        assert_eq!(
+            args(&["bench", "bridge", "--rate", "5"]).as_deref(),
+            Some("bench bridge")
+        );
         assert_eq!(args(&["--verbose"]), None);
     }
 }

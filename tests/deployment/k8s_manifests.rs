@@ -397,7 +397,8 @@ fn env_twins(sub: &str) -> BTreeSet<String> {
     twins
 }
 
-/// The flags `kvrouter SUB` requires (from its usage line), as their env twins.
+/// The flags `kvrouter SUB` requires (from its usage line), as their env twins (each read
+/// from the flag's own help entry: a twin need not be the flag's name in capitals).
 fn required_twins(sub: &str) -> Vec<String> {
     let out = run(&[sub, "--help"]);
     let help = stdout_of(&out, &format!("kvrouter {sub} --help"));
@@ -407,8 +408,20 @@ fn required_twins(sub: &str) -> Vec<String> {
         .expect("a usage line");
     usage
         .split_whitespace()
-        .filter_map(|w| w.strip_prefix("--"))
-        .map(|flag| format!("KVROUTER_{}", flag.to_uppercase().replace('-', "_")))
+        .filter(|w| w.starts_with("--"))
+        .map(|flag| {
+            let entry = help
+                .split(&format!("\n      {flag} "))
+                .nth(1)
+                .unwrap_or_else(|| panic!("kvrouter {sub} --help has no entry for {flag}"));
+            let twin = entry
+                .split("[env: ")
+                .nth(1)
+                .unwrap_or_else(|| panic!("kvrouter {sub}: {flag} has no env twin"));
+            twin.chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect()
+        })
         .collect()
 }
 
@@ -729,7 +742,7 @@ fn replicas_frontends_and_bridges_share_one_fleet() {
 
         // The replicas serve the models the frontends route and the bridges register.
         let models: Vec<&str> = serve["KVROUTER_MODEL"].split(',').collect();
-        let front: Vec<(&str, &str)> = frontend["KVROUTER_MODEL"]
+        let front: Vec<(&str, &str)> = frontend["KVROUTER_MODEL_DIRS"]
             .split(',')
             .map(|p| p.split_once('=').expect("NAME=DIR"))
             .collect();
@@ -777,8 +790,8 @@ fn replicas_frontends_and_bridges_share_one_fleet() {
             );
         }
         assert_eq!(
-            m.env(init)["KVROUTER_MODEL"],
-            frontend["KVROUTER_MODEL"],
+            m.env(init)["KVROUTER_MODEL_DIRS"],
+            frontend["KVROUTER_MODEL_DIRS"],
             "{dir}"
         );
     }
@@ -1415,7 +1428,7 @@ fn probe_ok(port: u16, path: &str, who: &str) {
 
 /// The frontend's model directories, fetched by the init container's script into `volume`
 /// (standing in for the pod's volume) from a stand-in Hub that serves a model directory made
-/// as the Hub ships one. Returns KVROUTER_MODEL with the directories moved there.
+/// as the Hub ships one. Returns KVROUTER_MODEL_DIRS with the directories moved there.
 fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
     let (w, c) = m.kvrouter("frontend");
     let init = container(w, "fetch-tokenizer");
@@ -1461,7 +1474,7 @@ fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
     .unwrap();
 
     let env = m.env(init);
-    let first_dir = env["KVROUTER_MODEL"]
+    let first_dir = env["KVROUTER_MODEL_DIRS"]
         .split(',')
         .next()
         .and_then(|spec| spec.split_once('='))
@@ -1472,11 +1485,11 @@ fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
         .map(|v| text(v, "/mountPath"))
         .find(|p| first_dir.starts_with(&format!("{p}/")))
         .expect("the models volume");
-    let models =
-        env["KVROUTER_MODEL"].replace(&format!("={mount}/"), &format!("={}/", volume.display()));
+    let models = env["KVROUTER_MODEL_DIRS"]
+        .replace(&format!("={mount}/"), &format!("={}/", volume.display()));
     let out = Command::new("python3")
         .args(["-c", &python])
-        .env("KVROUTER_MODEL", &models)
+        .env("KVROUTER_MODEL_DIRS", &models)
         .env("STUB_MODEL_DIR", &made)
         .env("PYTHONPATH", scratch.join("stub"))
         .output()
@@ -1611,7 +1624,7 @@ fn a_fleet_runs_from_the_rendered_settings() {
         &[
             ("KVROUTER_NATS", nats.url()),
             ("KVROUTER_LISTEN", "127.0.0.1:0".to_string()),
-            ("KVROUTER_MODEL", models),
+            ("KVROUTER_MODEL_DIRS", models),
         ],
     );
     cmd.args(args_of(fc));

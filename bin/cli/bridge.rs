@@ -15,6 +15,8 @@ use std::time::Duration;
 pub struct BridgeArgs {
     #[command(flatten)]
     nats: NatsArgs,
+    #[command(flatten)]
+    http: super::http_args::HttpArgs,
     /// The engine: vllm or sglang.
     #[arg(long, env = "KVROUTER_ENGINE")]
     engine: EngineKind,
@@ -85,7 +87,7 @@ pub struct BridgeArgs {
 }
 
 impl BridgeArgs {
-    fn config(&self) -> BridgeConfig {
+    fn config(&self) -> anyhow::Result<BridgeConfig> {
         let mut c = BridgeConfig::new(
             self.engine,
             self.model.clone(),
@@ -107,15 +109,16 @@ impl BridgeArgs {
         c.health_url = self.health_url.clone();
         c.worker_id = self.worker_id;
         c.admin_addr = self.admin_addr;
+        c.http_limits = self.http.limits()?;
         c.health_interval = Duration::from_millis(self.health_interval_ms);
         c.metrics_interval = Duration::from_millis(self.metrics_interval_ms);
         c.heartbeat_interval = Duration::from_millis(self.heartbeat_ms);
-        c
+        Ok(c)
     }
 }
 
 pub async fn run(args: BridgeArgs) -> anyhow::Result<()> {
-    let config = args.config();
+    let config = args.config()?;
     // Refuse bad flags before touching the bus.
     config.clone().resolve()?;
     let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;

@@ -24,6 +24,8 @@ enum EngineArg {
 pub struct FrontendArgs {
     #[command(flatten)]
     nats: NatsArgs,
+    #[command(flatten)]
+    http: super::http_args::HttpArgs,
     /// Where clients connect.
     #[arg(long, env = "KVROUTER_LISTEN", default_value = "0.0.0.0:8000")]
     listen: SocketAddr,
@@ -94,6 +96,7 @@ impl FrontendArgs {
                 EngineArg::Sglang => RankConvention::Sglang,
             },
             max_body_bytes: self.max_body_bytes,
+            http_limits: self.http.limits()?,
             ..FrontendConfig::default()
         })
     }

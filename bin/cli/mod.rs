@@ -15,6 +15,7 @@ pub mod cost_args;
 pub mod frontend;
 pub mod generate;
 pub mod hash;
+pub mod http_args;
 pub mod lifecycle;
 pub mod mocker;
 pub mod nats_args;

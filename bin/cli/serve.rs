@@ -16,6 +16,8 @@ use std::time::Duration;
 pub struct ServeArgs {
     #[command(flatten)]
     nats: NatsArgs,
+    #[command(flatten)]
+    http: super::http_args::HttpArgs,
     /// Model to serve (repeat, or comma-separate in the environment variable).
     #[arg(
         long = "model",
@@ -212,6 +214,7 @@ impl ServeArgs {
             index_shards: self.index_shards,
             drain_timeout: secs("drain-timeout-secs", self.drain_timeout_secs)?,
             admin_addr: self.admin_addr,
+            http_limits: self.http.limits()?,
             http_addr: self.http_addr,
             index,
             sync: self

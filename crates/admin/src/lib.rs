@@ -4,18 +4,21 @@
 //! under `/v1/` (any method; the body is read here, within [`AdminView::max_body_bytes`],
 //! before the view sees it).
 
+mod http_server;
+
+pub use http_server::{append_http_stats, read_body, BodyError, HttpLimits, HttpServer, HttpStats};
+
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::Full;
 use hyper::body::Incoming;
 pub use hyper::Method;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::net::TcpListener;
-use tokio::task::{JoinHandle, JoinSet};
+use std::time::Duration;
+use tokio::task::JoinHandle;
 
 /// A `/debug/...` page being produced: (HTTP status, JSON body).
 pub type DebugPage = Pin<Box<dyn Future<Output = (u16, String)> + Send>>;
@@ -147,40 +150,28 @@ fn respond_api(r: ApiResponse) -> Response<Full<Bytes>> {
     resp
 }
 
-fn too_large(limit: usize) -> ApiResponse {
-    ApiResponse::error(
-        413,
-        "invalid_request",
-        &format!("request body over {limit} bytes"),
-    )
-}
-
-async fn handle_api(view: Arc<dyn AdminView>, req: Request<Incoming>) -> ApiResponse {
-    let limit = view.max_body_bytes();
-    let declared = req
-        .headers()
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    // Refused unread when it says it is too long; otherwise read up to the limit.
-    if declared.is_some_and(|n| n > limit as u64) {
-        return too_large(limit);
-    }
-    let (parts, body) = req.into_parts();
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_large(limit),
+async fn handle_api(
+    view: Arc<dyn AdminView>,
+    req: Request<Incoming>,
+    body_timeout: Duration,
+) -> ApiResponse {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    let body = match read_body(req, view.max_body_bytes(), body_timeout).await {
+        Ok(b) => b,
         Err(e) => {
-            return ApiResponse::error(
-                400,
-                "malformed",
-                &format!("cannot read the request body: {e}"),
-            )
+            let kind = match e {
+                BodyError::Read(_) => "malformed",
+                _ => "invalid_request",
+            };
+            return ApiResponse::error(e.status(), kind, &e.to_string());
         }
     };
     let req = ApiRequest {
-        method: parts.method,
-        path: parts.uri.path().to_string(),
-        query: parts.uri.query().unwrap_or("").to_string(),
+        method,
+        path,
+        query,
         body,
     };
     let what = format!("{} {}", req.method, req.path);
@@ -190,9 +181,13 @@ async fn handle_api(view: Arc<dyn AdminView>, req: Request<Incoming>) -> ApiResp
     }
 }
 
-async fn handle(view: Arc<dyn AdminView>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn handle(
+    view: Arc<dyn AdminView>,
+    req: Request<Incoming>,
+    body_timeout: Duration,
+) -> Response<Full<Bytes>> {
     if req.uri().path().starts_with(API_PREFIX) {
-        return respond_api(handle_api(view, req).await);
+        return respond_api(handle_api(view, req, body_timeout).await);
     }
     if let Some(page) = req.uri().path().strip_prefix("/debug/") {
         let query = req.uri().query().unwrap_or("").to_string();
@@ -244,43 +239,24 @@ fn handle_plain(view: &dyn AdminView, req: &Request<Incoming>) -> Response<Full<
     }
 }
 
-/// Binds `addr` and serves until the task is aborted, which also ends every open
-/// connection. Returns the bound address (useful with port 0).
+/// Binds `addr` and serves within `limits` until the task is aborted, which also ends every
+/// open connection. Returns the bound address (useful with port 0) and the listener's
+/// connection counts (for the process's metrics).
 pub async fn serve(
     addr: SocketAddr,
+    limits: HttpLimits,
     view: Arc<dyn AdminView>,
-) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
-    let listener = TcpListener::bind(addr).await?;
-    let local = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        // Owned by this task: aborting it drops the set, which aborts the connections.
-        let mut conns = JoinSet::new();
-        loop {
-            while conns.try_join_next().is_some() {}
-            let (stream, _) = match listener.accept().await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin listener accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let view = view.clone();
-            conns.spawn(async move {
-                let service = hyper::service::service_fn(move |req| {
-                    let view = view.clone();
-                    async move { Ok::<_, std::convert::Infallible>(handle(view, req).await) }
-                });
-                if let Err(e) = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await
-                {
-                    tracing::debug!(error = %e, "admin connection ended with an error");
-                }
-            });
-        }
-    });
-    Ok((local, task))
+) -> std::io::Result<(SocketAddr, Arc<HttpStats>, JoinHandle<()>)> {
+    let body_timeout = limits.body_timeout;
+    let server = HttpServer::bind(addr, limits, "admin", move |req| {
+        handle(view.clone(), req, body_timeout)
+    })
+    .await?;
+    Ok((
+        server.addr,
+        server.stats.clone(),
+        tokio::spawn(server.run_until_aborted()),
+    ))
 }
 
 #[cfg(test)]
@@ -344,7 +320,11 @@ mod tests {
 
     #[tokio::test]
     async fn api_paths_reach_the_view_within_the_body_limit() {
-        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(Echo))
+        let (addr, _, task) = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            HttpLimits::default(),
+            Arc::new(Echo),
+        )
             .await
             .unwrap();
         let ok = call(addr, post("/v1/echo?a=1", "{\"x\":1}")).await;
@@ -358,7 +338,7 @@ mod tests {
         assert!(big.starts_with("HTTP/1.1 413"), "{big}");
         assert!(
             big.contains(
-                r#"{"error":{"kind":"invalid_request","message":"request body over 16 bytes"}}"#
+                r#"{"error":{"kind":"invalid_request","message":"the request body is over 16 bytes"}}"#
             ),
             "{big}"
         );
@@ -395,7 +375,11 @@ mod tests {
 
     #[tokio::test]
     async fn aborting_the_listener_ends_open_connections() {
-        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), Arc::new(Echo))
+        let (addr, _, task) = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            HttpLimits::default(),
+            Arc::new(Echo),
+        )
             .await
             .unwrap();
         // A keep-alive connection, idle after one answer.

@@ -33,6 +33,8 @@ pub struct BridgeView {
     pub connected: Vec<(u32, Arc<RankConnected>)>,
     pub metrics: Arc<BridgeMetrics>,
     pub bus: Bus,
+    /// The admin listener's connection counts, once it listens.
+    pub http_stats: parking_lot::Mutex<Vec<(SocketAddr, Arc<kvrouter_admin::HttpStats>)>>,
 }
 
 impl AdminView for BridgeView {
@@ -60,7 +62,8 @@ impl AdminView for BridgeView {
     }
 
     fn metrics(&self) -> String {
-        self.metrics.render()
+        let listeners = self.http_stats.lock().clone();
+        kvrouter_admin::append_http_stats(self.metrics.render(), "kvrouter_bridge", &listeners)
     }
 }
 
@@ -196,12 +199,15 @@ impl Bridge {
             connected,
             metrics,
             bus: bus.clone(),
+            http_stats: Default::default(),
         });
         let (admin_addr, admin) = match c.admin_addr {
             Some(addr) => {
-                let (local, task) = kvrouter_admin::serve(addr, view.clone())
-                    .await
-                    .map_err(|source| BridgeError::Admin { addr, source })?;
+                let (local, stats, task) =
+                    kvrouter_admin::serve(addr, c.http_limits.clone(), view.clone())
+                        .await
+                        .map_err(|source| BridgeError::Admin { addr, source })?;
+                view.http_stats.lock().push((local, stats));
                 (Some(local), Some(task))
             }
             None => (None, None),

@@ -35,6 +35,8 @@ pub struct BridgeConfig {
     /// Default: [`default_worker_id`].
     pub worker_id: Option<WorkerId>,
     pub admin_addr: Option<SocketAddr>,
+    /// Bounds on the admin listener's clients (`--http-*`).
+    pub http_limits: kvrouter_admin::HttpLimits,
     pub heartbeat_interval: Duration,
     pub health_interval: Duration,
     pub metrics_interval: Duration,
@@ -73,6 +75,7 @@ impl BridgeConfig {
             health_url: None,
             worker_id: None,
             admin_addr: None,
+            http_limits: kvrouter_admin::HttpLimits::default(),
             heartbeat_interval: Duration::from_secs(1),
             health_interval: Duration::from_millis(250),
             metrics_interval: Duration::from_millis(200),

@@ -26,6 +26,8 @@ pub struct FrontendConfig {
     pub max_body_bytes: usize,
     /// How long connecting to an engine may take.
     pub connect_timeout: Duration,
+    /// Bounds on client connections: head, body and idle timeouts, connection cap.
+    pub http_limits: kvrouter_admin::HttpLimits,
 }
 
 impl Default for FrontendConfig {
@@ -38,6 +40,7 @@ impl Default for FrontendConfig {
             ranks: RankConvention::Vllm,
             max_body_bytes: 32 << 20,
             connect_timeout: Duration::from_secs(2),
+            http_limits: kvrouter_admin::HttpLimits::default(),
         }
     }
 }

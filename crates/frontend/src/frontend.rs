@@ -13,6 +13,7 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::Response;
+use kvrouter_admin::HttpStats;
 use kvrouter_client::{ClientError, KvRouterClient};
 use kvrouter_protocol::{ErrorKind, PromptExtras, RouteRequest, WorkerId};
 use serde_json::Value;
@@ -34,7 +35,13 @@ pub struct Frontend {
     permits: Arc<Semaphore>,
     pub(crate) metrics: FrontendMetrics,
     leases: Arc<LeaseCounts>,
+    /// The client listener's connection counts, once it listens.
+    pub(crate) http_stats: parking_lot::Mutex<Vec<(std::net::SocketAddr, Arc<HttpStats>)>>,
 }
+
+/// The `model` label of requests for a model the frontend does not serve: one label for
+/// every unknown name, so clients cannot grow `/metrics`.
+pub const UNKNOWN_MODEL_LABEL: &str = "_other";
 
 /// A request's place among the in-flight ones; gives it back (and the gauge) on drop.
 pub struct InFlight {
@@ -88,6 +95,7 @@ impl Frontend {
             metrics: FrontendMetrics::new(leases.clone()),
             leases,
             config,
+            http_stats: Default::default(),
         })
     }
 
@@ -129,6 +137,15 @@ impl Frontend {
     }
 
     /// The served model and LoRA adapter a request names.
+    /// The metric label for a model as a client named it: the served model it resolves
+    /// to, else [`UNKNOWN_MODEL_LABEL`].
+    pub(crate) fn label_for(&self, name: &str) -> String {
+        self.resolve(name).map_or_else(
+            |_| UNKNOWN_MODEL_LABEL.to_string(),
+            |(m, _)| m.name().to_string(),
+        )
+    }
+
     fn resolve(&self, name: &str) -> Result<(Arc<ModelFiles>, Option<String>), ApiError> {
         if let Some(m) = self.models.get(name) {
             return Ok((m.clone(), None));

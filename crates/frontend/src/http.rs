@@ -6,18 +6,16 @@ use crate::metrics::RequestLabels;
 use crate::openai::{self, ApiError, Endpoint};
 use crate::relay::Relay;
 use bytes::Bytes;
-use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited, StreamBody};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
+use kvrouter_admin::HttpServer;
 use tracing::Instrument;
 
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -63,11 +61,19 @@ impl Frontend {
                     format!("{why}\n"),
                 )
             }
-            (&Method::GET, "/metrics") => full(
-                200,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                self.metrics.render(),
-            ),
+            (&Method::GET, "/metrics") => {
+                let listeners = self.http_stats.lock().clone();
+                let text = kvrouter_admin::append_http_stats(
+                    self.metrics.render(),
+                    "kvrouter_frontend",
+                    &listeners,
+                );
+                full(
+                    200,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    text,
+                )
+            }
             (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models") => {
                 let mut e = ApiError::invalid(None, format!("{method} is not allowed on {path}"));
                 e.status = 405;
@@ -153,12 +159,19 @@ impl Frontend {
         started: Instant,
     ) -> Result<(String, Response<Body>), (String, ApiError)> {
         let no_model = |e| (String::new(), e);
-        let in_flight = self.admit().map_err(no_model)?;
-        let body = read_body(req, self.config.max_body_bytes)
-            .await
-            .map_err(no_model)?;
+        // A place among the in-flight requests only for a whole, well-formed request: a
+        // client that sends its body slowly holds a connection, never a permit.
+        let body = read_body(
+            req,
+            self.config.max_body_bytes,
+            self.config.http_limits.body_timeout,
+        )
+        .await
+        .map_err(no_model)?;
         let creq = openai::parse(endpoint, &body).map_err(no_model)?;
-        let model = creq.model.clone();
+        drop(body);
+        let model = self.label_for(&creq.model);
+        let in_flight = self.admit().map_err(|e| (model.clone(), e))?;
         let Routed {
             lease,
             answer,
@@ -211,33 +224,19 @@ impl Frontend {
     }
 }
 
-/// The request body, refused (413) beyond `limit` bytes.
-async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
-    let too_large = || {
-        let mut e = ApiError::invalid(None, format!("the request body is over {limit} bytes"));
-        e.status = 413;
-        e
-    };
-    let declared = req
-        .headers()
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(too_large());
-    }
-    match Limited::new(req.into_body(), limit).collect().await {
-        Ok(b) => Ok(b.to_bytes()),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(too_large())
-        }
-        Err(e) => Err(ApiError::invalid(
-            None,
-            format!("cannot read the request body: {e}"),
-        )),
-    }
+/// The request body, within the size limit and the body timeout.
+async fn read_body(
+    req: Request<Incoming>,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<Bytes, ApiError> {
+    kvrouter_admin::read_body(req, limit, timeout)
+        .await
+        .map_err(|e| {
+            let mut err = ApiError::invalid(None, e.to_string());
+            err.status = e.status();
+            err
+        })
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -248,23 +247,22 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub struct FrontendServer {
     pub addr: SocketAddr,
     frontend: Arc<Frontend>,
-    accept: JoinHandle<()>,
-    connections: Arc<parking_lot::Mutex<tokio::task::JoinSet<()>>>,
+    server: HttpServer,
 }
 
 impl FrontendServer {
-    /// Binds `addr` and serves.
+    /// Binds `addr` and serves, within the configured connection limits.
     pub async fn start(addr: SocketAddr, frontend: Frontend) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
-        let addr = listener.local_addr()?;
+        let limits = frontend.config.http_limits.clone();
         let frontend = Arc::new(frontend);
-        let connections = Arc::new(parking_lot::Mutex::new(tokio::task::JoinSet::new()));
-        let accept = tokio::spawn(accept_loop(listener, frontend.clone(), connections.clone()));
+        let f = frontend.clone();
+        let server =
+            HttpServer::bind(addr, limits, "frontend", move |req| f.clone().handle(req)).await?;
+        *frontend.http_stats.lock() = vec![(server.addr, server.stats.clone())];
         Ok(Self {
-            addr,
+            addr: server.addr,
             frontend,
-            accept,
-            connections,
+            server,
         })
     }
 
@@ -275,7 +273,7 @@ impl FrontendServer {
     /// Stops accepting, lets requests in flight finish for at most `drain`, then cuts the
     /// rest (their routes are freed) and waits briefly for the frees to go out.
     pub async fn shutdown_within(self, drain: std::time::Duration) {
-        self.accept.abort();
+        self.server.stop_accepting();
         let deadline = tokio::time::Instant::now() + drain;
         while self.frontend.in_flight() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -287,7 +285,7 @@ impl FrontendServer {
                 "drain timeout: cutting requests still in flight"
             );
         }
-        self.connections.lock().abort_all();
+        self.server.close_connections();
         let m = &self.frontend.metrics.leases;
         let settle = tokio::time::Instant::now() + std::time::Duration::from_millis(500);
         while m.freed.get() < m.taken.get() && tokio::time::Instant::now() < settle {
@@ -297,40 +295,6 @@ impl FrontendServer {
         let _ = (self.frontend.router.bus())
             .flush_within(std::time::Duration::from_secs(1))
             .await;
-    }
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    frontend: Arc<Frontend>,
-    connections: Arc<parking_lot::Mutex<tokio::task::JoinSet<()>>>,
-) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let frontend = frontend.clone();
-        let mut set = connections.lock();
-        // Reap finished connections so the set stays small.
-        while set.try_join_next().is_some() {}
-        set.spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let f = frontend.clone();
-                async move { Ok::<_, Infallible>(f.handle(req).await) }
-            });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(error = %e, "client connection ended with an error");
-            }
-        });
     }
 }
 

@@ -16,7 +16,8 @@ impl AdminView for ReplicaShared {
 
     fn metrics(&self) -> String {
         self.refresh_gauges();
-        self.metrics.render()
+        let listeners = self.http_stats.lock().clone();
+        kvrouter_admin::append_http_stats(self.metrics.render(), "kvrouter", &listeners)
     }
 
     /// The JSON API for peer routers (see [`http_api`]).
@@ -89,7 +90,10 @@ impl AdminView for ReplicaShared {
 /// Binds `addr` and serves until the task is aborted; returns the bound address.
 pub async fn serve(
     addr: SocketAddr,
+    limits: kvrouter_admin::HttpLimits,
     shared: Arc<ReplicaShared>,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
-    kvrouter_admin::serve(addr, shared).await
+    let (local, stats, task) = kvrouter_admin::serve(addr, limits, shared.clone()).await?;
+    shared.http_stats.lock().push((local, stats));
+    Ok((local, task))
 }

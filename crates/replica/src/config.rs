@@ -227,6 +227,8 @@ pub struct ReplicaConfig {
     /// How long shutdown may take in all: draining in-flight requests, then stopping.
     pub drain_timeout: Duration,
     pub admin_addr: Option<SocketAddr>,
+    /// Bounds on the admin and JSON API listeners' clients (`--http-*`).
+    pub http_limits: kvrouter_admin::HttpLimits,
     /// Where the JSON API for peer routers listens (`--http-addr`), when not on the admin
     /// address (which always serves it too).
     pub http_addr: Option<SocketAddr>,
@@ -256,6 +258,7 @@ impl Default for ReplicaConfig {
             min_initial_workers_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(10),
             admin_addr: None,
+            http_limits: kvrouter_admin::HttpLimits::default(),
             http_addr: None,
             index: IndexSource::Events { serve: false },
             sync: None,

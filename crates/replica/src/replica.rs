@@ -501,6 +501,7 @@ impl Replica {
             max_prompt_tokens: config.max_prompt_tokens,
             inflight: inflight.clone(),
             metrics: metrics.clone(),
+            http_stats: Default::default(),
             models: shared_models,
             draining: Default::default(),
             replica_sync: config.sync.is_some(),
@@ -553,7 +554,7 @@ impl Replica {
 
         let admin_addr = match config.admin_addr {
             Some(addr) => {
-                let (local, task) = admin::serve(addr, shared.clone())
+                let (local, task) = admin::serve(addr, config.http_limits.clone(), shared.clone())
                     .await
                     .map_err(|source| ReplicaError::Admin { addr, source })?;
                 back.push(task);
@@ -564,7 +565,7 @@ impl Replica {
         // The admin listener serves the JSON API too; --http-addr adds a listener of its own.
         let http_addr = match config.http_addr {
             Some(addr) if config.admin_addr != Some(addr) => {
-                let (local, task) = admin::serve(addr, shared.clone())
+                let (local, task) = admin::serve(addr, config.http_limits.clone(), shared.clone())
                     .await
                     .map_err(|source| ReplicaError::Http { addr, source })?;
                 back.push(task);

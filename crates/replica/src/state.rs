@@ -13,6 +13,7 @@ use kvrouter_protocol::{LocalBlockHash, ModelSubjects, Subjects};
 use prometheus_client::metrics::gauge::Gauge;
 use ractor::ActorRef;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -58,6 +59,8 @@ pub struct ReplicaShared {
     /// Requests being answered, bus and HTTP alike: the shutdown drains them.
     pub(crate) inflight: Arc<InFlight>,
     pub metrics: Arc<Metrics>,
+    /// The admin and JSON API listeners' connection counts, once they listen.
+    pub http_stats: parking_lot::Mutex<Vec<(SocketAddr, Arc<kvrouter_admin::HttpStats>)>>,
     pub models: HashMap<String, Arc<ModelShared>>,
     pub draining: AtomicBool,
     /// Replica sync is on, and whether the catch-up from a peer has landed.

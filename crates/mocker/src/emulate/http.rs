@@ -10,7 +10,7 @@ use crate::engine_hash::engine_block_hashes;
 use crate::mock_info::MockInfo;
 use crate::rank_task::{RankCmd, RankOut};
 use bytes::Bytes;
-use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited, StreamBody};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request as HttpRequest, Response, StatusCode};
 use parking_lot::Mutex;
@@ -134,13 +134,14 @@ impl WorkerHttp {
                     .get("x-data-parallel-rank")
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.trim().parse::<u32>().ok());
-                let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-                    Ok(b) => b.to_bytes(),
+                let limits = kvrouter_admin::HttpLimits::default();
+                let body = match kvrouter_admin::read_body(req, MAX_BODY, limits.body_timeout).await
+                {
+                    Ok(b) => b,
                     Err(e) => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            format!("cannot read the body: {e}"),
-                        )
+                        let status = StatusCode::from_u16(e.status())
+                            .unwrap_or(StatusCode::BAD_REQUEST);
+                        return error(status, e.to_string());
                     }
                 };
                 let Ok(v) = serde_json::from_slice::<Value>(&body) else {

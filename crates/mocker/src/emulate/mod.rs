@@ -18,7 +18,6 @@ use crate::mock_info::{MockInfo, TransferConfig};
 use crate::rank_task::RankTask;
 use bytes::Bytes;
 use http::{HttpRank, WorkerHttp};
-use hyper_util::rt::TokioIo;
 use kvrouter_protocol::{EngineKind, KvEvent, WorkerKey};
 use kvrouter_worker::{PubMsg, WorkerInfo, WorkerSpec};
 use parking_lot::Mutex;
@@ -224,27 +223,16 @@ impl EmulatedFleet {
             .await
             .map_err(|e| bind_error("HTTP", &addr, e))?;
         let mut stop = self.shutdown.subscribe();
+        let server = kvrouter_admin::HttpServer::start(
+            listener,
+            kvrouter_admin::HttpLimits::default(),
+            "engine",
+            move |req| http.clone().handle(req),
+        )
+        .map_err(|e| bind_error("HTTP", &addr, e))?;
         self.tasks.push(tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    _ = kvrouter_worker::stopped(&mut stop) => return,
-                    a = listener.accept() => a,
-                };
-                let Ok((stream, _)) = accepted else {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                };
-                let http = http.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| {
-                        let http = http.clone();
-                        async move { Ok::<_, std::convert::Infallible>(http.handle(req).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+            kvrouter_worker::stopped(&mut stop).await;
+            drop(server);
         }));
         self.workers.push(WorkerEndpoints {
             worker: i,

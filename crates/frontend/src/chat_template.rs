@@ -49,7 +49,17 @@ pub enum ChatTemplateError {
     /// `chat_template_kwargs` tried to set a variable the request itself sets.
     #[error("chat_template_kwargs may not set `{0}`: it comes from the request itself")]
     ReservedKwarg(String),
+    /// The rendered prompt would be longer than the frontend takes.
+    #[error("the rendered chat prompt is over {0} bytes")]
+    TooLong(usize),
+    /// Rendering took more template steps than any real conversation needs.
+    #[error("the chat template took over {RENDER_FUEL} steps to render this request")]
+    TooCostly,
 }
+
+/// Template instructions one render may run: a conversation of 100,000 messages renders
+/// within it with the usual templates; a request built to make a template loop is cut.
+pub const RENDER_FUEL: u64 = 20_000_000;
 
 /// One chat request's inputs to the template, as the client sent them.
 #[derive(Debug, Clone, Copy)]
@@ -66,6 +76,8 @@ pub struct ChatInput<'a> {
     /// `chat_template_kwargs`: extra template variables (e.g. `enable_thinking`); they
     /// override the special tokens but not the variables above.
     pub extra: Option<&'a serde_json::Map<String, serde_json::Value>>,
+    /// The longest rendered prompt accepted, in bytes ([`ChatTemplateError::TooLong`]).
+    pub max_output_bytes: usize,
 }
 
 impl<'a> ChatInput<'a> {
@@ -77,7 +89,30 @@ impl<'a> ChatInput<'a> {
             tools: None,
             documents: None,
             extra: None,
+            max_output_bytes: usize::MAX,
         }
+    }
+}
+
+/// A `Vec` that refuses to grow past its limit (the render stops at the first write over).
+struct Bounded {
+    buf: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("over the limit"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -118,6 +153,7 @@ impl ChatTemplate {
         env.set_auto_escape_callback(|_| AutoEscape::None);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(python_formatter);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -169,7 +205,18 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .expect("the template was added in new()");
-        template.render(Value::from(ctx)).map_err(render_error)
+        let mut out = Bounded {
+            buf: Vec::new(),
+            limit: input.max_output_bytes,
+            over: false,
+        };
+        match template.render_captured_to(Value::from(ctx), &mut out) {
+            Ok(_) => String::from_utf8(out.buf)
+                .map_err(|_| ChatTemplateError::Render("the output is not UTF-8".into())),
+            Err(_) if out.over => Err(ChatTemplateError::TooLong(input.max_output_bytes)),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(ChatTemplateError::TooCostly),
+            Err(e) => Err(render_error(e)),
+        }
     }
 }
 

@@ -137,6 +137,12 @@ impl Frontend {
     }
 
     /// The served model and LoRA adapter a request names.
+    /// The longest prompt a chat template may render: twice the largest body (templates
+    /// add markup around what the client sent, they do not multiply it) and 1 MiB.
+    fn max_rendered_bytes(&self) -> usize {
+        self.config.max_body_bytes.saturating_mul(2).saturating_add(1 << 20)
+    }
+
     /// The metric label for a model as a client named it: the served model it resolves
     /// to, else [`UNKNOWN_MODEL_LABEL`].
     pub(crate) fn label_for(&self, name: &str) -> String {
@@ -157,40 +163,44 @@ impl Frontend {
         Err(ApiError::model_not_found(name, &names))
     }
 
-    /// The prompt's token ids, as the engine would make them.
-    async fn tokenize(model: &Arc<ModelFiles>, req: &ClientRequest) -> Result<Vec<u32>, ApiError> {
-        let (text, special) = match &req.input {
+    /// The prompt's token ids, as the engine would make them. A chat template's render and
+    /// a long text's encoding run on the blocking pool, not on the async threads.
+    async fn tokenize(
+        model: &Arc<ModelFiles>,
+        req: &ClientRequest,
+        max_rendered_bytes: usize,
+    ) -> Result<Vec<u32>, ApiError> {
+        let job: Box<dyn FnOnce() -> Result<Vec<u32>, ApiError> + Send> = match &req.input {
             Input::Prompt(Prompt::Tokens(t)) => return Ok(t.clone()),
-            Input::Prompt(Prompt::Text(t)) => (t.clone(), true),
+            Input::Prompt(Prompt::Text(t)) => {
+                let (model, text) = (model.clone(), t.clone());
+                let job = move || encode(&model, &text, true);
+                if t.len() <= INLINE_TOKENIZE_BYTES {
+                    return job();
+                }
+                Box::new(job)
+            }
             Input::Chat(c) => {
-                let input = ChatInput {
-                    messages: &c.messages,
-                    add_generation_prompt: c.add_generation_prompt,
-                    tools: c.tools.as_deref(),
-                    documents: c.documents.as_deref(),
-                    extra: Some(&c.template_kwargs),
-                };
-                let text = model
-                    .render_chat(&input)
-                    .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-                (text, false)
+                let (model, c) = (model.clone(), c.clone());
+                Box::new(move || {
+                    let input = ChatInput {
+                        messages: &c.messages,
+                        add_generation_prompt: c.add_generation_prompt,
+                        tools: c.tools.as_deref(),
+                        documents: c.documents.as_deref(),
+                        extra: Some(&c.template_kwargs),
+                        max_output_bytes: max_rendered_bytes,
+                    };
+                    let text = model
+                        .render_chat(&input)
+                        .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+                    encode(&model, &text, false)
+                })
             }
         };
-        let inline = text.len() <= INLINE_TOKENIZE_BYTES;
-        let encode = {
-            let model = model.clone();
-            move || model.tokenizer().encode(&text, special)
-        };
-        let ids = if inline {
-            encode()
-        } else {
-            tokio::task::spawn_blocking(encode)
-                .await
-                .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
-        };
-        ids.map_err(|e| {
-            ApiError::invalid(Some("prompt"), format!("cannot tokenize the prompt: {e}"))
-        })
+        tokio::task::spawn_blocking(job)
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
     }
 
     /// Checks, tokenizes and routes the request, and sends it to the chosen engine,
@@ -203,7 +213,7 @@ impl Frontend {
         let (model, lora) = self.resolve(&req.model)?;
         let labels = FrontendMetrics::model(model.name());
         let started = Instant::now();
-        let tokens = Self::tokenize(&model, req).await?;
+        let tokens = Self::tokenize(&model, req, self.max_rendered_bytes()).await?;
         self.metrics
             .tokenize
             .get_or_create(&labels)
@@ -284,7 +294,7 @@ impl Frontend {
                 body.insert("data_parallel_rank".into(), d.dp_rank.into());
             }
             let headers = self.upstream_headers(request_id, d.dp_rank);
-            let payload = Bytes::from(with_token_prompt(&body, &route.tokens));
+            let payload = Bytes::from(with_token_prompt(&body, &req.passthrough, &route.tokens));
             let timeout = deadline.saturating_duration_since(Instant::now());
             match self
                 .upstream
@@ -365,4 +375,11 @@ fn engine_refusal(status: u16, body: &str) -> ApiError {
         e.kind = "not_found_error";
     }
     e
+}
+
+fn encode(model: &ModelFiles, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
+    model
+        .tokenizer()
+        .encode(text, special)
+        .map_err(|e| ApiError::invalid(Some("prompt"), format!("cannot tokenize the prompt: {e}")))
 }

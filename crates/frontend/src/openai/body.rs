@@ -1,9 +1,11 @@
-//! A request body read in one pass: `prompt` straight into text or token ids, the other
-//! fields as JSON values. An 8k-token prompt read as JSON values costs twice the time (and
-//! eight times the memory) of reading it as ids, and it is the largest thing a frontend
-//! parses.
+//! A request body read in one pass: `prompt` straight into text or token ids, the fields
+//! the frontend reads itself as JSON values, and every other field kept as the client wrote
+//! it. An 8k-token prompt read as JSON values costs twice the time (and eight times the
+//! memory) of reading it as ids; a long array in a field the frontend only passes on would
+//! cost sixteen times its bytes as values, and costs its bytes as text.
 
 use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -17,11 +19,39 @@ pub enum RawPrompt {
     Bad(String),
 }
 
-/// The body: its prompt (if any) and every other field.
+/// The fields the frontend reads (or drops) itself; the others pass to the engine as text.
+pub const INTERPRETED: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "cache_salt",
+    "kvrouter",
+    "messages",
+    "max_tokens",
+    "data_parallel_rank",
+    // Chat only (see request.rs).
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "top_logprobs",
+    "logprobs",
+    "max_completion_tokens",
+];
+
+/// The body: its prompt (if any), the fields the frontend reads, and the rest as text.
 #[derive(Debug)]
 pub struct Body {
     pub prompt: Option<RawPrompt>,
+    /// The [`INTERPRETED`] fields present.
     pub rest: Map<String, Value>,
+    /// Every other field as `"key":value` members, comma-separated, as the client wrote
+    /// the values (keys re-escaped).
+    pub passthrough: String,
 }
 
 const ONE_PROMPT: &str = "prompt must be a string or a list of token ids (one prompt per request)";
@@ -38,13 +68,24 @@ impl<'de> Deserialize<'de> for Body {
                 let mut body = Body {
                     prompt: None,
                     rest: Map::new(),
+                    passthrough: String::new(),
                 };
                 while let Some(key) = map.next_key::<String>()? {
                     if key == "prompt" {
                         body.prompt = Some(map.next_value()?);
-                    } else {
+                    } else if INTERPRETED.contains(&key.as_str()) {
                         let v = map.next_value()?;
                         body.rest.insert(key, v);
+                    } else {
+                        let v: &RawValue = map.next_value()?;
+                        let out = &mut body.passthrough;
+                        if !out.is_empty() {
+                            out.push(',');
+                        }
+                        // A String key serializes infallibly.
+                        out.push_str(&serde_json::to_string(&key).unwrap_or_default());
+                        out.push(':');
+                        out.push_str(v.get());
                     }
                 }
                 Ok(body)
@@ -182,10 +223,10 @@ impl<'de> Deserialize<'de> for RawPrompt {
     }
 }
 
-/// The body for the engine: `fields` with `"prompt"` set to `tokens` (written as ids, not
-/// through JSON values).
-pub fn with_token_prompt(fields: &Map<String, Value>, tokens: &[u32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(tokens.len() * 7 + 256);
+/// The body for the engine: `fields`, then the `passthrough` members as they came, with
+/// `"prompt"` set to `tokens` (written as ids, not through JSON values).
+pub fn with_token_prompt(fields: &Map<String, Value>, passthrough: &str, tokens: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(tokens.len() * 7 + passthrough.len() + 256);
     out.extend_from_slice(b"{\"prompt\":");
     // Writing to a Vec and serializing u32s and JSON values cannot fail.
     let _ = serde_json::to_writer(&mut out, tokens);
@@ -194,6 +235,10 @@ pub fn with_token_prompt(fields: &Map<String, Value>, tokens: &[u32]) -> Vec<u8>
         let _ = serde_json::to_writer(&mut out, k);
         out.push(b':');
         let _ = serde_json::to_writer(&mut out, v);
+    }
+    if !passthrough.is_empty() {
+        out.push(b',');
+        out.extend_from_slice(passthrough.as_bytes());
     }
     out.push(b'}');
     out
@@ -206,7 +251,8 @@ mod tests {
 
     fn prompt(v: Value) -> RawPrompt {
         let b: Body = serde_json::from_str(&json!({"prompt": v, "x": 1}).to_string()).unwrap();
-        assert_eq!(b.rest, json!({"x": 1}).as_object().unwrap().clone());
+        assert!(b.rest.is_empty());
+        assert_eq!(b.passthrough, r#""x":1"#);
         b.prompt.unwrap()
     }
 
@@ -252,9 +298,12 @@ mod tests {
 
     #[test]
     fn the_other_fields_and_errors() {
-        let b: Body = serde_json::from_str(r#"{"a":[1,{"b":null}],"model":"m"}"#).unwrap();
+        let b: Body =
+            serde_json::from_str(r#"{"a": [1, {"b":null}],"model":"m","q\"":2}"#).unwrap();
         assert_eq!(b.prompt, None);
-        assert_eq!(b.rest["a"], json!([1, {"b": null}]));
+        assert_eq!(b.rest, *json!({"model": "m"}).as_object().unwrap());
+        // Values as written; keys re-escaped.
+        assert_eq!(b.passthrough, r#""a":[1, {"b":null}],"q\"":2"#);
         assert!(serde_json::from_str::<Body>("[1]").is_err());
         assert!(serde_json::from_str::<Body>(r#"{"prompt":[1,2"#).is_err());
         assert!(serde_json::from_str::<Body>(r#"{"prompt":[1,2]} x"#).is_err());
@@ -262,14 +311,14 @@ mod tests {
 
     #[test]
     fn the_engine_body_round_trips() {
-        let fields = json!({"model": "m", "prompt": "replaced", "stream": true, "n": [1, "x"]});
-        let out = with_token_prompt(fields.as_object().unwrap(), &[5, 0, u32::MAX]);
+        let fields = json!({"model": "m", "prompt": "replaced", "stream": true});
+        let out = with_token_prompt(fields.as_object().unwrap(), r#""n": [1, "x"]"#, &[5, 0, u32::MAX]);
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(
             v,
             json!({"model": "m", "prompt": [5, 0, 4294967295u64], "stream": true, "n": [1, "x"]})
         );
-        let empty = with_token_prompt(&Map::new(), &[1]);
+        let empty = with_token_prompt(&Map::new(), "", &[1]);
         assert_eq!(empty, br#"{"prompt":[1]}"#);
     }
 }

@@ -53,14 +53,17 @@ pub struct ClientRequest {
     pub include_usage: bool,
     pub cache_salt: Option<String>,
     pub router: RouterExt,
-    /// Everything else, for the engine as it came.
+    /// The fields the frontend reads but passes on (e.g. `max_tokens`), for the engine.
     pub rest: Map<String, Value>,
+    /// Everything else, for the engine as it came: `"key":value` members, comma-separated.
+    pub passthrough: String,
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
     Prompt(Prompt),
-    Chat(Conversation),
+    /// Shared so that rendering can run off the async threads.
+    Chat(std::sync::Arc<Conversation>),
 }
 
 /// What a chat template renders.
@@ -98,7 +101,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError>
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid(None, "the body must be a JSON object"));
     }
-    let Body { prompt, mut rest } = serde_json::from_slice(body)
+    let Body {
+        prompt,
+        mut rest,
+        passthrough,
+    } = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
     let model = match rest.remove("model") {
         Some(Value::String(m)) if !m.is_empty() => m,
@@ -135,7 +142,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError>
     };
     let input = match endpoint {
         Endpoint::Completions => Input::Prompt(parse_prompt(prompt)?),
-        Endpoint::Chat => Input::Chat(parse_chat(&mut rest)?),
+        Endpoint::Chat => Input::Chat(std::sync::Arc::new(parse_chat(&mut rest)?)),
     };
     Ok(ClientRequest {
         endpoint,
@@ -146,6 +153,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError>
         cache_salt,
         router,
         rest,
+        passthrough,
     })
 }
 
@@ -328,6 +336,17 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// What goes to the engine besides the prompt: the fields read, then the rest.
+    fn fields(r: &ClientRequest) -> Value {
+        let mut all = r.rest.clone();
+        let Value::Object(rest) = serde_json::from_str(&format!("{{{}}}", r.passthrough)).unwrap()
+        else {
+            unreachable!()
+        };
+        all.extend(rest);
+        Value::Object(all)
+    }
+
     fn completions(v: Value) -> Result<ClientRequest, ApiError> {
         parse(Endpoint::Completions, v.to_string().as_bytes())
     }
@@ -444,7 +463,7 @@ mod tests {
         );
         // The sampling temperature is the engine's, not the router's.
         assert_eq!(
-            Value::Object(r.rest),
+            fields(&r),
             json!({"max_tokens": 7, "temperature": 0.5, "seed": 3})
         );
         assert_eq!(
@@ -475,7 +494,7 @@ mod tests {
             Some(&json!(false))
         );
         assert_eq!(
-            Value::Object(r.rest),
+            fields(&r),
             json!({"max_tokens": 9, "logprobs": 2, "n": 1})
         );
         let r = chat(
@@ -487,7 +506,7 @@ mod tests {
             panic!("not chat")
         };
         assert!(!c.add_generation_prompt);
-        assert_eq!(Value::Object(r.rest), json!({}));
+        assert_eq!(fields(&r), json!({}));
         let r = chat(
             json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
                             "chat_template": "{{ x }}"}),

@@ -395,6 +395,9 @@ fn read_field(r: &mut Reader<'_>, f: Field, raw: &mut Raw) -> Result<(), Msgpack
     Ok(())
 }
 
+/// The tag of an event whose own tag was not read (`malformed untagged event: ...`).
+const UNTAGGED: &str = "untagged";
+
 /// One event, from a reader over exactly its bytes.
 fn event<'a>(r: &mut Reader<'a>) -> Result<EngineEvent, Bad<'a>> {
     // The tag, once read: a read error after it names it.
@@ -402,7 +405,7 @@ fn event<'a>(r: &mut Reader<'a>) -> Result<EngineEvent, Bad<'a>> {
     match event_in(r, &mut tag) {
         Ok(res) => res,
         Err(e) => Err(Bad::Malformed {
-            tag: tag.unwrap_or("event"),
+            tag: tag.unwrap_or(UNTAGGED),
             why: Why::Read(e),
         }),
     }
@@ -414,7 +417,7 @@ fn event_in<'a>(
 ) -> Result<Result<EngineEvent, Bad<'a>>, MsgpackError> {
     let shape = |why| {
         Ok(Err(Bad::Malformed {
-            tag: "event",
+            tag: UNTAGGED,
             why: Why::Shape(why),
         }))
     };
@@ -460,7 +463,7 @@ fn event_in<'a>(
         }
         other => {
             return Ok(Err(Bad::Malformed {
-                tag: "event",
+                tag: UNTAGGED,
                 why: Why::NotContainer(other),
             }))
         }

@@ -3,7 +3,7 @@
 //!
 //! Opt in per test binary (the counting costs one thread-local add per allocation):
 //!
-//! ```ignore
+//! ```text
 //! #[global_allocator]
 //! static A: kvrouter_testkit::CountingAlloc = kvrouter_testkit::CountingAlloc;
 //!

@@ -353,6 +353,24 @@ proptest! {
     }
 }
 
+/// The measure itself: this thread's allocations and growth, not another thread's.
+#[test]
+fn the_counting_allocator_counts_this_thread_only() {
+    let (v, bytes) = allocated_during(|| {
+        let mut v: Vec<u8> = Vec::with_capacity(1000);
+        v.extend([1; 3000]);
+        std::thread::spawn(|| vec![0u8; 1 << 20]).join().unwrap();
+        v
+    });
+    assert!(v.capacity() >= 3000);
+    // 1000, then growth to the final capacity; the thread's megabyte is not counted (its
+    // spawning allocates a little here).
+    assert!(
+        (v.capacity() as u64..v.capacity() as u64 + 4096).contains(&bytes),
+        "{bytes}"
+    );
+}
+
 /// Issue 26's frame: an array batch whose events array claims 2^32-1 elements, then a nil.
 #[test]
 fn the_issue_26_frame_is_refused() {

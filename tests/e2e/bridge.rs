@@ -88,6 +88,14 @@ impl FakeEngine {
         let v = self.cmd(json!({"store": {"rank": rank, "tokens": tokens, "parent": null}}));
         serde_json::from_value(v["hashes"].clone()).unwrap()
     }
+
+    /// [`FakeEngine::store`] as two events (the first half of the blocks, then the rest
+    /// extending it) around the msgpack value `bad_hex`, in one batch.
+    fn store_around(&mut self, rank: u32, tokens: &[u32], bad_hex: &str) {
+        self.cmd(
+            json!({"store": {"rank": rank, "tokens": tokens, "parent": null, "bad": bad_hex}}),
+        );
+    }
 }
 
 impl Drop for FakeEngine {
@@ -264,4 +272,69 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
         wait_until(Duration::from_secs(10), || client.overlap(&after, k0) == 0),
         "the worker of a killed bridge is still routable"
     );
+}
+
+/// The largest resident size the process has had, from /proc (Linux), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no VmHWM in {status}"));
+    kb * 1024
+}
+
+/// Issue 26: an events array claiming 2^32-1 elements before one nil once grew the bridge
+/// to gigabytes. That payload is refused (and the rank cleared, as for any unreadable
+/// payload); a megabyte of one-byte bad events is a batch of skips, counted; a bad event
+/// between two good ones is skipped and the good ones land, in order. The bridge stays
+/// small, answers /healthz, and still stops promptly on SIGTERM.
+#[test]
+fn poison_payloads_are_refused_or_skipped_and_good_events_still_land() {
+    let nats = NatsServer::start();
+    let mut engine = FakeEngine::start(1, "array");
+    let a1 = free_port();
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let (mut bridge, worker, ab) = bridge(&nats, &engine.at(1, true));
+    assert!(ready(ab) && ready(a1));
+    let client = E2eClient::new(&nats);
+    let k0 = WorkerKey::new(worker, 0);
+    let warm = e2e_tokens(1, 2);
+    engine.store(0, &warm);
+    assert!(client.overlap_becomes(&warm, k0, 2));
+
+    engine.cmd(json!({"raw": {"rank": 0, "hex": "9200ddffffffffc0"}}));
+    let nils: u64 = 1 << 20;
+    let hex = format!("9200dd{nils:08x}{}", "c0".repeat(nils as usize));
+    engine.cmd(json!({"raw": {"rank": 0, "hex": hex}}));
+    // Good, nil, good: the second good event extends the first, so its blocks are only
+    // routable if both landed, in order.
+    let a = e2e_tokens(2, 4);
+    engine.store_around(0, &a, "c0");
+    assert!(
+        client.overlap_becomes(&a, k0, 4),
+        "the good events around the bad one"
+    );
+    assert!(
+        client.overlap_becomes(&warm, k0, 0),
+        "the refused payload cleared the rank"
+    );
+
+    assert_eq!(http_get(ab, "/healthz").0, 200);
+    let m = http_get(ab, "/metrics").1;
+    let line = "kvrouter_bridge_malformed_total{reason=\"payload\"} 1";
+    assert!(m.contains(line), "{line} in {m}");
+    let line = format!(
+        "kvrouter_bridge_events_skipped_total{{reason=\"malformed\"}} {}",
+        nils + 1
+    );
+    assert!(m.contains(&line), "{line} in {m}");
+    assert_eq!(metric(&m, "kvrouter_bridge_ranks_cleared_total"), 1, "{m}");
+    let rss = peak_rss(bridge.pid());
+    assert!(rss < 256 << 20, "the bridge peaked at {} MiB", rss >> 20);
+
+    bridge.signal(libc::SIGTERM);
+    let status = bridge.wait_exit(Duration::from_secs(5));
+    assert!(status.is_some_and(|s| s.success()), "SIGTERM -> {status:?}");
 }

@@ -5,6 +5,9 @@ Events are msgspec structs declared as the engines declare them (engine_wire.py)
 
 Driven by JSON lines on stdin, each answered by one JSON line on stdout:
   {"store": {"rank": R, "tokens": [...], "parent": H|null}}  -> {"hashes": [...]}
+      with "bad": HEX, the batch is [the first half of the blocks, the msgpack value HEX,
+      the second half] (the good events around a bad one; needs 2 blocks or more)
+  {"raw": {"rank": R, "hex": HEX}}    HEX as a batch's payload, with a sequence number
   {"remove": {"rank": R, "hashes": [...]}}
   {"drop": {"rank": R, "count": N}}   the next N batches of R use sequence numbers but are
                                       not sent (they stay in the replay buffer)
@@ -26,6 +29,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgspec
 import zmq
 
 import engine_wire as w
@@ -147,9 +151,18 @@ def main():
             parent = c.get("parent")
             for i, h in enumerate(hashes):
                 r.blocks[h] = parent if i == 0 else hashes[i - 1]
-            ev = stored_cls(hashes, parent, toks[: n * args.block_size], args.block_size,
-                            None, "GPU", None)
-            r.publish([ev], args.wire)
+            bs = args.block_size
+            if c.get("bad") is None:
+                evs = [stored_cls(hashes, parent, toks[: n * bs], bs, None, "GPU", None)]
+            else:
+                k = n // 2
+                evs = [
+                    stored_cls(hashes[:k], parent, toks[: k * bs], bs, None, "GPU", None),
+                    msgspec.Raw(bytes.fromhex(c["bad"])),
+                    stored_cls(hashes[k:], hashes[k - 1], toks[k * bs : n * bs], bs, None,
+                               "GPU", None),
+                ]
+            r.publish(evs, args.wire)
             out = {"hashes": hashes}
         elif "remove" in cmd:
             c = cmd["remove"]
@@ -185,6 +198,14 @@ def main():
                     bad = b"\xc1 not msgpack"
                     r.buffer.append((seq, bad))
                     r.pub.send_multipart((r.topic, seq.to_bytes(8, "big"), bad))
+        elif "raw" in cmd:
+            c = cmd["raw"]
+            r = ranks[c["rank"]]
+            payload = bytes.fromhex(c["hex"])
+            with r.lock:
+                seq = next(r.seq)
+                r.buffer.append((seq, payload))
+                r.pub.send_multipart((r.topic, seq.to_bytes(8, "big"), payload))
         elif "cache" in cmd:
             out = {"hashes": sorted(ranks[cmd["cache"]["rank"]].blocks)}
         print(json.dumps(out), flush=True)

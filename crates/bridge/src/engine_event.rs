@@ -7,6 +7,13 @@
 //! mix the forms (array batches with map events exist), so every combination is read.
 //! Unknown fields are ignored; an unknown event type, or an event that cannot be read, is
 //! reported on its own and the rest of the batch still decodes.
+//!
+//! Linear in the payload, whatever it claims: each event is first stepped over as one
+//! msgpack value (so the next one starts where it ends, whatever decoding it made of it),
+//! then decoded from exactly its own bytes; element counts are checked against the bytes
+//! left before anything loops or reserves on them ([`Reader::array_len`]); and only the
+//! first [`DETAILED_ERRORS`] bad events of a batch keep a (bounded) description, the rest
+//! are counted ([`EngineBatch::more_bad`]). [`decode_batch_steps`] reports the work done.
 
 use crate::msgpack::{Int, Kind, MsgpackError, Reader};
 use thiserror::Error;
@@ -50,13 +57,37 @@ pub enum EngineEvent {
     Cleared,
 }
 
-/// Why one event of a batch could not be used.
+/// Why one event of a batch could not be used. Its strings are bounded: a tag taken from
+/// the payload keeps at most [`TAG_MAX`] bytes.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum EventError {
     #[error("unknown event type {0:?}")]
     UnknownType(String),
     #[error("malformed {tag} event: {why}")]
     Malformed { tag: String, why: String },
+}
+
+/// Bad events of a batch that are kept in place, described; past these they are only
+/// counted. Eight is enough to show what is wrong with an engine's stream (its bad events
+/// are usually all alike) while a payload of a million one-byte bad events costs a counter,
+/// not a million descriptions (about 100 bytes each, in a slot of the events' size).
+pub const DETAILED_ERRORS: usize = 8;
+
+/// The most bytes of an event tag an error keeps (longer tags are cut at a character
+/// boundary); the engines' own tags are at most 16 bytes.
+pub const TAG_MAX: usize = 64;
+
+/// Bad events counted but not kept (past the first [`DETAILED_ERRORS`] of a batch).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BadEvents {
+    pub unknown_type: u64,
+    pub malformed: u64,
+}
+
+impl BadEvents {
+    pub fn total(&self) -> u64 {
+        self.unknown_type + self.malformed
+    }
 }
 
 /// A payload that is not a batch at all.
@@ -75,17 +106,45 @@ impl From<MsgpackError> for BatchError {
 pub struct EngineBatch {
     pub ts: f64,
     pub data_parallel_rank: Option<u32>,
-    /// In order; a bad event is an `Err` in its place.
+    /// In order; a bad event is an `Err` in its place, for the first [`DETAILED_ERRORS`]
+    /// bad events (later ones are left out and counted in `more_bad`).
     pub events: Vec<Result<EngineEvent, EventError>>,
+    /// Bad events past the first [`DETAILED_ERRORS`]: counted, not kept.
+    pub more_bad: BadEvents,
+}
+
+impl EngineBatch {
+    /// Every bad event of the batch: those kept in place and those only counted.
+    pub fn bad_events(&self) -> u64 {
+        self.events.iter().filter(|e| e.is_err()).count() as u64 + self.more_bad.total()
+    }
+
+    /// The first bad event's description, if any.
+    pub fn first_error(&self) -> Option<&EventError> {
+        self.events.iter().find_map(|e| e.as_ref().err())
+    }
 }
 
 /// Decodes one payload.
 pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, BatchError> {
+    decode_batch_steps(payload).0
+}
+
+/// [`decode_batch`], with the msgpack values it visited ([`Reader::steps`]): at most twice
+/// the payload's length (each event's bytes are read once to find its end and once to
+/// decode it; nothing else is read twice).
+pub fn decode_batch_steps(payload: &[u8]) -> (Result<EngineBatch, BatchError>, u64) {
     let mut r = Reader::new(payload);
+    let batch = batch(&mut r, payload);
+    (batch, r.steps())
+}
+
+fn batch(r: &mut Reader<'_>, payload: &[u8]) -> Result<EngineBatch, BatchError> {
     let mut batch = EngineBatch {
         ts: 0.0,
         data_parallel_rank: None,
         events: Vec::new(),
+        more_bad: BadEvents::default(),
     };
     let mut have_events = false;
     match r.peek()? {
@@ -97,10 +156,10 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, BatchError> {
                 )));
             }
             batch.ts = r.float()?;
-            batch.events = events(&mut r)?;
+            (batch.events, batch.more_bad) = events(r)?;
             have_events = true;
             if n >= 3 {
-                batch.data_parallel_rank = opt(&mut r, |r| r.uint())?;
+                batch.data_parallel_rank = opt(r, |r| r.uint())?;
             }
             for _ in 3..n {
                 r.skip()?;
@@ -111,11 +170,11 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, BatchError> {
                 match r.str()? {
                     "ts" => batch.ts = r.float()?,
                     "events" => {
-                        batch.events = events(&mut r)?;
+                        (batch.events, batch.more_bad) = events(r)?;
                         have_events = true;
                     }
                     "data_parallel_rank" | "attn_dp_rank" | "dp_rank" => {
-                        batch.data_parallel_rank = opt(&mut r, |r| r.uint())?
+                        batch.data_parallel_rank = opt(r, |r| r.uint())?
                     }
                     _ => r.skip()?,
                 }
@@ -139,44 +198,85 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, BatchError> {
     Ok(batch)
 }
 
-fn events(r: &mut Reader<'_>) -> Result<Vec<Result<EngineEvent, EventError>>, BatchError> {
+type Events = (Vec<Result<EngineEvent, EventError>>, BadEvents);
+
+fn events(r: &mut Reader<'_>) -> Result<Events, BatchError> {
+    // A count larger than the bytes left is refused here (`array_len`): the batch is a lie.
     let n = r.array_len()?;
-    // Every event takes at least one byte: a claimed count beyond that is a lie.
-    let mut out = Vec::with_capacity(n.min(4096));
+    // Room for a typical batch only: an event's slot is some 200 bytes, and what a payload
+    // holds in place of events is unknown until they are read (nils would not fill it).
+    let mut out = Vec::with_capacity(n.min(16));
+    let mut detailed = 0;
+    let mut more = BadEvents::default();
     for _ in 0..n {
+        // The event's bytes, stepped over as one value whatever they hold: the next event
+        // starts right after them however decoding this one goes. If even that fails, the
+        // batch's structure is broken.
         let start = r.position();
-        match event(r) {
-            Ok(ev) => out.push(ev),
-            Err(e) => {
-                // Step over the bad event as a whole; if even that fails the batch is broken.
-                r.seek(start);
-                r.skip()?;
-                out.push(Err(EventError::Malformed {
-                    tag: tag_at(r, start),
-                    why: e.to_string(),
-                }));
+        r.skip()?;
+        let mut e = Reader::new(r.since(start));
+        let decoded = event(&mut e);
+        r.add_steps(e.steps());
+        let bad = match decoded {
+            Ok(ev) => {
+                out.push(Ok(ev));
+                continue;
+            }
+            Err(bad) => bad,
+        };
+        if detailed < DETAILED_ERRORS {
+            detailed += 1;
+            out.push(Err(bad.describe(start)));
+        } else {
+            match bad {
+                Bad::Unknown(_) => more.unknown_type += 1,
+                Bad::Malformed { .. } => more.malformed += 1,
             }
         }
     }
-    Ok(out)
+    Ok((out, more))
 }
 
-/// The tag of the event at `start`, for an error message.
-fn tag_at(r: &Reader<'_>, start: usize) -> String {
-    let bytes = r.since(start);
-    let mut t = Reader::new(bytes);
-    let tag = match t.peek() {
-        Ok(Kind::Array) => t.array_len().ok().and_then(|_| t.str().ok()),
-        Ok(Kind::Map) => t.map_len().ok().and_then(|n| {
-            (0..n).find_map(|_| match t.str() {
-                Ok("type") => t.str().ok(),
-                Ok(_) => t.skip().ok().and(None),
-                Err(_) => None,
-            })
-        }),
-        _ => None,
-    };
-    tag.unwrap_or("event").to_string()
+/// Why an event cannot be used, before it is described: borrowed and allocation-free, so a
+/// bad event past the first few costs nothing but a count.
+enum Bad<'a> {
+    Unknown(&'a str),
+    Malformed { tag: &'a str, why: Why },
+}
+
+enum Why {
+    Read(MsgpackError),
+    Shape(&'static str),
+    NotContainer(Kind),
+}
+
+impl Bad<'_> {
+    /// The error, its positions in the payload (the event started at `start`).
+    fn describe(self, start: usize) -> EventError {
+        match self {
+            Bad::Unknown(tag) => EventError::UnknownType(bounded(tag).to_string()),
+            Bad::Malformed { tag, why } => EventError::Malformed {
+                tag: bounded(tag).to_string(),
+                why: match why {
+                    Why::Read(e) => e.offset(start).to_string(),
+                    Why::Shape(s) => s.to_string(),
+                    Why::NotContainer(k) => format!("{k:?}, not an array or map"),
+                },
+            },
+        }
+    }
+}
+
+/// `s` cut to at most [`TAG_MAX`] bytes, at a character boundary.
+fn bounded(s: &str) -> &str {
+    if s.len() <= TAG_MAX {
+        return s;
+    }
+    let mut end = TAG_MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -244,12 +344,14 @@ struct Raw {
     have_block_size: bool,
 }
 
+/// One field. Lists reserve what they claim: `array_len` has checked the claim against the
+/// bytes left (of this event alone), so what is reserved is at most a few bytes per byte.
 fn read_field(r: &mut Reader<'_>, f: Field, raw: &mut Raw) -> Result<(), MsgpackError> {
     let s = &mut raw.stored;
     match f {
         Field::BlockHashes => {
             let n = r.array_len()?;
-            s.block_hashes = Vec::with_capacity(n.min(r_left(r)));
+            s.block_hashes = Vec::with_capacity(n);
             for _ in 0..n {
                 s.block_hashes.push(block_hash(r)?);
             }
@@ -259,7 +361,7 @@ fn read_field(r: &mut Reader<'_>, f: Field, raw: &mut Raw) -> Result<(), Msgpack
         Field::TokenIds => {
             if !r.nil()? {
                 let n = r.array_len()?;
-                s.token_ids = Vec::with_capacity(n.min(r_left(r)));
+                s.token_ids = Vec::with_capacity(n);
                 for _ in 0..n {
                     s.token_ids.push(r.uint()?);
                 }
@@ -279,7 +381,7 @@ fn read_field(r: &mut Reader<'_>, f: Field, raw: &mut Raw) -> Result<(), Msgpack
         Field::ExtraKeys => {
             if !r.nil()? {
                 let n = r.array_len()?;
-                s.extra_keys = Vec::with_capacity(n.min(r_left(r)));
+                s.extra_keys = Vec::with_capacity(n);
                 for _ in 0..n {
                     let e = opt(r, render_extra)?.filter(|e| !e.is_empty());
                     s.extra_keys.push(e);
@@ -293,20 +395,41 @@ fn read_field(r: &mut Reader<'_>, f: Field, raw: &mut Raw) -> Result<(), Msgpack
     Ok(())
 }
 
-/// Bytes left in the payload: an upper bound on any element count still to come.
-fn r_left(r: &Reader<'_>) -> usize {
-    r.remaining()
+/// The tag of an event whose own tag was not read (`malformed untagged event: ...`).
+const UNTAGGED: &str = "untagged";
+
+/// One event, from a reader over exactly its bytes.
+fn event<'a>(r: &mut Reader<'a>) -> Result<EngineEvent, Bad<'a>> {
+    // The tag, once read: a read error after it names it.
+    let mut tag = None;
+    match event_in(r, &mut tag) {
+        Ok(res) => res,
+        Err(e) => Err(Bad::Malformed {
+            tag: tag.unwrap_or(UNTAGGED),
+            why: Why::Read(e),
+        }),
+    }
 }
 
-fn event(r: &mut Reader<'_>) -> Result<Result<EngineEvent, EventError>, MsgpackError> {
+fn event_in<'a>(
+    r: &mut Reader<'a>,
+    tag_out: &mut Option<&'a str>,
+) -> Result<Result<EngineEvent, Bad<'a>>, MsgpackError> {
+    let shape = |why| {
+        Ok(Err(Bad::Malformed {
+            tag: UNTAGGED,
+            why: Why::Shape(why),
+        }))
+    };
     let mut raw = Raw::default();
     let tag = match r.peek()? {
         Kind::Array => {
             let n = r.array_len()?;
             if n == 0 {
-                return Ok(Err(malformed("event", "an empty array")));
+                return shape("an empty array");
             }
             let tag = r.str()?;
+            *tag_out = Some(tag);
             let fields = match tag {
                 "BlockStored" => STORED_FIELDS,
                 "BlockRemoved" => REMOVED_FIELDS,
@@ -326,6 +449,7 @@ fn event(r: &mut Reader<'_>) -> Result<Result<EngineEvent, EventError>, MsgpackE
                 let key = r.str()?;
                 if key == "type" {
                     tag = Some(r.str()?);
+                    *tag_out = tag;
                 } else if let Some(f) = field_named(key) {
                     read_field(r, f, &mut raw)?;
                 } else {
@@ -334,27 +458,33 @@ fn event(r: &mut Reader<'_>) -> Result<Result<EngineEvent, EventError>, MsgpackE
             }
             match tag {
                 Some(t) => t,
-                None => return Ok(Err(malformed("event", "a map without \"type\""))),
+                None => return shape("a map without \"type\""),
             }
         }
         other => {
-            return Ok(Err(malformed(
-                "event",
-                &format!("{other:?}, not an array or map"),
-            )))
+            return Ok(Err(Bad::Malformed {
+                tag: UNTAGGED,
+                why: Why::NotContainer(other),
+            }))
         }
+    };
+    let malformed = |why| {
+        Err(Bad::Malformed {
+            tag,
+            why: Why::Shape(why),
+        })
     };
     Ok(match tag {
         "BlockStored" => {
             if !raw.have_hashes || !raw.have_block_size {
-                Err(malformed(tag, "block_hashes or block_size missing"))
+                malformed("block_hashes or block_size missing")
             } else {
                 Ok(EngineEvent::Stored(raw.stored))
             }
         }
         "BlockRemoved" => {
             if !raw.have_hashes {
-                Err(malformed(tag, "block_hashes missing"))
+                malformed("block_hashes missing")
             } else {
                 let s = raw.stored;
                 Ok(EngineEvent::Removed {
@@ -366,15 +496,8 @@ fn event(r: &mut Reader<'_>) -> Result<Result<EngineEvent, EventError>, MsgpackE
             }
         }
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),
-        other => Err(EventError::UnknownType(other.to_string())),
+        other => Err(Bad::Unknown(other)),
     })
-}
-
-fn malformed(tag: &str, why: &str) -> EventError {
-    EventError::Malformed {
-        tag: tag.to_string(),
-        why: why.to_string(),
-    }
 }
 
 /// SGLang's `BlockStoredMetadata` map: its `cache_salt`.
@@ -428,12 +551,53 @@ fn render_extra(r: &mut Reader<'_>) -> Result<Extras, MsgpackError> {
                 Int::U(u) => u.to_string(),
                 Int::I(i) => i.to_string(),
             }),
-            Kind::Float => out.push(r.float()?.to_string()),
+            Kind::Float => out.push(float_string(r.float()?)),
             Kind::Str => out.push(r.str()?.to_string()),
-            Kind::Bin => out.push(r.bin()?.iter().map(|b| format!("{b:02x}")).collect()),
-            Kind::Array => pending += r.array_len()?.min(r.remaining()),
+            Kind::Bin => out.push(hex(r.bin()?)),
+            // `array_len` refuses more elements than bytes left: `pending` stays below them.
+            Kind::Array => pending += r.array_len()?,
             Kind::Map | Kind::Ext => r.skip()?,
         }
     }
     Ok(out)
+}
+
+/// Lowercase hex, two characters a byte, in one allocation.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        s.push(DIGITS[usize::from(b >> 4)] as char);
+        s.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    s
+}
+
+/// A float as Rust prints it (`Display`: every digit, no exponent, up to ~330 characters),
+/// in a string of exactly that size: `to_string` would double its buffer up to 512 bytes
+/// for a 9-byte msgpack float.
+fn float_string(x: f64) -> String {
+    use std::fmt::Write;
+    struct Stack {
+        buf: [u8; 400],
+        len: usize,
+    }
+    impl Write for Stack {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let end = self.len + s.len();
+            let dst = self.buf.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+            dst.copy_from_slice(s.as_bytes());
+            self.len = end;
+            Ok(())
+        }
+    }
+    let mut b = Stack {
+        buf: [0; 400],
+        len: 0,
+    };
+    match write!(b, "{x}") {
+        // Whole `&str` pieces were copied: still UTF-8.
+        Ok(()) => String::from_utf8_lossy(&b.buf[..b.len]).into_owned(),
+        Err(_) => x.to_string(),
+    }
 }

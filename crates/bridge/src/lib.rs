@@ -31,6 +31,9 @@ pub mod zmq_rank;
 
 pub use bridge::Bridge;
 pub use config::{BridgeConfig, BridgeError};
-pub use engine_event::{decode_batch, BatchError, EngineBatch, EngineEvent, EventError, Stored};
+pub use engine_event::{
+    decode_batch, decode_batch_steps, BadEvents, BatchError, EngineBatch, EngineEvent, EventError,
+    Stored,
+};
 pub use sequence::{catch_up_run, replay_covers, SeqStep, SeqTracker};
 pub use worker_mirror::{Skip, WorkerMirror};

@@ -1,7 +1,7 @@
 //! The task that owns a bridge's [`WorkerMirror`]: engine batches in, kvrouter events out to
 //! the publisher, state snapshots out to replicas.
 
-use crate::engine_event::{EngineEvent, EventError};
+use crate::engine_event::{BadEvents, EngineEvent, EventError};
 use crate::metrics::{BridgeMetrics, RankLabel, ReasonLabel};
 use crate::worker_mirror::{Skip, WorkerMirror};
 use kvrouter_bus::Bus;
@@ -15,6 +15,8 @@ pub enum MirrorCmd {
     Batch {
         rank: DpRank,
         events: Vec<Result<EngineEvent, EventError>>,
+        /// Bad events left out of `events`, counted as skipped all the same.
+        more_bad: BadEvents,
     },
     /// Batches of `rank` were lost for good.
     Lost { rank: DpRank },
@@ -47,7 +49,12 @@ impl MirrorTask {
         let mut reported = [0u64; Skip::ALL.len()];
         while let Some(cmd) = rx.recv().await {
             match cmd {
-                MirrorCmd::Batch { rank, events } => {
+                MirrorCmd::Batch {
+                    rank,
+                    events,
+                    more_bad,
+                } => {
+                    self.mirror.skip_bad(&more_bad);
                     if let Some(out) = self.mirror.apply(rank, &events) {
                         self.set_fresh(rank, false);
                         self.forward(rank, out);

@@ -6,7 +6,7 @@
 //! event id and go to the router. A replica that applies the forwarded events, or loads a
 //! [`snapshot`](WorkerMirror::snapshot), holds what the mirror holds.
 
-use crate::engine_event::{EngineEvent, EventError, Extras, Stored};
+use crate::engine_event::{BadEvents, EngineEvent, EventError, Extras, Stored};
 use kvrouter_indexer::{block_limit_for_capacity, Index, IndexError};
 use kvrouter_protocol::{
     prompt_local_hashes, DpRank, EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash,
@@ -141,6 +141,18 @@ impl WorkerMirror {
 
     fn skip(&mut self, why: Skip) {
         *self.skipped.entry(why).or_default() += 1;
+    }
+
+    /// Counts the bad events a decoded batch left out (past the ones it kept in place).
+    pub fn skip_bad(&mut self, more: &BadEvents) {
+        for (why, n) in [
+            (Skip::UnknownType, more.unknown_type),
+            (Skip::Malformed, more.malformed),
+        ] {
+            if n > 0 {
+                *self.skipped.entry(why).or_default() += n;
+            }
+        }
     }
 
     /// Blocks the mirror holds for `rank`.

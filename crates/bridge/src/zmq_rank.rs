@@ -2,7 +2,7 @@
 //! three-frame messages, follow the sequence numbers, fill gaps from the replay endpoint,
 //! and hand decoded batches to the mirror task in order.
 
-use crate::engine_event::decode_batch;
+use crate::engine_event::{decode_batch, EngineBatch};
 use crate::metrics::{BridgeMetrics, RankLabel, ReasonLabel};
 use crate::mirror_task::MirrorCmd;
 use crate::sequence::{catch_up_run, replay_covers, SeqStep, SeqTracker};
@@ -291,6 +291,25 @@ impl RankStream {
         }
     }
 
+    /// A batch's bad events are skipped (the mirror counts them, in `events_skipped`) and
+    /// the good ones around them still apply; a warning at most once a minute.
+    fn bad_events(&self, batch: &EngineBatch, logs: &mut LogLimiter) {
+        let bad = batch.bad_events();
+        if bad == 0 {
+            return;
+        }
+        if let Some(suppressed) = logs.allow("event") {
+            let first = batch.first_error().map(ToString::to_string);
+            tracing::warn!(
+                dp_rank = self.rank,
+                bad,
+                suppressed,
+                first = first.as_deref().unwrap_or(""),
+                "engine KV events that cannot be used were skipped; the rest of their batch applies"
+            );
+        }
+    }
+
     /// `[topic, seq (8 bytes big-endian), payload]`.
     fn frames(&self, msg: ZmqMessage, logs: &mut LogLimiter) -> Option<(u64, Bytes)> {
         let frames = msg.into_vec();
@@ -383,10 +402,14 @@ impl RankStream {
     /// surely as a lost batch does, so it clears the rank.
     async fn apply(&self, payload: Bytes, logs: &mut LogLimiter) -> bool {
         let cmd = match decode_batch(&payload) {
-            Ok(batch) => MirrorCmd::Batch {
-                rank: self.rank,
-                events: batch.events,
-            },
+            Ok(batch) => {
+                self.bad_events(&batch, logs);
+                MirrorCmd::Batch {
+                    rank: self.rank,
+                    events: batch.events,
+                    more_bad: batch.more_bad,
+                }
+            }
             Err(e) => {
                 self.malformed("payload", &format!("{e}; clearing the rank"), logs);
                 MirrorCmd::Lost { rank: self.rank }

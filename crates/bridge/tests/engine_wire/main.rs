@@ -1,5 +1,12 @@
 //! Payloads made by msgspec exactly as vLLM and SGLang make them (/tests/engines/engine_wire.py)
-//! decode to what the engine meant, in every wire form, and turn into the router's events.
+//! decode to what the engine meant, in every wire form, and turn into the router's events;
+//! and any payload at all decodes in work and memory linear in its length ([`bounds`]).
+
+mod bounds;
+
+/// Counts what each test thread allocates, for [`bounds`].
+#[global_allocator]
+static ALLOC: kvrouter_testkit::CountingAlloc = kvrouter_testkit::CountingAlloc;
 
 use kvrouter_bridge::{decode_batch, EngineBatch, EngineEvent, EventError, Skip, WorkerMirror};
 use kvrouter_protocol::{

@@ -70,6 +70,10 @@ pub struct FrontendArgs {
     /// Largest request body accepted.
     #[arg(long, env = "KVROUTER_MAX_BODY_BYTES", default_value_t = 32 << 20)]
     max_body_bytes: usize,
+    /// Request body bytes held at once over all client connections (read, not yet
+    /// parsed); a body that finds them spent gets 503 with Retry-After.
+    #[arg(long, env = "KVROUTER_MAX_BUFFERED_BODY_BYTES", default_value_t = 512 << 20)]
+    max_buffered_body_bytes: usize,
     /// Seconds a shutdown may take: requests in flight finish within it.
     #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
     drain_timeout_secs: f64,
@@ -97,6 +101,7 @@ impl FrontendArgs {
             },
             max_body_bytes: self.max_body_bytes,
             http_limits: self.http.limits()?,
+            max_buffered_body_bytes: self.max_buffered_body_bytes,
             ..FrontendConfig::default()
         })
     }

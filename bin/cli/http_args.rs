@@ -8,7 +8,11 @@ use std::time::Duration;
 #[derive(Args, Clone, Debug)]
 pub struct HttpArgs {
     /// Seconds a client may take from a request head's first byte to its end.
-    #[arg(long, env = "KVROUTER_HTTP_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
+    #[arg(
+        long,
+        env = "KVROUTER_HTTP_HEADER_TIMEOUT_SECS",
+        default_value_t = 10.0
+    )]
     pub http_header_timeout_secs: f64,
     /// Seconds a client may take to send a request body once its head has come (408 after).
     #[arg(long, env = "KVROUTER_HTTP_BODY_TIMEOUT_SECS", default_value_t = 30.0)]

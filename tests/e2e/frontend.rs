@@ -132,6 +132,10 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
         assert!(!v[k]["request_id"].as_str().unwrap().is_empty());
     }
     assert_eq!(v["unknown_model"], 404);
+    // An unknown model counts under one label, not its own.
+    let (_, metrics) = http_get(port, "/metrics");
+    assert!(!metrics.contains("no-such-model"), "{metrics}");
+    assert!(metrics.contains(r#"model="_other""#), "{metrics}");
     assert_eq!(v["too_long"]["status"], 400);
     assert_eq!(v["too_long"]["code"], "context_length_exceeded");
 
@@ -173,6 +177,27 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
     assert!(wait_until(Duration::from_secs(2), || active_requests(a1)
         + active_requests(a2)
         == 0));
+
+    // Slow clients hold connections, never in-flight places: eight that sent a head and one
+    // body byte of 100,000 leave --max-inflight 4 free for honest requests.
+    let slow: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            std::io::Write::write_all(
+                &mut s,
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{",
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    assert!(wait_until(Duration::from_secs(5), || metric_sum(
+        port,
+        "kvrouter_frontend_http_connections"
+    ) >= 8.0));
+    let v = sdk("many", port, &["4", "50"]);
+    assert_eq!(v["ok"], 4, "{v}");
+    drop(slow);
 
     // An engine killed while the router still lists it is routed around: no request fails.
     let v = sdk("many", port, &["1", "50"]);

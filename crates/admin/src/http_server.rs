@@ -97,7 +97,12 @@ pub fn append_http_stats(
     }
     let eof = text.rfind("# EOF").unwrap_or(text.len());
     let tail = text.split_off(eof);
-    type Family = (&'static str, &'static str, &'static str, fn(&HttpStats) -> u64);
+    type Family = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&HttpStats) -> u64,
+    );
     let families: [Family; 3] = [
         ("connections", "gauge", "Client connections open.", |s| {
             s.open.load(Ordering::Relaxed) as u64
@@ -140,6 +145,8 @@ pub enum BodyError {
     TimedOut(Duration),
     #[error("cannot read the request body: {0}")]
     Read(String),
+    #[error("the server is reading {0} MiB of request bodies already; retry shortly")]
+    Busy(usize),
 }
 
 impl BodyError {
@@ -149,6 +156,7 @@ impl BodyError {
             Self::TooLarge(_) => 413,
             Self::TimedOut(_) => 408,
             Self::Read(_) => 400,
+            Self::Busy(_) => 503,
         }
     }
 }
@@ -175,6 +183,83 @@ pub async fn read_body(
             Err(BodyError::TooLarge(limit))
         }
         Ok(Err(e)) => Err(BodyError::Read(e.to_string())),
+    }
+}
+
+/// The request body bytes a server holds at once, over all its connections: bytes count
+/// as they arrive (a slow client holds only what it has sent), in KiB.
+#[derive(Clone, Debug)]
+pub struct BodyBudget {
+    kib: Arc<tokio::sync::Semaphore>,
+    total_kib: usize,
+}
+
+/// Bytes of a [`BodyBudget`] held until the body they count is dropped or parsed.
+pub struct BudgetHold(Option<tokio::sync::OwnedSemaphorePermit>);
+
+impl BodyBudget {
+    pub fn new(bytes: usize) -> Self {
+        let total_kib = bytes
+            .div_ceil(1024)
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
+        Self {
+            kib: Arc::new(tokio::sync::Semaphore::new(total_kib)),
+            total_kib,
+        }
+    }
+
+    /// Bytes held now.
+    pub fn held_bytes(&self) -> usize {
+        (self.total_kib - self.kib.available_permits()) * 1024
+    }
+
+    /// Like [`read_body`], counting the bytes against this budget as they come; a body that
+    /// finds the budget spent is refused ([`BodyError::Busy`]) rather than waited for.
+    pub async fn read_body(
+        &self,
+        req: Request<Incoming>,
+        limit: usize,
+        timeout: Duration,
+    ) -> Result<(Bytes, BudgetHold), BodyError> {
+        let declared = req
+            .headers()
+            .get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(BodyError::TooLarge(limit));
+        }
+        let mut body = req.into_body();
+        let mut hold = BudgetHold(None);
+        let read = async {
+            let mut buf = bytes::BytesMut::new();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| BodyError::Read(e.to_string()))?;
+                let Ok(data) = frame.into_data() else {
+                    continue; // trailers
+                };
+                if buf.len() + data.len() > limit {
+                    return Err(BodyError::TooLarge(limit));
+                }
+                let held = hold.0.as_ref().map_or(0, |p| p.num_permits());
+                let need = (buf.len() + data.len()).div_ceil(1024);
+                if need > held {
+                    let more = u32::try_from(need - held)
+                        .ok()
+                        .and_then(|n| self.kib.clone().try_acquire_many_owned(n).ok())
+                        .ok_or(BodyError::Busy(self.total_kib / 1024))?;
+                    match &mut hold.0 {
+                        Some(p) => p.merge(more),
+                        None => hold.0 = Some(more),
+                    }
+                }
+                buf.extend_from_slice(&data);
+            }
+            Ok(buf.freeze())
+        };
+        match tokio::time::timeout(timeout, read).await {
+            Err(_) => Err(BodyError::TimedOut(timeout)),
+            Ok(r) => r.map(|b| (b, hold)),
+        }
     }
 }
 
@@ -604,19 +689,24 @@ mod tests {
     /// was; `/big` answers 32 MiB; anything else `ok`.
     async fn server(limits: HttpLimits) -> HttpServer {
         let body_timeout = limits.body_timeout;
-        HttpServer::bind("127.0.0.1:0".parse().unwrap(), limits, "test", move |req| async move {
-            let (status, body) = match req.uri().path() {
-                "/body" => match read_body(req, 64, body_timeout).await {
-                    Ok(b) => (200, Bytes::from(format!("{} bytes", b.len()))),
-                    Err(e) => (e.status(), Bytes::from(e.to_string())),
-                },
-                "/big" => (200, Bytes::from(vec![b'x'; 32 << 20])),
-                _ => (200, Bytes::from_static(b"ok")),
-            };
-            let mut r = Response::new(Full::new(body));
-            *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
-            r
-        })
+        HttpServer::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            limits,
+            "test",
+            move |req| async move {
+                let (status, body) = match req.uri().path() {
+                    "/body" => match read_body(req, 64, body_timeout).await {
+                        Ok(b) => (200, Bytes::from(format!("{} bytes", b.len()))),
+                        Err(e) => (e.status(), Bytes::from(e.to_string())),
+                    },
+                    "/big" => (200, Bytes::from(vec![b'x'; 32 << 20])),
+                    _ => (200, Bytes::from_static(b"ok")),
+                };
+                let mut r = Response::new(Full::new(body));
+                *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
+                r
+            },
+        )
         .await
         .unwrap()
     }
@@ -660,13 +750,17 @@ mod tests {
         let (silent, idle) = blocking(move || {
             let silent = connect(addr);
             let mut idle = connect(addr);
-            idle.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            idle.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
             (read_to_close(silent), read_to_close(idle))
         })
         .await;
         assert_eq!(silent, "");
         // One answer on the kept-alive connection, then closed for idling.
-        assert!(idle.starts_with("HTTP/1.1 200") && idle.ends_with("ok"), "{idle}");
+        assert!(
+            idle.starts_with("HTTP/1.1 200") && idle.ends_with("ok"),
+            "{idle}"
+        );
         assert_eq!(srv.stats.timed_out.load(Ordering::Relaxed), 2);
         let deadline = Instant::now() + Duration::from_secs(5);
         while srv.stats.open.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
@@ -701,7 +795,10 @@ mod tests {
         assert!(slow.starts_with("HTTP/1.1 408"), "{slow}");
         assert!(slow.contains("did not arrive within"), "{slow}");
         assert!(long.starts_with("HTTP/1.1 413"), "{long}");
-        assert!(fine.starts_with("HTTP/1.1 200") && fine.ends_with("3 bytes"), "{fine}");
+        assert!(
+            fine.starts_with("HTTP/1.1 200") && fine.ends_with("3 bytes"),
+            "{fine}"
+        );
     }
 
     #[tokio::test]
@@ -741,7 +838,8 @@ mod tests {
         let stats = srv.stats.clone();
         blocking(move || {
             let mut s = connect(addr);
-            s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
             // Never read: the server's writes stall once the socket buffers are full.
             let deadline = Instant::now() + Duration::from_secs(20);
             while stats.timed_out.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
@@ -771,7 +869,10 @@ mod tests {
             read_to_close(s)
         })
         .await;
-        assert!(out.starts_with("HTTP/1.1 200") && out.ends_with("late"), "{out}");
+        assert!(
+            out.starts_with("HTTP/1.1 200") && out.ends_with("late"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -6,7 +6,10 @@
 
 mod http_server;
 
-pub use http_server::{append_http_stats, read_body, BodyError, HttpLimits, HttpServer, HttpStats};
+pub use http_server::{
+    append_http_stats, read_body, BodyBudget, BodyError, BudgetHold, HttpLimits, HttpServer,
+    HttpStats,
+};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -325,8 +328,8 @@ mod tests {
             HttpLimits::default(),
             Arc::new(Echo),
         )
-            .await
-            .unwrap();
+        .await
+        .unwrap();
         let ok = call(addr, post("/v1/echo?a=1", "{\"x\":1}")).await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
         assert!(ok.contains("content-type: application/json"), "{ok}");
@@ -380,8 +383,8 @@ mod tests {
             HttpLimits::default(),
             Arc::new(Echo),
         )
-            .await
-            .unwrap();
+        .await
+        .unwrap();
         // A keep-alive connection, idle after one answer.
         let reader = tokio::task::spawn_blocking(move || {
             let mut s = std::net::TcpStream::connect(addr).unwrap();

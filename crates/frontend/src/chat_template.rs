@@ -889,6 +889,26 @@ mod tests {
     }
 
     #[test]
+    fn a_render_is_bounded_in_output_and_in_steps() {
+        let msgs = messages(json!([{"role": "user", "content": "hello"}]));
+        let t = template("{% for m in messages %}{{ m.content * 1000 }}{% endfor %}");
+        let mut input = ChatInput::new(&msgs, false);
+        assert_eq!(t.render(&input).unwrap().len(), 5000);
+        input.max_output_bytes = 4999;
+        assert!(matches!(
+            t.render(&input),
+            Err(ChatTemplateError::TooLong(4999))
+        ));
+        // A loop no real conversation needs runs out of fuel instead of holding a thread.
+        let t = template(
+            "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x",
+        );
+        let err = t.render(&ChatInput::new(&msgs, false)).unwrap_err();
+        assert!(matches!(err, ChatTemplateError::TooCostly), "{err}");
+        assert!(err.to_string().contains("steps"), "{err}");
+    }
+
+    #[test]
     fn tojson_rejects_undefined_like_python() {
         let t = template("{{ nothing | tojson }}");
         let msgs = messages(json!([]));

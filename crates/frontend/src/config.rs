@@ -28,6 +28,9 @@ pub struct FrontendConfig {
     pub connect_timeout: Duration,
     /// Bounds on client connections: head, body and idle timeouts, connection cap.
     pub http_limits: kvrouter_admin::HttpLimits,
+    /// Request body bytes held at once over all connections (read, not yet parsed); a
+    /// body that finds them spent gets 503.
+    pub max_buffered_body_bytes: usize,
 }
 
 impl Default for FrontendConfig {
@@ -41,6 +44,7 @@ impl Default for FrontendConfig {
             max_body_bytes: 32 << 20,
             connect_timeout: Duration::from_secs(2),
             http_limits: kvrouter_admin::HttpLimits::default(),
+            max_buffered_body_bytes: 512 << 20,
         }
     }
 }

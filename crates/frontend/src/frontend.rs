@@ -35,6 +35,11 @@ pub struct Frontend {
     permits: Arc<Semaphore>,
     pub(crate) metrics: FrontendMetrics,
     leases: Arc<LeaseCounts>,
+    /// Request body bytes being read or parsed, over all connections.
+    pub(crate) body_budget: kvrouter_admin::BodyBudget,
+    /// Large bodies parse on the blocking pool, this many at once (the cores): parsing is
+    /// CPU work, and a parse's JSON values can take several times its body's bytes.
+    pub(crate) parse_slots: Arc<Semaphore>,
     /// The client listener's connection counts, once it listens.
     pub(crate) http_stats: parking_lot::Mutex<Vec<(std::net::SocketAddr, Arc<HttpStats>)>>,
 }
@@ -92,10 +97,14 @@ impl Frontend {
             router,
             upstream: Upstream::new(config.connect_timeout),
             permits: Arc::new(Semaphore::new(config.max_inflight)),
+            body_budget: kvrouter_admin::BodyBudget::new(config.max_buffered_body_bytes),
             metrics: FrontendMetrics::new(leases.clone()),
             leases,
             config,
             http_stats: Default::default(),
+            parse_slots: Arc::new(Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
         })
     }
 
@@ -140,7 +149,10 @@ impl Frontend {
     /// The longest prompt a chat template may render: twice the largest body (templates
     /// add markup around what the client sent, they do not multiply it) and 1 MiB.
     fn max_rendered_bytes(&self) -> usize {
-        self.config.max_body_bytes.saturating_mul(2).saturating_add(1 << 20)
+        self.config
+            .max_body_bytes
+            .saturating_mul(2)
+            .saturating_add(1 << 20)
     }
 
     /// The metric label for a model as a client named it: the served model it resolves

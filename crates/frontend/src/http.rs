@@ -3,19 +3,19 @@
 
 use crate::frontend::{Frontend, Routed};
 use crate::metrics::RequestLabels;
-use crate::openai::{self, ApiError, Endpoint};
+use crate::openai::{self, ApiError, ClientRequest, Endpoint};
 use crate::relay::Relay;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
+use kvrouter_admin::HttpServer;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
-use kvrouter_admin::HttpServer;
 use tracing::Instrument;
 
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -161,15 +161,7 @@ impl Frontend {
         let no_model = |e| (String::new(), e);
         // A place among the in-flight requests only for a whole, well-formed request: a
         // client that sends its body slowly holds a connection, never a permit.
-        let body = read_body(
-            req,
-            self.config.max_body_bytes,
-            self.config.http_limits.body_timeout,
-        )
-        .await
-        .map_err(no_model)?;
-        let creq = openai::parse(endpoint, &body).map_err(no_model)?;
-        drop(body);
+        let creq = self.read_request(endpoint, req).await.map_err(no_model)?;
         let model = self.label_for(&creq.model);
         let in_flight = self.admit().map_err(|e| (model.clone(), e))?;
         let Routed {
@@ -224,19 +216,45 @@ impl Frontend {
     }
 }
 
-/// The request body, within the size limit and the body timeout.
-async fn read_body(
-    req: Request<Incoming>,
-    limit: usize,
-    timeout: std::time::Duration,
-) -> Result<Bytes, ApiError> {
-    kvrouter_admin::read_body(req, limit, timeout)
-        .await
-        .map_err(|e| {
-            let mut err = ApiError::invalid(None, e.to_string());
-            err.status = e.status();
-            err
-        })
+/// Bodies up to this size parse on the async thread; larger ones on the blocking pool.
+const INLINE_PARSE_BYTES: usize = 1 << 20;
+
+impl Frontend {
+    /// The request, read within the size limit, the body timeout and the frontend's body
+    /// budget, and parsed.
+    async fn read_request(
+        &self,
+        endpoint: Endpoint,
+        req: Request<Incoming>,
+    ) -> Result<ClientRequest, ApiError> {
+        let (body, _hold) = self
+            .body_budget
+            .read_body(
+                req,
+                self.config.max_body_bytes,
+                self.config.http_limits.body_timeout,
+            )
+            .await
+            .map_err(|e| {
+                let mut err = match e {
+                    kvrouter_admin::BodyError::Busy(_) => ApiError::overloaded(e.to_string()),
+                    _ => ApiError::invalid(None, e.to_string()),
+                };
+                err.status = e.status();
+                err
+            })?;
+        if body.len() <= INLINE_PARSE_BYTES {
+            return openai::parse(endpoint, &body);
+        }
+        let _slot = self
+            .parse_slots
+            .acquire()
+            .await
+            .map_err(|_| ApiError::internal("the frontend is stopping"))?;
+        tokio::task::spawn_blocking(move || openai::parse(endpoint, &body))
+            .await
+            .map_err(|e| ApiError::internal(format!("parse task failed: {e}")))?
+    }
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

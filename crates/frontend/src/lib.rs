@@ -20,6 +20,11 @@ pub mod route_lease;
 pub mod sse;
 pub mod upstream;
 
+/// Unit tests measure what parsing allocates (see `openai::request`'s tests).
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: kvrouter_testkit::CountingAlloc = kvrouter_testkit::CountingAlloc;
+
 pub use config::{FrontendConfig, RankConvention};
 pub use frontend::Frontend;
 pub use http::FrontendServer;

@@ -4,7 +4,7 @@
 //! memory) of reading it as ids; a long array in a field the frontend only passes on would
 //! cost sixteen times its bytes as values, and costs its bytes as text.
 
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, Error as _, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use std::fmt;
@@ -70,6 +70,7 @@ impl<'de> Deserialize<'de> for Body {
                     rest: Map::new(),
                     passthrough: String::new(),
                 };
+                let mut passthrough = Vec::new();
                 while let Some(key) = map.next_key::<String>()? {
                     if key == "prompt" {
                         body.prompt = Some(map.next_value()?);
@@ -78,16 +79,17 @@ impl<'de> Deserialize<'de> for Body {
                         body.rest.insert(key, v);
                     } else {
                         let v: &RawValue = map.next_value()?;
-                        let out = &mut body.passthrough;
-                        if !out.is_empty() {
-                            out.push(',');
+                        if !passthrough.is_empty() {
+                            passthrough.push(b',');
                         }
-                        // A String key serializes infallibly.
-                        out.push_str(&serde_json::to_string(&key).unwrap_or_default());
-                        out.push(':');
-                        out.push_str(v.get());
+                        // A string key serializes infallibly.
+                        let _ = serde_json::to_writer(&mut passthrough, &key);
+                        passthrough.push(b':');
+                        passthrough.extend_from_slice(v.get().as_bytes());
                     }
                 }
+                // JSON text from a parsed document: UTF-8 by construction.
+                body.passthrough = String::from_utf8(passthrough).map_err(A::Error::custom)?;
                 Ok(body)
             }
         }
@@ -225,7 +227,11 @@ impl<'de> Deserialize<'de> for RawPrompt {
 
 /// The body for the engine: `fields`, then the `passthrough` members as they came, with
 /// `"prompt"` set to `tokens` (written as ids, not through JSON values).
-pub fn with_token_prompt(fields: &Map<String, Value>, passthrough: &str, tokens: &[u32]) -> Vec<u8> {
+pub fn with_token_prompt(
+    fields: &Map<String, Value>,
+    passthrough: &str,
+    tokens: &[u32],
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(tokens.len() * 7 + passthrough.len() + 256);
     out.extend_from_slice(b"{\"prompt\":");
     // Writing to a Vec and serializing u32s and JSON values cannot fail.
@@ -312,7 +318,11 @@ mod tests {
     #[test]
     fn the_engine_body_round_trips() {
         let fields = json!({"model": "m", "prompt": "replaced", "stream": true});
-        let out = with_token_prompt(fields.as_object().unwrap(), r#""n": [1, "x"]"#, &[5, 0, u32::MAX]);
+        let out = with_token_prompt(
+            fields.as_object().unwrap(),
+            r#""n": [1, "x"]"#,
+            &[5, 0, u32::MAX],
+        );
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(
             v,

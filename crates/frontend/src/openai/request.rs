@@ -493,10 +493,7 @@ mod tests {
             c.template_kwargs.get("enable_thinking"),
             Some(&json!(false))
         );
-        assert_eq!(
-            fields(&r),
-            json!({"max_tokens": 9, "logprobs": 2, "n": 1})
-        );
+        assert_eq!(fields(&r), json!({"max_tokens": 9, "logprobs": 2, "n": 1}));
         let r = chat(
             json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
                             "add_generation_prompt": false, "logprobs": false}),
@@ -512,5 +509,130 @@ mod tests {
                             "chat_template": "{{ x }}"}),
         );
         assert_eq!(param_of(r).as_deref(), Some("chat_template"));
+    }
+
+    /// Bytes a parse may allocate per body byte, at worst (objects of one short field in
+    /// `messages`, each a map node); fields the frontend only passes on cost about one.
+    const PARSE_ALLOC_PER_BYTE: u64 = 64;
+    const PASSTHROUGH_ALLOC_PER_BYTE: u64 = 3;
+
+    fn repeat(head: &str, item: &str, n: usize, tail: &str) -> Vec<u8> {
+        let mut b = head.to_string();
+        for i in 0..n {
+            if i > 0 {
+                b.push(',');
+            }
+            b.push_str(item);
+        }
+        b.push_str(tail);
+        b.into_bytes()
+    }
+
+    fn allocated(endpoint: Endpoint, body: &[u8]) -> u64 {
+        let (r, bytes) = kvrouter_testkit::allocated_during(|| parse(endpoint, body));
+        drop(r);
+        bytes
+    }
+
+    #[test]
+    fn parsing_allocates_a_bounded_multiple_of_the_body() {
+        let n = 200_000;
+        let passthrough = [
+            repeat(r#"{"model":"m","prompt":"x","junk":["#, "0", n, "]}"),
+            repeat(r#"{"model":"m","prompt":"x","junk":["#, "[]", n, "]}"),
+            repeat(r#"{"model":"m","prompt":"x","junk":["#, "{}", n, "]}"),
+            repeat(r#"{"model":"m","prompt":"x","#, r#""k":0"#, n, "}"),
+        ];
+        for body in &passthrough {
+            let bytes = allocated(Endpoint::Completions, body);
+            let limit = PASSTHROUGH_ALLOC_PER_BYTE * body.len() as u64 + 4096;
+            assert!(
+                bytes <= limit,
+                "{bytes} bytes for a {} byte body",
+                body.len()
+            );
+        }
+        let interpreted = [
+            (
+                Endpoint::Chat,
+                repeat(r#"{"model":"m","messages":["#, r#"{"role":"u"}"#, n, "]}"),
+            ),
+            (
+                Endpoint::Chat,
+                repeat(
+                    r#"{"model":"m","messages":[{"role":"u","content":["#,
+                    "{}",
+                    n,
+                    "]}]}",
+                ),
+            ),
+            (
+                Endpoint::Chat,
+                repeat(
+                    r#"{"model":"m","messages":[{"role":"u"}],"tools":["#,
+                    "0",
+                    n,
+                    "]}",
+                ),
+            ),
+            (
+                Endpoint::Completions,
+                repeat(r#"{"model":"m","prompt":["#, "1", n, "]}"),
+            ),
+            (
+                Endpoint::Completions,
+                repeat(
+                    r#"{"model":"m","prompt":"x","kvrouter":{"allowed_workers":["#,
+                    "1",
+                    n,
+                    "]}}",
+                ),
+            ),
+        ];
+        for (endpoint, body) in &interpreted {
+            let bytes = allocated(*endpoint, body);
+            let limit = PARSE_ALLOC_PER_BYTE * body.len() as u64 + 4096;
+            assert!(
+                bytes <= limit,
+                "{bytes} bytes for a {} byte body",
+                body.len()
+            );
+        }
+        // Nesting past serde_json's depth limit is refused, not followed.
+        let deep = repeat(r#"{"model":"m","prompt":"x","junk":"#, "[", 100_000, "");
+        assert!(parse(Endpoint::Completions, &deep).is_err());
+        assert!(allocated(Endpoint::Completions, &deep) <= 64 * deep.len() as u64);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_parse_within_the_bound(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048)) {
+            let bytes = allocated(Endpoint::Chat, &body);
+            proptest::prop_assert!(bytes <= PARSE_ALLOC_PER_BYTE * body.len() as u64 + 4096);
+        }
+
+        #[test]
+        fn any_json_parses_within_the_bound(v in json_value(4)) {
+            let body = serde_json::to_vec(&json!({"model": "m", "messages": [{"role": "user", "content": v.clone()}], "x": v})).unwrap();
+            let bytes = allocated(Endpoint::Chat, &body);
+            proptest::prop_assert!(bytes <= PARSE_ALLOC_PER_BYTE * body.len() as u64 + 4096);
+        }
+    }
+
+    fn json_value(depth: u32) -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[a-z]{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(depth, 256, 16, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..16).prop_map(Value::from),
+                proptest::collection::btree_map("[a-z]{1,4}", inner, 0..8)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
     }
 }

@@ -139,8 +139,8 @@ impl WorkerHttp {
                 {
                     Ok(b) => b,
                     Err(e) => {
-                        let status = StatusCode::from_u16(e.status())
-                            .unwrap_or(StatusCode::BAD_REQUEST);
+                        let status =
+                            StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
                         return error(status, e.to_string());
                     }
                 };

@@ -61,6 +61,14 @@ pub struct ServeArgs {
     /// with queue_timeout; keep it under the callers' route timeout (kvrouter-client: 2 s).
     #[arg(long, env = "KVROUTER_MAX_QUEUE_WAIT_MS", default_value_t = 1500)]
     max_queue_wait_ms: u64,
+    /// The largest priority_jump a route gets, in seconds: a larger one counts as this much
+    /// (clamped). Jumps that are negative, NaN or infinite are refused (invalid_request).
+    #[arg(
+        long,
+        env = "KVROUTER_MAX_PRIORITY_JUMP_SECS",
+        default_value_t = kvrouter_protocol::limits::DEFAULT_MAX_PRIORITY_JUMP_SECS
+    )]
+    max_priority_jump_secs: f64,
     /// Longest prompt accepted, in tokens (bounded by the NATS max payload).
     #[arg(long, env = "KVROUTER_MAX_PROMPT_TOKENS", default_value_t = 131_072)]
     max_prompt_tokens: usize,
@@ -184,6 +192,7 @@ impl ServeArgs {
             seed: self.seed.unwrap_or_else(fastrand_seed),
             policy: self.policy,
             queue_policy: self.queue_policy,
+            max_priority_jump: self.max_priority_jump_secs,
             ..SchedulerConfig::default()
         });
         let block_sizes: HashMap<String, u32> = self.block_sizes.iter().cloned().collect();

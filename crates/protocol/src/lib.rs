@@ -6,12 +6,14 @@
 //! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
 //! - [`wire`]: the [`Wire`] trait: a message's current and previous-version shapes.
 //! - [`v4`]: the frozen version-4 shapes of the types version 5 changed.
+//! - [`limits`]: how large a caller's input may be, and the checks ([`LimitError`]).
 //! - [`chunk`]: splitting lists into messages under a byte budget.
 //! - [`hashing`]: Dynamo-compatible local block hashes and sequence hashes.
 
 pub mod chunk;
 pub mod codec;
 pub mod hashing;
+pub mod limits;
 pub mod messages;
 pub mod subjects;
 pub mod types;
@@ -27,6 +29,7 @@ pub use hashing::{
     block_extra_keys, local_block_hash_with_extras, local_block_hashes, lora_seed,
     prompt_local_hashes, sequence_hashes, HashError, BASE_SEED,
 };
+pub use limits::{check_request_id, LimitError};
 pub use messages::*;
 pub use subjects::{
     fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects, WorkerSubject,

@@ -15,6 +15,13 @@ pub const KEEP: Duration = Duration::from_secs(60);
 /// At most this many are remembered (the oldest go first): abandons are rare, a flood of
 /// them must not grow memory.
 const MAX: usize = 1 << 16;
+/// And at most this many bytes of request ids (plus [`ENTRY_OVERHEAD`] each): 65,536
+/// calls of short ids fit, but of ids of the protocol's longest (256 bytes) about 26,000,
+/// so a flood of long ids keeps fewer calls. Ids over the protocol's limit are not remembered (replicas refuse
+/// such routes anyway).
+pub const MAX_BYTES: usize = 8 << 20;
+/// What one remembered call costs besides its id's bytes, about (map and queue entries).
+const ENTRY_OVERHEAD: usize = 64;
 
 /// Keyed by call id (random, so unique in practice) with the request id it belongs to: the
 /// lookup on every route allocates nothing.
@@ -22,22 +29,35 @@ const MAX: usize = 1 << 16;
 pub struct Abandoned {
     calls: FxHashMap<u64, String>,
     order: VecDeque<(Instant, u64)>,
+    /// Bytes held: ids plus [`ENTRY_OVERHEAD`] each.
+    bytes: usize,
 }
 
 impl Abandoned {
     /// Remembers call `call_id` of `request_id` as abandoned (call id 0 names no call).
     pub fn insert(&mut self, request_id: &str, call_id: u64, now: Instant) {
         self.expire(now);
-        if call_id == 0 || self.calls.contains_key(&call_id) {
+        if call_id == 0
+            || self.calls.contains_key(&call_id)
+            || request_id.len() > kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES
+        {
             return;
         }
-        if self.order.len() == MAX {
-            if let Some((_, call)) = self.order.pop_front() {
-                self.calls.remove(&call);
-            }
+        let cost = request_id.len() + ENTRY_OVERHEAD;
+        while self.order.len() >= MAX || (self.bytes + cost > MAX_BYTES && !self.order.is_empty()) {
+            self.pop_oldest();
         }
         self.calls.insert(call_id, request_id.to_string());
         self.order.push_back((now, call_id));
+        self.bytes += cost;
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some((_, call)) = self.order.pop_front() {
+            if let Some(id) = self.calls.remove(&call) {
+                self.bytes -= id.len() + ENTRY_OVERHEAD;
+            }
+        }
     }
 
     /// Whether this call was abandoned (within [`KEEP`]).
@@ -60,12 +80,11 @@ impl Abandoned {
     }
 
     fn expire(&mut self, now: Instant) {
-        while let Some(&(at, call)) = self.order.front() {
+        while let Some(&(at, _)) = self.order.front() {
             if now.saturating_duration_since(at) < KEEP {
                 break;
             }
-            self.order.pop_front();
-            self.calls.remove(&call);
+            self.pop_oldest();
         }
     }
 }
@@ -101,5 +120,31 @@ mod tests {
         assert_eq!(a.order.len(), MAX);
         assert!(!a.contains("r0", 1, t0));
         assert!(a.contains(&format!("r{}", MAX + 9), MAX as u64 + 10, t0));
+        assert!(a.bytes <= MAX_BYTES);
+    }
+
+    #[test]
+    fn holds_at_most_max_bytes_of_ids() {
+        let t0 = Instant::now();
+        let mut a = Abandoned::default();
+        let long = "x".repeat(kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES);
+        for i in 0..(MAX as u64) {
+            a.insert(&format!("{long}{i}")[..long.len()], i + 1, t0);
+            assert!(a.bytes <= MAX_BYTES);
+        }
+        assert_eq!(a.len(), MAX_BYTES / (long.len() + ENTRY_OVERHEAD));
+        assert_eq!(
+            a.bytes,
+            a.calls
+                .values()
+                .map(|id| id.len() + ENTRY_OVERHEAD)
+                .sum::<usize>()
+        );
+        // Over the protocol's limit: not remembered at all.
+        a.insert(&format!("{long}!"), u64::MAX, t0);
+        assert!(!a.contains(&format!("{long}!"), u64::MAX, t0));
+        // Expiry gives the bytes back.
+        assert!(!a.contains(&long, 1, t0 + KEEP));
+        assert_eq!((a.len(), a.bytes), (0, 0));
     }
 }

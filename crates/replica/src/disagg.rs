@@ -157,12 +157,14 @@ async fn route_disagg(
     max_prompt_tokens: usize,
     req: DisaggRouteRequest,
 ) -> Result<(String, DisaggDecision), ErrorReply> {
+    req.check_limits()
+        .map_err(|e| endpoints::over_limit(shared, &req.model, e))?;
     let dm = models.get(&req.model).ok_or_else(|| {
         let e = match endpoints::model(shared, &req.model) {
             Err(e) => e,
             Ok(_) => ErrorReply::new(ErrorKind::Internal, "model without disaggregation state"),
         };
-        endpoints::error(shared, "", e)
+        endpoints::error(shared, &req.model, e)
     })?;
     let m = &dm.shared;
     let (local, seq) =

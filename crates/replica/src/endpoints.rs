@@ -9,9 +9,9 @@ use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, LocalBlockHash,
-    OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad, PromptExtras, RequestUpdate,
-    RouteDecision, RouteRequest, SequenceHash, Tier,
+    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, LimitError,
+    LocalBlockHash, OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad, PromptExtras,
+    RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier,
 };
 use kvrouter_scheduler::{RouteFilters, Selection};
 use std::sync::Arc;
@@ -177,6 +177,16 @@ pub(crate) fn error(shared: &ReplicaShared, model: &str, e: ErrorReply) -> Error
     e
 }
 
+/// An input over one of the protocol's limits (`kvrouter_protocol::limits`): answered
+/// `invalid_request` (HTTP 400), the message naming the field, its size and the limit.
+pub(crate) fn over_limit(shared: &ReplicaShared, model: &str, e: LimitError) -> ErrorReply {
+    error(
+        shared,
+        model,
+        ErrorReply::new(ErrorKind::InvalidRequest, e.to_string()),
+    )
+}
+
 pub(crate) fn model<'a>(
     shared: &'a ReplicaShared,
     name: &str,
@@ -236,6 +246,9 @@ pub(crate) async fn route(
     max_prompt_tokens: usize,
     req: RouteRequest,
 ) -> Result<(String, RouteDecision), ErrorReply> {
+    // Sizes first: nothing below copies, logs or looks up an oversize input.
+    req.check_limits()
+        .map_err(|e| over_limit(shared, &req.model, e))?;
     // Not entered: the overlap query may await (an entered span is not Send).
     let _span = tracing::debug_span!("route", model = %req.model, request_id = %req.request_id);
     if let Some(stalled) = shared.stall.stalled(crate::clock::now()) {
@@ -254,7 +267,7 @@ pub(crate) async fn route(
             ),
         ));
     }
-    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     let (local, seq) = hash_prompt(
         m,
         &req.tokens,
@@ -364,7 +377,9 @@ async fn overlap_scores(
     max_prompt_tokens: usize,
     req: OverlapRequest,
 ) -> Result<OverlapScoresReply, ErrorReply> {
-    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    req.check_limits()
+        .map_err(|e| over_limit(shared, &req.model, e))?;
+    let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     let (local, _) = hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
     let mut found = m.find_overlaps(&local).await;
@@ -383,7 +398,9 @@ async fn potential_loads(
     max_prompt_tokens: usize,
     req: OverlapRequest,
 ) -> Result<Vec<PotentialLoad>, ErrorReply> {
-    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    req.check_limits()
+        .map_err(|e| over_limit(shared, &req.model, e))?;
+    let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     let (local, seq) = hash_prompt(m, &req.tokens, req.lora.as_deref(), None, max_prompt_tokens)
         .map_err(|e| error(shared, &req.model, e))?;
     let overlaps = m.find_overlaps(&local).await;
@@ -414,7 +431,9 @@ pub(crate) async fn update(
     endpoint: Endpoint,
     req: RequestUpdate,
 ) -> Result<(), ErrorReply> {
-    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    req.check_limits()
+        .map_err(|e| over_limit(shared, &req.model, e))?;
+    let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     let (tx, rx) = oneshot::channel();
     let msg = match endpoint {
         Endpoint::MarkPrefill => SchedulerMsg::MarkPrefill(req.request_id.clone(), tx),
@@ -428,7 +447,9 @@ pub(crate) async fn output_block(
     shared: &ReplicaShared,
     req: OutputBlock,
 ) -> Result<(), ErrorReply> {
-    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    req.check_limits()
+        .map_err(|e| over_limit(shared, &req.model, e))?;
+    let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     if let Some(f) = req.invalid_decay_fraction() {
         return Err(error(
             shared,
@@ -451,10 +472,12 @@ pub(crate) async fn output_block(
 /// A caller abandoned a route call after asking more than one replica: unless this replica's
 /// answer is the one it kept, the model's scheduler drops its booking of it.
 fn abandon(shared: &ReplicaShared, req: Abandon) -> Result<(), ErrorReply> {
+    req.check_limits()
+        .map_err(|e| over_limit(shared, &req.model, e))?;
     if req.kept_by.as_deref() == Some(shared.replica_id.as_str()) {
         return Ok(());
     }
-    let m = model(shared, &req.model).map_err(|e| error(shared, "", e))?;
+    let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     m.scheduler
         .send_message(SchedulerMsg::Abandon {
             request_id: req.request_id,

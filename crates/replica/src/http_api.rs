@@ -15,7 +15,10 @@ use errors::ApiError;
 use json::{RouteAnswer, RouteBody, UpdateBody, WorkersAnswer};
 use kvrouter_admin::{percent_decode, query_param, ApiPage, ApiRequest, ApiResponse, Method};
 use kvrouter_bus::BusError;
-use kvrouter_protocol::{decode, encode, ErrorKind, OutputBlock, Reply, RequestUpdate};
+use kvrouter_protocol::limits::{check_len, check_model, MAX_REPLICA_ID_BYTES};
+use kvrouter_protocol::{
+    check_request_id, decode, encode, ErrorKind, OutputBlock, Reply, RequestUpdate,
+};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,6 +111,9 @@ async fn route(shared: &ReplicaShared, body: &[u8]) -> Result<String, ApiError> 
     // Counted from here, so a shutdown waits for this answer.
     let _inflight = shared.inflight.enter();
     let body: RouteBody = json::parse(body).map_err(|e| refused(shared, "", e))?;
+    if let Err(e) = check_model(&body.model) {
+        return Err(refused(shared, "", ApiError::invalid(e.to_string())));
+    }
     let model = body.model.clone();
     if shared.draining.load(Ordering::Relaxed) {
         return Err(refused(
@@ -147,7 +153,13 @@ async fn update(
                 )),
             )
         })?;
+    if let Err(e) = check_request_id(&request_id) {
+        return Err(refused(shared, "", ApiError::invalid(e.to_string())));
+    }
     let body: UpdateBody = json::parse(body).map_err(|e| refused(shared, "", e))?;
+    if let Err(e) = check_model(&body.model) {
+        return Err(refused(shared, "", ApiError::invalid(e.to_string())));
+    }
     let model = body.model.clone();
     if body.decay_fraction.is_some() && endpoint != Endpoint::OutputBlock {
         return Err(refused(
@@ -198,6 +210,9 @@ async fn forward(
     replica_id: &str,
     payload: Vec<u8>,
 ) -> Result<(), ApiError> {
+    if let Err(e) = check_len("replica_id", replica_id, MAX_REPLICA_ID_BYTES) {
+        return Err(ApiError::invalid(e.to_string()));
+    }
     if !crate::config::valid_replica_id(replica_id) {
         return Err(ApiError::invalid(format!(
             "invalid replica_id {replica_id:?}: a replica id is letters, digits, '-' and '_'"
@@ -249,7 +264,10 @@ async fn workers(shared: &ReplicaShared, query: &str) -> Result<String, ApiError
     let mut models: Vec<&Arc<ModelShared>> = match query_param(query, "model") {
         Some(raw) => {
             let name = percent_decode(raw).unwrap_or_default();
-            vec![endpoints::model(shared, &name).map_err(|e| refused(shared, "", e.into()))?]
+            if let Err(e) = check_model(&name) {
+                return Err(refused(shared, "", ApiError::invalid(e.to_string())));
+            }
+            vec![endpoints::model(shared, &name).map_err(|e| refused(shared, &name, e.into()))?]
         }
         None => shared.models.values().collect(),
     };

@@ -76,9 +76,16 @@ fn overlap_histogram() -> Histogram {
     ])
 }
 
+/// The `model` label of a request for a model this replica does not serve: labels come only
+/// from configured names, so no caller can grow `/metrics` by naming models.
+pub const OTHER_MODEL: &str = "_other";
+
 /// Every metric a replica exports.
 pub struct Metrics {
     registry: Registry,
+    /// The models this replica serves: the only `model` labels besides [`OTHER_MODEL`] and
+    /// `""` (a request whose model is not known yet, e.g. undecodable).
+    served: std::collections::HashSet<String>,
     pub routes: Family<ModelLabels, Counter>,
     pub route_errors: Family<ErrorLabels, Counter>,
     pub overlap_blocks: HistogramFamily<ModelLabels>,
@@ -159,7 +166,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Metrics of a replica that serves no model (every model label is [`OTHER_MODEL`]).
     pub fn new() -> Self {
+        Self::for_models(std::iter::empty::<String>())
+    }
+
+    /// Metrics of a replica serving `models`: a request naming any other model is counted
+    /// under [`OTHER_MODEL`].
+    pub fn for_models<S: Into<String>>(models: impl IntoIterator<Item = S>) -> Self {
         let mut registry = Registry::with_prefix("kvrouter");
         macro_rules! reg {
             ($name:literal, $help:literal, $metric:expr) => {{
@@ -389,6 +403,17 @@ impl Metrics {
                 Family::default()
             ),
             registry,
+            served: models.into_iter().map(Into::into).collect(),
+        }
+    }
+
+    /// The `model` label for a name a caller sent: itself when served (or empty),
+    /// [`OTHER_MODEL`] otherwise.
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if model.is_empty() || self.served.contains(model) {
+            model
+        } else {
+            OTHER_MODEL
         }
     }
 
@@ -413,7 +438,7 @@ impl Metrics {
     pub fn error(&self, model: &str, kind: ErrorKind) {
         self.route_errors
             .get_or_create(&ErrorLabels {
-                model: model.to_string(),
+                model: self.model_label(model).to_string(),
                 kind: kind.as_str().to_string(),
             })
             .inc();
@@ -443,8 +468,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn errors_for_unserved_models_share_one_label() {
+        let m = Metrics::for_models(["m"]);
+        m.error("m", ErrorKind::EmptyPrompt);
+        m.error("", ErrorKind::Malformed);
+        let before = m.render().len();
+        for i in 0..1000 {
+            m.error(
+                &format!("random-{i}-{}", "x".repeat(1000)),
+                ErrorKind::UnknownModel,
+            );
+        }
+        let text = m.render();
+        assert!(text
+            .contains(r#"kvrouter_route_errors_total{model="_other",kind="unknown_model"} 1000"#));
+        assert!(text.contains(r#"kvrouter_route_errors_total{model="m",kind="empty_prompt"} 1"#));
+        assert!(text.contains(r#"kvrouter_route_errors_total{model="",kind="malformed"} 1"#));
+        assert!(text.len() < before + 200, "{} -> {}", before, text.len());
+        assert_eq!(Metrics::new().model_label("m"), OTHER_MODEL);
+    }
+
+    #[test]
     fn departed_series_disappear() {
-        let m = Metrics::new();
+        let m = Metrics::for_models(["m"]);
         let key = WorkerKey::new(42, 3);
         m.active_blocks
             .get_or_create(&KeyLabels::new("m", key))

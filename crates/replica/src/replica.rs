@@ -484,7 +484,7 @@ impl Replica {
             .replica_id
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::for_models(config.models.iter().cloned()));
         let mut models = Vec::new();
         let mut shared_models = HashMap::new();
         for (i, name) in config.models.iter().enumerate() {

@@ -36,16 +36,79 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 /// A peer silent for this long is gone.
 pub const PEER_LEASE: Duration = Duration::from_secs(3);
 
-/// Peer changes buffered while catching up, before the oldest are dropped (then the
-/// request-timeout sweep bounds the damage).
+/// Peer changes buffered while catching up (or while one peer's requests are fetched
+/// again), before the buffer is dropped (then the request-timeout sweep bounds the damage).
 const MAX_BUFFERED: usize = 1 << 16;
+/// The same buffers' bound in bytes (ids and sequence hashes, see [`change_bytes`]).
+pub const MAX_BUFFERED_BYTES: usize = 64 << 20;
+/// The largest catch-up answer (a peer's whole active set, or its own requests) collected,
+/// in bytes: a longer one is cut short (snapshot) or fails (a peer's own requests).
+pub const MAX_CATCH_UP_BYTES: usize = 256 << 20;
+/// The longest global request id a peer may send: its replica id, `:`, a request id and a
+/// disaggregated prefill half's `/prefill`. Changes with longer ids are refused.
+pub const MAX_SYNC_ID_BYTES: usize = kvrouter_protocol::limits::MAX_REPLICA_ID_BYTES
+    + 1
+    + kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES
+    + "/prefill".len();
+
+/// What a change holds in memory, about: its id, its sequence hashes and a fixed overhead.
+pub fn change_bytes(change: &SeqChange) -> usize {
+    let hashes = match change {
+        SeqChange::Add {
+            sequence_hashes, ..
+        } => sequence_hashes.len() * std::mem::size_of::<SequenceHash>(),
+        _ => 0,
+    };
+    change_id(change).len() + hashes + std::mem::size_of::<SeqChange>()
+}
+
+/// Whether a peer's change is within the limits (its id within [`MAX_SYNC_ID_BYTES`]).
+pub fn within_limits(change: &SeqChange) -> bool {
+    change_id(change).len() <= MAX_SYNC_ID_BYTES
+}
+
+/// A buffer of peer changes bounded by count and bytes.
+struct Held<T> {
+    changes: Vec<T>,
+    bytes: usize,
+}
+
+impl<T> Default for Held<T> {
+    fn default() -> Self {
+        Self {
+            changes: Vec::new(),
+            bytes: 0,
+        }
+    }
+}
+
+impl<T> Held<T> {
+    /// Adds `changes` (sized by `size`); when that would pass either bound, what was held is
+    /// dropped first (returned as the count dropped).
+    fn extend(&mut self, changes: Vec<T>, size: impl Fn(&T) -> usize) -> u64 {
+        let bytes: usize = changes.iter().map(&size).sum();
+        let mut dropped = 0;
+        if self.changes.len() + changes.len() > MAX_BUFFERED
+            || self.bytes + bytes > MAX_BUFFERED_BYTES
+        {
+            dropped = self.changes.len() as u64;
+            self.changes.clear();
+            self.bytes = 0;
+        }
+        self.changes.extend(changes);
+        self.bytes += bytes;
+        dropped
+    }
+}
 
 pub struct ReplicaSync {
     replica_id: String,
     outbox: Vec<SeqChange>,
     /// `Some` until the catch-up snapshot is applied.
-    buffer: Option<Vec<SeqChange>>,
+    buffer: Option<Held<SeqChange>>,
     dropped: u64,
+    /// Peer changes refused for ids over [`MAX_SYNC_ID_BYTES`].
+    refused: u64,
     /// Live peers and when each was last heard from.
     peers: FxHashMap<String, Instant>,
     /// Origins of catch-up snapshot entries not heard from themselves yet (e.g. crashed
@@ -58,7 +121,7 @@ pub struct ReplicaSync {
     /// Peers whose own requests are being fetched again after a lost batch, with their
     /// changes since, each with its batch's sequence number (those the answer does not
     /// cover apply after it).
-    resyncing: FxHashMap<String, Vec<(u64, SeqChange)>>,
+    resyncing: FxHashMap<String, Held<(u64, SeqChange)>>,
     /// Peers that lost us a batch while we were catching up: fetched once the snapshot is
     /// in (the snapshot's source may have had the lost change or not).
     deferred: Vec<String>,
@@ -90,8 +153,9 @@ impl ReplicaSync {
         Self {
             replica_id: replica_id.to_string(),
             outbox: Vec::new(),
-            buffer: catch_up.then(Vec::new),
+            buffer: catch_up.then(Held::default),
             dropped: 0,
+            refused: 0,
             peers: FxHashMap::default(),
             unconfirmed: FxHashMap::default(),
             last_sent: None,
@@ -143,7 +207,7 @@ impl ReplicaSync {
                 self.deferred.push(peer.to_string());
             }
         } else if !self.resyncing.contains_key(peer) {
-            self.resyncing.insert(peer.to_string(), Vec::new());
+            self.resyncing.insert(peer.to_string(), Held::default());
             self.fetches.push(peer.to_string());
         }
     }
@@ -174,7 +238,7 @@ impl ReplicaSync {
             covered = answer_seq;
             let theirs: Vec<SeqChange> = answer
                 .into_iter()
-                .filter(|c| Self::is_from(change_id(c), peer))
+                .filter(|c| within_limits(c) && Self::is_from(change_id(c), peer))
                 .collect();
             let live: rustc_hash::FxHashSet<&str> = theirs.iter().map(change_id).collect();
             for id in held {
@@ -207,6 +271,7 @@ impl ReplicaSync {
         }
         out.extend(
             buffered
+                .changes
                 .into_iter()
                 .filter(|&(seq, _)| seq > covered)
                 .map(|(_, c)| c),
@@ -307,23 +372,20 @@ impl ReplicaSync {
         }
         let new = self.peers.insert(from.to_string(), now).is_none();
         self.unconfirmed.remove(from);
+        let mut changes = changes;
+        let before = changes.len();
+        changes.retain(within_limits);
+        self.refused += (before - changes.len()) as u64;
         if let Some(buf) = self.resyncing.get_mut(from) {
             let seq = self.seqs.get(from).map_or(0, |&(_, seq)| seq);
-            if buf.len() + changes.len() > MAX_BUFFERED {
-                self.dropped += buf.len() as u64;
-                buf.clear();
-            }
-            buf.extend(changes.into_iter().map(|c| (seq, c)));
+            let changes = changes.into_iter().map(|c| (seq, c)).collect();
+            self.dropped += buf.extend(changes, |(_, c)| change_bytes(c));
             return (Vec::new(), new);
         }
         let apply = match &mut self.buffer {
             None => changes,
             Some(buf) => {
-                if buf.len() + changes.len() > MAX_BUFFERED {
-                    self.dropped += buf.len() as u64;
-                    buf.clear();
-                }
-                buf.extend(changes);
+                self.dropped += buf.extend(changes, change_bytes);
                 Vec::new()
             }
         };
@@ -398,6 +460,7 @@ impl ReplicaSync {
             Some(buf) => {
                 let (ours, mut out): (Vec<SeqChange>, Vec<SeqChange>) = snapshot
                     .into_iter()
+                    .filter(within_limits)
                     .partition(|c| Self::is_from(change_id(c), &self.replica_id));
                 for c in ours {
                     if let SeqChange::Add { request_id, .. } = c {
@@ -413,7 +476,7 @@ impl ReplicaSync {
                         }
                     }
                 }
-                out.extend(buf);
+                out.extend(buf.changes);
                 for peer in std::mem::take(&mut self.deferred) {
                     self.start_resync(&peer);
                 }
@@ -425,6 +488,11 @@ impl ReplicaSync {
     /// Peer changes dropped because the catch-up buffer overflowed.
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+
+    /// Peer changes refused for an id over [`MAX_SYNC_ID_BYTES`].
+    pub fn refused(&self) -> u64 {
+        self.refused
     }
 }
 
@@ -758,5 +826,39 @@ mod tests {
             })
         ));
         assert_eq!(export_active(&core, None).len(), 2);
+    }
+
+    #[test]
+    fn peer_changes_are_bounded_in_id_length_and_buffered_bytes() {
+        let t0 = Instant::now();
+        let mut r = ReplicaSync::new("me", true);
+        let long = format!("p:{}", "x".repeat(MAX_SYNC_ID_BYTES));
+        let (apply, _) = r.on_peer_batch("p", vec![add(&long), add("p:ok")], t0);
+        assert!(apply.is_empty(), "still catching up");
+        assert_eq!(r.refused(), 1);
+        // A flood of large Adds: the buffer never holds more than its byte bound.
+        let big = |i: usize| SeqChange::Add {
+            request_id: format!("p:{i}"),
+            key: WorkerKey::new(1, 0),
+            sequence_hashes: vec![SequenceHash(7); 100_000],
+            prefill_tokens: 0,
+            output_blocks: 0,
+        };
+        let per = change_bytes(&big(0));
+        let n = MAX_BUFFERED_BYTES / per + 2;
+        for i in 0..n {
+            r.on_peer_batch("p", vec![big(i)], t0);
+            let held = r.buffer.as_ref().unwrap();
+            assert!(held.bytes <= MAX_BUFFERED_BYTES);
+            assert_eq!(
+                held.bytes,
+                held.changes.iter().map(change_bytes).sum::<usize>()
+            );
+        }
+        assert!(r.dropped() > 0, "the buffer overflowed and was dropped");
+        // Snapshots refuse oversize ids too.
+        let out = r.on_snapshot(vec![add(&long), add("q:fine")], t0, |_| false);
+        assert!(out.iter().all(within_limits));
+        assert!(out.iter().any(|c| change_id(c) == "q:fine"));
     }
 }

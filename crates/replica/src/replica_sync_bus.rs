@@ -2,6 +2,7 @@
 //! peers notice a lost batch), applying the peers', the catch-up snapshot a joining replica
 //! asks a peer for, and a peer's own requests fetched again after a lost batch.
 
+use crate::replica_sync::MAX_CATCH_UP_BYTES;
 use crate::scheduler_actor::SchedulerMsg;
 use crate::serve::forward;
 use crate::state::ReplicaShared;
@@ -238,9 +239,15 @@ async fn fetch_changes(
         .request_stream(subject, Bytes::from(payload), CATCH_UP_TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;
-    let (mut covered, mut out) = (0, Vec::new());
+    let (mut covered, mut out, mut held) = (0, Vec::new(), 0usize);
     while let Some(item) = stream.next().await {
         let bytes = item.map_err(|e| e.to_string())?;
+        held += bytes.len();
+        if held > MAX_CATCH_UP_BYTES {
+            return Err(format!(
+                "the answer passed {MAX_CATCH_UP_BYTES} bytes (the most a catch-up may hold)"
+            ));
+        }
         let batch = decode::<SyncBatch>(&bytes).map_err(|e| e.to_string())?;
         covered = covered.max(batch.seq);
         out.extend(batch.changes);
@@ -275,8 +282,15 @@ async fn fetch_snapshot(
             return Vec::new();
         }
     };
-    let mut out = Vec::new();
+    let (mut out, mut held) = (Vec::new(), 0usize);
     while let Some(item) = stream.next().await {
+        if let Ok(bytes) = &item {
+            held += bytes.len();
+            if held > MAX_CATCH_UP_BYTES {
+                tracing::warn!(model, limit = MAX_CATCH_UP_BYTES, "replica-sync catch-up answer passed its byte limit and was cut short; peers' later changes still apply");
+                break;
+            }
+        }
         if let Err(e @ BusError::NoResponders { .. }) = &item {
             // The in-process bus tells "nobody answers" here rather than at the request.
             tracing::info!(model, reason = %e, "no peer to catch up from; starting from no active sequences");

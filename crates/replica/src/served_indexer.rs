@@ -154,31 +154,52 @@ async fn announce(bus: &Bus, model: &ModelShared, replica_id: &str) {
 }
 
 /// Published decisions that arrive while a peer's dump is fetched, held to be recorded after
-/// it; past `max` the oldest are dropped (most likely in the dump already).
+/// it; past `max` of them, or [`MAX_HELD_BYTES`] of payload, the oldest are dropped (most
+/// likely in the dump already).
 #[derive(Debug)]
 pub struct HeldRecords {
     held: VecDeque<Bytes>,
     max: usize,
+    max_bytes: usize,
+    bytes: usize,
     dropped: u64,
 }
 
 /// Decisions held while a dump is fetched, at most.
 const MAX_HELD_RECORDS: usize = 65_536;
+/// Bytes of decisions held while a dump is fetched, at most (each is an encoded
+/// [`IndexerRecord`], up to the bus's max payload).
+pub const MAX_HELD_BYTES: usize = 64 << 20;
 
 impl HeldRecords {
     pub fn new(max: usize) -> Self {
+        Self::with_bytes(max, MAX_HELD_BYTES)
+    }
+
+    /// At most `max` records and `max_bytes` bytes of them.
+    pub fn with_bytes(max: usize, max_bytes: usize) -> Self {
         Self {
             held: VecDeque::new(),
             max: max.max(1),
+            max_bytes,
+            bytes: 0,
             dropped: 0,
         }
     }
 
     pub fn push(&mut self, payload: Bytes) {
-        if self.held.len() >= self.max {
-            self.held.pop_front();
+        if payload.len() > self.max_bytes {
+            self.dropped += 1;
+            return;
+        }
+        while self.held.len() >= self.max || self.bytes + payload.len() > self.max_bytes {
+            let Some(old) = self.held.pop_front() else {
+                break;
+            };
+            self.bytes -= old.len();
             self.dropped += 1;
         }
+        self.bytes += payload.len();
         self.held.push_back(payload);
     }
 
@@ -529,5 +550,19 @@ mod tests {
         let err = dump_chunks(Err("shard down".into()), None, max);
         let r: Reply<IndexerDumpChunk> = decode(&err[0]).unwrap();
         assert_eq!(r.into_result().unwrap_err().kind, ErrorKind::Internal);
+    }
+
+    #[test]
+    fn held_records_are_bounded_in_bytes() {
+        let mut h = HeldRecords::with_bytes(100, 10);
+        for i in 0..6u8 {
+            h.push(Bytes::from(vec![i; 3]));
+            assert!(h.bytes <= 10);
+        }
+        h.push(Bytes::from(vec![9; 11])); // larger than the bound: dropped at once
+        let (dropped, held) = h.take();
+        let firsts: Vec<u8> = held.iter().map(|b| b[0]).collect();
+        assert_eq!(firsts, [3, 4, 5]);
+        assert_eq!(dropped, 4);
     }
 }

@@ -64,6 +64,70 @@ impl FetchFailure {
     }
 }
 
+/// How much of a rank's state answer its registered capacity can explain: every device-tier
+/// block it stores is in the worker's KV cache, so at most the index's own bound for that
+/// capacity (`block_limit_for_capacity`: capacity plus a quarter plus 64); lower tiers
+/// (host, disk, shared storage: not in the registration, usually larger than the GPU's)
+/// together up to [`LOWER_TIER_ALLOWANCE`] times that; every other item (a removed hash, a
+/// clear) counts as one block of the lower-tier allowance. An answer past either is refused
+/// as it streams in: the fetch fails (a warning names the worker and its capacity) and is
+/// retried with the usual backoff, the rank staying out of routing until an answer fits.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct StateBound {
+    pub device_blocks: u64,
+    pub other_items: u64,
+    device: u64,
+    other: u64,
+}
+
+/// Lower-tier blocks (and other items) a state answer may carry, per device block its
+/// registered capacity allows.
+pub const LOWER_TIER_ALLOWANCE: u64 = 16;
+
+impl StateBound {
+    pub fn for_capacity(capacity_blocks: u64) -> Self {
+        let device = capacity_blocks
+            .saturating_add(capacity_blocks / 4)
+            .saturating_add(64);
+        Self {
+            device_blocks: device,
+            other_items: device.saturating_mul(LOWER_TIER_ALLOWANCE),
+            device: 0,
+            other: 0,
+        }
+    }
+
+    /// Counts one chunk's events; `Err` with a message once the answer passes the bound.
+    pub fn count(&mut self, events: &[KvEvent]) -> Result<(), String> {
+        use kvrouter_protocol::{KvEventData, Tier};
+        for e in events {
+            let n = match &e.data {
+                KvEventData::Stored { blocks, .. } => blocks.len() as u64,
+                KvEventData::Removed { engine_hashes } => engine_hashes.len() as u64,
+                KvEventData::Cleared => 1,
+            };
+            if e.tier == Tier::Device && matches!(e.data, KvEventData::Stored { .. }) {
+                self.device = self.device.saturating_add(n);
+            } else {
+                self.other = self.other.saturating_add(n);
+            }
+        }
+        if self.device > self.device_blocks {
+            return Err(format!(
+                "the state answer stores more than {} device blocks, more than the registered capacity explains; refused",
+                self.device_blocks
+            ));
+        }
+        if self.other > self.other_items {
+            return Err(format!(
+                "the state answer carries more than {} lower-tier blocks and other items ({LOWER_TIER_ALLOWANCE} times what the registered capacity explains); refused",
+                self.other_items
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Live events buffered per fetching rank before the buffer is dropped. Dropping is safe: the
 /// first live event after the snapshot then shows a gap and starts another fetch.
 const MAX_BUFFERED_EVENTS: usize = 65_536;
@@ -679,5 +743,37 @@ mod tests {
                 .first_sync
         );
         assert_eq!(s.unroutable(late), vec![WorkerKey::new(1, 1)]);
+    }
+
+    #[test]
+    fn a_state_answer_is_bounded_by_the_registered_capacity() {
+        use kvrouter_protocol::{EngineBlockHash, KvEventData, LocalBlockHash, StoredBlock, Tier};
+        let stored = |tier: Tier, n: u64| KvEvent {
+            key: K,
+            event_id: 0,
+            tier,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks: (0..n)
+                    .map(|i| StoredBlock {
+                        engine_hash: EngineBlockHash(i),
+                        local_hash: LocalBlockHash(i),
+                    })
+                    .collect(),
+            },
+        };
+        let mut b = StateBound::for_capacity(100);
+        assert_eq!(b.device_blocks, 100 + 25 + 64);
+        assert!(b.count(&[stored(Tier::Device, 189)]).is_ok());
+        let e = b.count(&[stored(Tier::Device, 1)]).unwrap_err();
+        assert!(e.contains("189 device blocks"), "{e}");
+        let mut b = StateBound::for_capacity(100);
+        for _ in 0..LOWER_TIER_ALLOWANCE {
+            assert!(b.count(&[stored(Tier::Host, 189)]).is_ok());
+        }
+        assert!(b.count(&[stored(Tier::Disk, 1)]).is_err());
+        // The largest capacity a registration may claim does not overflow.
+        let b = StateBound::for_capacity(u64::MAX);
+        assert_eq!(b.other_items, u64::MAX);
     }
 }

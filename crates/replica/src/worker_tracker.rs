@@ -11,7 +11,7 @@ use crate::layouts::WorkerLayout;
 use crate::metrics::{Metrics, ModelLabels};
 use crate::scheduler_actor::SchedulerMsg;
 use crate::status::ModelStatus;
-use crate::worker_state::{EventOutcome, FetchLimits, WorkerStateSync};
+use crate::worker_state::{EventOutcome, FetchLimits, StateBound, WorkerStateSync};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
 use kvrouter_indexer::{block_limit_for_capacity, RankDump, ShardedIndex};
@@ -136,8 +136,13 @@ impl TrackerState {
             let subject = self.args.subjects.state(key.worker_id);
             let timeout = self.args.fetch_timeout;
             let myself = myself.clone();
+            let bound = StateBound::for_capacity(
+                self.discovery
+                    .capacity_blocks(key.worker_id)
+                    .unwrap_or_default(),
+            );
             tokio::spawn(async move {
-                let result = fetch_state(&bus, &subject, key, instance_id, timeout).await;
+                let result = fetch_state(&bus, &subject, key, instance_id, timeout, bound).await;
                 let _ = myself.send_message(TrackerMsg::Snapshot {
                     key,
                     instance_id,
@@ -355,13 +360,15 @@ impl TrackerState {
     }
 }
 
-/// Fetches one rank's state as a stream of chunks.
+/// Fetches one rank's state as a stream of chunks, refusing it (and stopping to read) once
+/// it passes what the worker's registered capacity explains ([`StateBound`]).
 async fn fetch_state(
     bus: &Bus,
     subject: &str,
     key: WorkerKey,
     instance_id: Uuid,
     timeout: Duration,
+    mut bound: StateBound,
 ) -> Result<(Option<EventId>, Vec<KvEvent>), String> {
     let query = encode(&StateQuery {
         dp_rank: key.dp_rank,
@@ -391,6 +398,7 @@ async fn fetch_state(
         }
         last = chunk.last_event_id;
         chunks += 1;
+        bound.count(&chunk.events)?;
         events.extend(chunk.events.into_iter().filter(|e| e.key == key));
     }
     if chunks == 0 {

@@ -138,6 +138,9 @@ pub struct SchedulerConfig {
     pub policy: RoutingPolicy,
     /// In which order queued requests are retried.
     pub queue_policy: QueuePolicy,
+    /// The largest `priority_jump` a request gets, in seconds (finite, ≥ 0): a larger one
+    /// counts as this much (clamped, not refused), so no caller jumps the queue by more.
+    pub max_priority_jump: f64,
 }
 
 /// Default credit of a host-memory hit: a transfer over PCIe, far cheaper than a prefill
@@ -185,6 +188,7 @@ impl Default for SchedulerConfig {
             seed: 0,
             policy: RoutingPolicy::Kv,
             queue_policy: QueuePolicy::Fcfs,
+            max_priority_jump: kvrouter_protocol::limits::DEFAULT_MAX_PRIORITY_JUMP_SECS,
         }
     }
 }
@@ -204,6 +208,7 @@ impl SchedulerConfig {
             ("prefill_load_scale", self.prefill_load_scale),
             ("active_prefix_credit", self.active_prefix_credit),
             ("temperature", self.temperature),
+            ("max_priority_jump", self.max_priority_jump),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return bad(format!("{name} must be a finite number ≥ 0, got {v}"));
@@ -245,7 +250,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_values() {
-        let cases: [fn(&mut SchedulerConfig); 13] = [
+        let cases: [fn(&mut SchedulerConfig); 15] = [
+            |c| c.max_priority_jump = -1.0,
+            |c| c.max_priority_jump = f64::INFINITY,
             |c| c.active_prefix_credit = -1.0,
             |c| c.active_prefix_credit = f64::NAN,
             |c| c.block_size = 0,

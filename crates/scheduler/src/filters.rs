@@ -6,6 +6,8 @@
 use crate::active::{ActiveSequences, Slot};
 use crate::error::ScheduleError;
 use kvrouter_protocol::{Pin, WorkerId, WorkerKey};
+use rustc_hash::FxHashSet;
+use std::hash::Hash;
 
 /// The filters of one request, owned (what a route job and a queued request carry).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -116,7 +118,8 @@ impl FilterView<'_> {
             || self.allowed_keys.is_some()
     }
 
-    /// True if the filters let `key` serve the request (registered or not).
+    /// True if the filters let `key` serve the request (registered or not). Scans the lists:
+    /// for one key at a time (the scheduler's candidates use hash sets).
     pub fn allows(&self, key: WorkerKey) -> bool {
         let w = key.worker_id;
         self.allowed_workers.is_none_or(|a| a.contains(&w))
@@ -138,7 +141,10 @@ impl FilterView<'_> {
         if active.key_count() == 0 {
             return Err(ScheduleError::NoWorkers);
         }
-        let allowed = |w: WorkerId| self.allowed_workers.is_none_or(|a| a.contains(&w));
+        // Each list is looked up through a hash set built once here (a long list scanned
+        // per worker or per slot would be quadratic: a peer may send thousands of ids).
+        let allowed_set = self.allowed_workers.map(Members::new);
+        let allowed = |w: WorkerId| allowed_set.as_ref().is_none_or(|a| a.contains(&w));
         if let Some(key) = self.pinned {
             let slot = active.pinned_slot(key)?;
             if !allowed(key.worker_id) || self.pinned_worker.is_some_and(|w| w != key.worker_id) {
@@ -154,8 +160,10 @@ impl FilterView<'_> {
             }
             out.extend_from_slice(active.worker_slots(w));
         } else if let Some(list) = self.allowed_workers {
-            for (i, w) in list.iter().enumerate() {
-                if !list[..i].contains(w) {
+            // In the list's order, each worker once.
+            let mut seen = FxHashSet::default();
+            for w in list {
+                if active.has_worker(*w) && seen.insert(*w) {
                     out.extend_from_slice(active.worker_slots(*w));
                 }
             }
@@ -166,22 +174,46 @@ impl FilterView<'_> {
             out.extend(active.slots());
         }
         if !self.excluded_workers.is_empty() {
-            out.retain(|&s| {
-                !self
-                    .excluded_workers
-                    .contains(&active.state(s).key.worker_id)
-            });
+            let excluded = Members::new(self.excluded_workers);
+            out.retain(|&s| !excluded.contains(&active.state(s).key.worker_id));
             if out.is_empty() {
                 return Err(ScheduleError::NoAllowedWorkers);
             }
         }
         if let Some(keys) = self.allowed_keys {
+            let keys = Members::new(keys);
             out.retain(|&s| keys.contains(&active.state(s).key));
             if out.is_empty() {
                 return Err(ScheduleError::NoAllowedWorkers);
             }
         }
         Ok(())
+    }
+}
+
+/// Membership in a list: a scan while it is short, a hash set (built once, O(n)) past that.
+enum Members<'a, T> {
+    Few(&'a [T]),
+    Many(FxHashSet<T>),
+}
+
+impl<'a, T: Copy + Eq + Hash> Members<'a, T> {
+    /// Lists up to this long are scanned.
+    const SCAN: usize = 16;
+
+    fn new(list: &'a [T]) -> Self {
+        if list.len() <= Self::SCAN {
+            Self::Few(list)
+        } else {
+            Self::Many(list.iter().copied().collect())
+        }
+    }
+
+    fn contains(&self, x: &T) -> bool {
+        match self {
+            Self::Few(list) => list.contains(x),
+            Self::Many(set) => set.contains(x),
+        }
     }
 }
 
@@ -244,5 +276,112 @@ mod tests {
             .view()
             .allows(k(5, 9)));
         assert!(RouteFilters::default().view().allows(k(9, 9)));
+    }
+
+    /// What `candidates` answers, by brute force: each list scanned, duplicates kept out.
+    fn reference(keys: &[WorkerKey], v: &FilterView<'_>) -> Result<Vec<WorkerKey>, ScheduleError> {
+        if keys.is_empty() {
+            return Err(ScheduleError::NoWorkers);
+        }
+        let mut out: Vec<WorkerKey> = match v.allowed_workers {
+            Some(list) => {
+                let mut seen: Vec<WorkerId> = Vec::new();
+                let mut out = Vec::new();
+                for w in list {
+                    if !seen.contains(w) {
+                        seen.push(*w);
+                        out.extend(keys.iter().filter(|k| k.worker_id == *w));
+                    }
+                }
+                out
+            }
+            None => keys.to_vec(),
+        };
+        out.retain(|k| !v.excluded_workers.contains(&k.worker_id));
+        if let Some(allowed) = v.allowed_keys {
+            out.retain(|k| allowed.contains(k));
+        }
+        if out.is_empty() {
+            return Err(ScheduleError::NoAllowedWorkers);
+        }
+        Ok(out)
+    }
+
+    fn active_of(keys: &[WorkerKey]) -> ActiveSequences {
+        let mut a = ActiveSequences::default();
+        for k in keys {
+            a.add_key(*k, 10);
+        }
+        a
+    }
+
+    fn candidate_keys(
+        a: &ActiveSequences,
+        v: &FilterView<'_>,
+    ) -> Result<Vec<WorkerKey>, ScheduleError> {
+        let mut out = Vec::new();
+        v.candidates(a, &mut out)?;
+        Ok(out.iter().map(|&s| a.state(s).key).collect())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 256,
+            failure_persistence: None,
+            ..Default::default()
+        })]
+
+        /// Long lists full of duplicates and unknown workers (short and long enough for the
+        /// hash sets) pick what a plain scan picks, in the same order.
+        #[test]
+        fn lists_with_duplicates_match_a_scan(
+            workers in proptest::collection::btree_set(0u64..40, 0..12),
+            ranks in 1u32..3,
+            allowed in proptest::option::of(proptest::collection::vec(0u64..48, 0..80)),
+            excluded in proptest::collection::vec(0u64..48, 0..40),
+            allowed_keys in proptest::option::of(
+                proptest::collection::vec((0u64..48, 0u32..3), 0..40)
+            ),
+        ) {
+            let keys: Vec<WorkerKey> = workers
+                .iter()
+                .flat_map(|&w| (0..ranks).map(move |r| k(w, r)))
+                .collect();
+            let a = active_of(&keys);
+            let allowed_keys: Option<Vec<WorkerKey>> =
+                allowed_keys.map(|l| l.into_iter().map(|(w, r)| k(w, r)).collect());
+            let v = FilterView {
+                allowed_workers: allowed.as_deref(),
+                excluded_workers: &excluded,
+                allowed_keys: allowed_keys.as_deref(),
+                ..FilterView::default()
+            };
+            proptest::prop_assert_eq!(candidate_keys(&a, &v), reference(&keys, &v));
+        }
+    }
+
+    #[test]
+    fn two_hundred_thousand_entries_are_filtered_at_once() {
+        // 200,000 allowed entries (every one a duplicate of a few workers, or unknown) and
+        // 200,000 excluded ones: linear work, so this finishes in milliseconds (the old
+        // per-entry scan of the list before it took seconds).
+        let keys: Vec<WorkerKey> = (0..64).map(|w| k(w, 0)).collect();
+        let a = active_of(&keys);
+        let allowed: Vec<WorkerId> = (0..200_000u64).map(|i| i % 1000).collect();
+        let excluded: Vec<WorkerId> = (0..200_000u64).map(|i| 1000 + i).chain([3]).collect();
+        let v = FilterView {
+            allowed_workers: Some(&allowed),
+            excluded_workers: &excluded,
+            ..FilterView::default()
+        };
+        let got = candidate_keys(&a, &v).unwrap();
+        let want: Vec<WorkerKey> = (0..64).filter(|&w| w != 3).map(|w| k(w, 0)).collect();
+        assert_eq!(got, want);
+        let only_unknown: Vec<WorkerId> = (1000..201_000).collect();
+        let v = FilterView {
+            allowed_workers: Some(&only_unknown),
+            ..FilterView::default()
+        };
+        assert_eq!(candidate_keys(&a, &v), Err(ScheduleError::NoAllowedWorkers));
     }
 }

@@ -8,6 +8,7 @@ use crate::error::ScheduleError;
 use crate::queue::{Overloaded, Queued, RequestQueue};
 use crate::route_query::RouteQuery;
 use fastrand::Rng;
+use kvrouter_protocol::limits::MAX_EXPECTED_OUTPUT_TOKENS;
 use kvrouter_protocol::{SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use std::time::{Duration, Instant};
 
@@ -260,10 +261,19 @@ impl<P> Scheduler<P> {
         Ok(sel)
     }
 
-    /// Blocks the request's expected output fills (rounded up).
-    fn expected_output_blocks(&self, req: &RouteQuery<'_>) -> u32 {
-        let tokens = req.expected_output_tokens.unwrap_or(0);
-        tokens.div_ceil(self.config.block_size.max(1))
+    /// Blocks the request's expected output fills (rounded up), at most
+    /// [`MAX_EXPECTED_OUTPUT_TOKENS`] worth and at most the chosen key's registered capacity
+    /// (when known): no one request's output outgrows the rank's KV cache.
+    fn expected_output_blocks(&self, req: &RouteQuery<'_>, slot: Slot) -> u32 {
+        let tokens = req
+            .expected_output_tokens
+            .unwrap_or(0)
+            .min(MAX_EXPECTED_OUTPUT_TOKENS);
+        let blocks = tokens.div_ceil(self.config.block_size.max(1));
+        match self.active.state(slot).load.capacity_blocks {
+            0 => blocks,
+            cap => blocks.min(u32::try_from(cap).unwrap_or(u32::MAX)),
+        }
     }
 
     /// Records a routed request as an active sequence on its chosen slot.
@@ -280,7 +290,7 @@ impl<P> Scheduler<P> {
             sel.overlap_blocks,
             self.config.block_size,
         );
-        let output = self.expected_output_blocks(req);
+        let output = self.expected_output_blocks(req, slot);
         let blocks_before = self.active.state(slot).load.active_blocks;
         self.active
             .add(request_id, slot, req.sequence_hashes, prefill, output, now)?;
@@ -381,7 +391,7 @@ impl<P> Scheduler<P> {
     pub fn enqueue(&mut self, mut pending: Queued<P>) -> Result<(), Overloaded<P>> {
         // A priority jump of `j` seconds: under fcfs the request counts as arrived `j`
         // earlier; under wspt its weight is `1 + j` (its uncached tokens divided by it).
-        let jump = pending.priority_jump;
+        let jump = clamp_priority_jump(pending.priority_jump, self.config.max_priority_jump);
         pending.order = match self.config.queue_policy {
             QueuePolicy::Fcfs => {
                 let waited = pending.enqueued_at.saturating_duration_since(self.epoch);
@@ -709,6 +719,16 @@ impl<P> Scheduler<P> {
 /// Busy thresholds. The blocks threshold uses the larger of the tracked and the reported
 /// active blocks (an engine's own figure is the fresher one when it is higher), and does not
 /// apply to a key of unknown (0) capacity. Waiting requests are the engine's own count.
+/// A request's priority jump as the queue counts it: at most `max` seconds; a value that is
+/// not a finite number ≥ 0 (replicas refuse those before they get here) counts as none.
+pub fn clamp_priority_jump(jump: f64, max: f64) -> f64 {
+    if jump.is_finite() && jump > 0.0 {
+        jump.min(max)
+    } else {
+        0.0
+    }
+}
+
 fn is_busy(config: &SchedulerConfig, load: &KeyLoad) -> bool {
     if let Some(frac) = config.busy_active_blocks_frac {
         if load.capacity_blocks > 0 {
@@ -1493,6 +1513,70 @@ mod tests {
             placed.push(prev);
         }
         placed
+    }
+
+    #[test]
+    fn priority_jumps_are_clamped_to_the_configured_maximum() {
+        assert_eq!(clamp_priority_jump(1e308, 60.0), 60.0);
+        assert_eq!(clamp_priority_jump(2.5, 60.0), 2.5);
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -1.0] {
+            assert_eq!(clamp_priority_jump(bad, 60.0), 0.0, "{bad}");
+        }
+        // A 1e308 jump passes no more than a 1.5 s one when the maximum is 1.5 s.
+        let mut s = sched(|c| {
+            c.block_size = 4;
+            c.busy_prefill_tokens = Some(1);
+            c.max_queued_requests = 8;
+            c.queue_timeout = Duration::from_secs(10);
+            c.max_priority_jump = 1.5;
+        });
+        let t0 = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        let h = hs(&[1]);
+        s.route(&RouteQuery::new(4, &h), &[], "busy".into(), true, t0)
+            .unwrap();
+        for (i, (name, jump)) in [("first", 0.0), ("second", 0.0), ("huge", 1e308)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut q = RouteQuery::new(4, &h);
+            q.priority_jump = jump;
+            let at = t0 + Duration::from_secs(i as u64);
+            s.enqueue(Queued::new(&q, &[], name.into(), true, at, i as u32))
+                .unwrap();
+        }
+        assert!(s.mark_prefill("busy"));
+        let out = s.drain_ready(t0 + Duration::from_secs(5));
+        // "huge" arrived 2 s after "first": 1.5 s of jump passes "second" only.
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, 0, "the first arrival is still first: {out:?}");
+        assert!(s.mark_prefill("first"));
+        let out = s.drain_ready(t0 + Duration::from_secs(5));
+        assert_eq!(out[0].0, 2, "the clamped jump passes the second arrival");
+    }
+
+    #[test]
+    fn expected_output_is_clamped_to_the_cap_and_the_rank_capacity() {
+        let mut s = sched(|c| c.block_size = 4);
+        let t0 = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        s.add_worker_key(k(2, 0), 0); // unknown capacity: only the constant cap applies
+        let h = hs(&[1]);
+        let mut q = RouteQuery::new(4, &h);
+        q.expected_output_tokens = Some(u32::MAX);
+        q.filters = FilterView {
+            pinned: Some(k(1, 0)),
+            ..FilterView::default()
+        };
+        s.route(&q, &[], "a".into(), true, t0).unwrap();
+        assert_eq!(s.output_blocks("a"), Some(100), "the rank's capacity");
+        q.filters.pinned = Some(k(2, 0));
+        s.route(&q, &[], "b".into(), true, t0).unwrap();
+        assert_eq!(
+            s.output_blocks("b"),
+            Some(MAX_EXPECTED_OUTPUT_TOKENS / 4),
+            "the constant cap"
+        );
     }
 
     #[test]

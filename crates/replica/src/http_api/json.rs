@@ -90,6 +90,15 @@ pub struct KvrouterOverrides {
 
 /// `"WORKER"` or `"WORKER:RANK"`.
 pub fn parse_pin(s: &str) -> Result<Pin, ApiError> {
+    // "18446744073709551615:4294967295" with some room for spaces; a longer one is not
+    // echoed back.
+    const LONGEST_PIN: usize = 64;
+    if s.len() > LONGEST_PIN {
+        return Err(ApiError::invalid(format!(
+            "pin is {} bytes long: expected \"WORKER\" or \"WORKER:RANK\"",
+            s.len()
+        )));
+    }
     s.parse().map_err(|e| {
         ApiError::invalid(format!(
             "pin {s:?}: expected \"WORKER\" or \"WORKER:RANK\"; {e}"

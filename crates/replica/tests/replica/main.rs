@@ -5,6 +5,7 @@ mod approx;
 mod disagg;
 mod in_process;
 mod indexer;
+mod limits;
 mod peers;
 mod replica_sync_model;
 mod support;

@@ -147,7 +147,8 @@ fn scheduler_op() -> impl Strategy<Value = SchedulerOp> {
         prop::bool::weighted(0.85),
         prop::option::weighted(0.1, 0usize..100),
         any::<bool>(),
-        // Differences between these are never a multiple of the 1.5 s step: no fcfs ties.
+        // Differences between these (4.7 clamped to MAX_JUMP) are never a multiple of the
+        // 1.5 s step: no fcfs ties.
         prop::sample::select(vec![0.0, 0.0, 0.4, 2.0, 4.7]),
         prop::option::weighted(0.3, 0u32..12),
     )
@@ -621,6 +622,9 @@ fn check_state(s: &Scheduler<u64>, m: &SchedulerModel) {
     assert_eq!(s.queue_len(), m.queue.len());
 }
 
+/// The scheduler's `max_priority_jump`: the 4.7 s jumps are clamped to it.
+const MAX_JUMP: f64 = 4.2;
+
 fn run_against_model(cfg: Cfg, ops: Vec<SchedulerOp>) {
     let config = SchedulerConfig {
         host_cache_hit_weight: HOST_W,
@@ -645,6 +649,7 @@ fn run_against_model(cfg: Cfg, ops: Vec<SchedulerOp>) {
         } else {
             QueuePolicy::Fcfs
         },
+        max_priority_jump: MAX_JUMP,
     };
     let mut s: Scheduler<u64> = Scheduler::new(config).unwrap();
     let mut m = SchedulerModel {
@@ -767,6 +772,8 @@ fn run_against_model(cfg: Cfg, ops: Vec<SchedulerOp>) {
                             match s.enqueue(r) {
                                 Ok(()) => {
                                     assert!(m.queue.len() < m.cfg.max_queued);
+                                    // The scheduler clamps jumps to its maximum.
+                                    let priority_jump = priority_jump.min(MAX_JUMP);
                                     let order = if m.cfg.wspt {
                                         let best = cached.overlaps.iter().map(|o| o.1).max();
                                         let cached_tokens =

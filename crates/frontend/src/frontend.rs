@@ -263,6 +263,10 @@ impl Frontend {
             .with_overrides(req.router.overrides)
             .with_priority_jump(req.router.priority_jump)
             .with_expected_output_tokens(req.router.expected_output_tokens);
+        // Refused here with a 400 rather than by every replica it would be sent to.
+        route
+            .check_limits()
+            .map_err(|e| ApiError::invalid(Some("kvrouter"), e.to_string()))?;
         let mut body = req.rest.clone();
         body.insert("model".into(), req.model.clone().into());
         body.insert("stream".into(), true.into());

@@ -299,6 +299,16 @@ fn parse_router_ext(v: Value) -> Result<RouterExt, ApiError> {
                     .as_array()
                     .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>())
                     .ok_or_else(|| bad(&param, "allowed_workers must be a list of worker ids"))?;
+                let most = kvrouter_protocol::limits::MAX_WORKER_LIST_LEN;
+                if ids.len() > most {
+                    return Err(bad(
+                        &param,
+                        format!(
+                            "allowed_workers has {} entries, over the limit of {most}",
+                            ids.len()
+                        ),
+                    ));
+                }
                 ext.allowed_workers = Some(ids);
             }
             "pin" => {
@@ -532,6 +542,17 @@ mod tests {
         let (r, bytes) = kvrouter_testkit::allocated_during(|| parse(endpoint, body));
         drop(r);
         bytes
+    }
+
+    #[test]
+    fn a_worker_list_over_the_limit_is_refused() {
+        let most = kvrouter_protocol::limits::MAX_WORKER_LIST_LEN;
+        let ok = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                        "kvrouter": {"allowed_workers": vec![1; most]}});
+        assert!(chat(ok).is_ok());
+        let over = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                          "kvrouter": {"allowed_workers": vec![1; 200_000]}});
+        assert_eq!(param_of(chat(over)).as_deref(), Some("kvrouter.allowed_workers"));
     }
 
     #[test]

@@ -296,14 +296,31 @@ mod tests {
         fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..7) {
             let mut bytes = bytes;
             bytes.insert(0, v);
-            let _ = decode::<Registration>(&bytes);
+            prop_assert!(decode_within_bounds::<Registration>(&bytes));
         }
 
         #[test]
         fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..7) {
             let mut bytes = bytes;
             bytes.insert(0, v);
-            let _ = decode::<RouteRequest>(&bytes);
+            prop_assert!(decode_within_bounds::<RouteRequest>(&bytes));
+            prop_assert!(decode_within_bounds::<SyncBatch>(&bytes));
+        }
+
+        /// Valid messages with any 8 bytes overwritten (a length turned huge, a tag turned
+        /// unknown) decode or fail within the allocation bound.
+        #[test]
+        fn mutated_messages_decode_within_bounds(
+            events in prop::collection::vec(arb_event(), 1..32),
+            at in any::<prop::sample::Index>(),
+            word in prop_oneof![any::<u64>(), Just(u64::MAX), Just(1 << 32), Just(1 << 20)],
+        ) {
+            let mut bytes = encode(&events).unwrap();
+            let at = at.index(bytes.len().saturating_sub(8).max(1));
+            let end = (at + 8).min(bytes.len());
+            bytes[at..end].copy_from_slice(&word.to_le_bytes()[..end - at]);
+            prop_assert!(decode_within_bounds::<Vec<KvEvent>>(&bytes));
+            prop_assert!(decode_within_bounds::<SyncBatch>(&bytes));
         }
 
         #[test]
@@ -316,8 +333,8 @@ mod tests {
 
         #[test]
         fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
-            let _ = decode::<Vec<KvEvent>>(&bytes);
-            let _ = decode::<KvEvent>(&bytes);
+            prop_assert!(decode_within_bounds::<Vec<KvEvent>>(&bytes));
+            prop_assert!(decode_within_bounds::<KvEvent>(&bytes));
         }
 
         #[test]
@@ -327,6 +344,19 @@ mod tests {
                 prop_assert!(decode::<KvEvent>(&bytes[..cut]).is_err());
             }
         }
+    }
+
+    /// What decoding may allocate, in all (freed or not): 16 bytes per input byte (a
+    /// `u8`-tagged enum or a one-byte bool widened into its Rust value), plus serde's
+    /// cautious preallocation of at most 1 MiB for one claimed sequence that then fails.
+    fn decode_within_bounds<T: Wire>(bytes: &[u8]) -> bool {
+        let (r, allocated) = kvrouter_testkit::allocated_during(|| decode::<T>(bytes));
+        drop(r);
+        let bound = 16 * bytes.len() as u64 + (1 << 20) + 4096;
+        if allocated > bound {
+            eprintln!("{allocated} bytes allocated decoding {} bytes", bytes.len());
+        }
+        allocated <= bound
     }
 
     /// Routes cross versions: a version-4 request jumps no queue and expects no output; a

@@ -36,3 +36,8 @@ pub use subjects::{
 };
 pub use types::*;
 pub use wire::Wire;
+
+/// Unit tests measure what decoding allocates (see `codec`'s tests).
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: kvrouter_testkit::CountingAlloc = kvrouter_testkit::CountingAlloc;

@@ -599,3 +599,55 @@ fn good_bad_good() {
     assert_eq!(m.apply(0, &b.events).unwrap().len(), 2);
     assert_eq!(m.skipped(Skip::Malformed), 1);
 }
+
+/// An engine's `/metrics` text: the load parser allocates at most a rank's entry per line
+/// (a line names one rank), whatever the text.
+fn metrics_within_bounds(text: &str) {
+    for kind in [
+        kvrouter_protocol::EngineKind::Vllm,
+        kvrouter_protocol::EngineKind::Sglang,
+    ] {
+        let (loads, bytes) =
+            allocated_during(|| kvrouter_bridge::engine_load::parse_engine_metrics(kind, text));
+        let lines = text.lines().count() as u64;
+        assert!(loads.len() as u64 <= lines);
+        // A map entry per line at most (~80 bytes: a B-tree node holds eleven 36-byte
+        // entries), nothing per byte.
+        assert!(
+            bytes <= 128 * lines + 1024,
+            "{bytes} bytes allocated for {lines} lines, {} bytes",
+            text.len()
+        );
+    }
+}
+
+proptest! {
+    #[test]
+    fn engine_metrics_text_parses_within_bounds(
+        lines in prop::collection::vec(
+            prop_oneof![
+                "[ -~]{0,80}",
+                r#"vllm:num_requests_running\{engine="[0-9]{1,10}"[a-z=",]{0,20}\} [0-9.e+-]{1,12}"#,
+                r#"sglang:num_queue_reqs\{dp_rank="[0-9]{1,10}"\} [0-9]{1,6}"#,
+                r#"vllm:kv_cache_usage_perc\{engine="[0-9]"[\\"{}=,]{0,30} [0-9.]{1,5}"#,
+            ],
+            0..64,
+        )
+    ) {
+        metrics_within_bounds(&lines.join("\n"));
+    }
+}
+
+#[test]
+fn engine_metrics_at_their_worst_are_within_bounds() {
+    // A rank per line; a line of unclosed quotes and braces; a megabyte of label pairs.
+    let ranks: String = (0..100_000)
+        .map(|r| format!("vllm:num_requests_running{{engine=\"{r}\"}} 1\n"))
+        .collect();
+    metrics_within_bounds(&ranks);
+    metrics_within_bounds(&format!("vllm:num_requests_running{{{}", "\"\\".repeat(500_000)));
+    metrics_within_bounds(&format!(
+        "vllm:num_requests_running{{{}engine=\"0\"}} 1",
+        "a=\"b\",".repeat(200_000)
+    ));
+}

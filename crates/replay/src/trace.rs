@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -28,6 +28,8 @@ pub enum TraceError {
     },
     #[error("{path}:{line}: blank line")]
     Blank { path: PathBuf, line: usize },
+    #[error("{path}:{line}: line longer than {MAX_LINE_BYTES} bytes")]
+    LineTooLong { path: PathBuf, line: usize },
     #[error("{path}:{line}: malformed request: {reason}")]
     Malformed {
         path: PathBuf,
@@ -36,12 +38,17 @@ pub enum TraceError {
     },
 }
 
-/// Streams a trace's requests in file order; every blank or malformed line is an error that
-/// names its line number.
+/// Longest line read: a request of a million blocks is about 10 MB of JSON, far beyond any
+/// real trace; a longer line (a file that is not a trace, say) is refused, not buffered.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// Streams a trace's requests in file order; every blank, overlong or malformed line is an
+/// error that names its line number.
 pub struct TraceReader {
     path: PathBuf,
-    lines: std::io::Lines<BufReader<File>>,
+    reader: BufReader<File>,
     line: usize,
+    done: bool,
 }
 
 impl TraceReader {
@@ -52,8 +59,9 @@ impl TraceReader {
         })?;
         Ok(Self {
             path: path.to_owned(),
-            lines: BufReader::new(file).lines(),
+            reader: BufReader::new(file),
             line: 0,
+            done: false,
         })
     }
 }
@@ -62,9 +70,41 @@ impl Iterator for TraceReader {
     type Item = Result<TraceRequest, TraceError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let text = self.lines.next()?;
+        if self.done {
+            return None;
+        }
+        let mut buf = Vec::new();
+        // One byte past the limit tells an overlong line from one exactly at it.
+        let limit = MAX_LINE_BYTES as u64 + 1;
+        match (&mut self.reader).take(limit).read_until(b'\n', &mut buf) {
+            Ok(0) => return None,
+            Ok(_) => {}
+            Err(e) => return self.fail(Err(e)),
+        }
         self.line += 1;
+        if buf.last() == Some(&b'\n') {
+            buf.pop();
+        } else if buf.len() as u64 == limit {
+            self.done = true;
+            return Some(Err(TraceError::LineTooLong {
+                path: self.path.clone(),
+                line: self.line,
+            }));
+        }
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+        let text = String::from_utf8(buf)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e));
         Some(parse_line(&self.path, self.line, text))
+    }
+}
+
+impl TraceReader {
+    /// An I/O error ends the stream.
+    fn fail(&mut self, e: std::io::Result<String>) -> Option<Result<TraceRequest, TraceError>> {
+        self.done = true;
+        Some(parse_line(&self.path, self.line + 1, e))
     }
 }
 
@@ -125,5 +165,30 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains(":3:"));
+    }
+
+    #[test]
+    fn an_overlong_line_is_refused_not_buffered() {
+        let mut long = String::from("{\"hash_ids\": [");
+        while long.len() <= MAX_LINE_BYTES {
+            long.push_str("1234567,");
+        }
+        long.push_str("1]}\n");
+        let f = write(&format!("{{\"hash_ids\": [1]}}\n{long}"));
+        let mut r = TraceReader::open(f.path()).unwrap();
+        assert_eq!(r.next().unwrap().unwrap().hash_ids, vec![1]);
+        match r.next() {
+            Some(Err(TraceError::LineTooLong { line: 2, .. })) => {}
+            Some(Ok(req)) => panic!("read a {}-block request", req.hash_ids.len()),
+            other => panic!("{:?}", other.map(|r| r.map(|_| ()))),
+        }
+        assert!(r.next().is_none(), "the rest of the file is not read");
+        // CRLF lines and a last line without a newline read as before.
+        let crlf = write("{\"hash_ids\": [1]}\r\n{\"hash_ids\": [2]}");
+        let reqs = load_trace(crlf.path()).unwrap();
+        assert_eq!(
+            reqs.iter().map(|r| r.hash_ids[0]).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
     }
 }

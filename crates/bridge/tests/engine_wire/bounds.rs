@@ -645,7 +645,10 @@ fn engine_metrics_at_their_worst_are_within_bounds() {
         .map(|r| format!("vllm:num_requests_running{{engine=\"{r}\"}} 1\n"))
         .collect();
     metrics_within_bounds(&ranks);
-    metrics_within_bounds(&format!("vllm:num_requests_running{{{}", "\"\\".repeat(500_000)));
+    metrics_within_bounds(&format!(
+        "vllm:num_requests_running{{{}",
+        "\"\\".repeat(500_000)
+    ));
     metrics_within_bounds(&format!(
         "vllm:num_requests_running{{{}engine=\"0\"}} 1",
         "a=\"b\",".repeat(200_000)

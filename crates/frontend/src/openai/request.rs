@@ -552,7 +552,10 @@ mod tests {
         assert!(chat(ok).is_ok());
         let over = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
                           "kvrouter": {"allowed_workers": vec![1; 200_000]}});
-        assert_eq!(param_of(chat(over)).as_deref(), Some("kvrouter.allowed_workers"));
+        assert_eq!(
+            param_of(chat(over)).as_deref(),
+            Some("kvrouter.allowed_workers")
+        );
     }
 
     #[test]

@@ -26,7 +26,7 @@ async fn ask<Q: Wire, A: Wire>(bus: &Bus, subject: &str, q: &Q) -> Reply<A> {
     decode::<Reply<A>>(&msg.payload).unwrap()
 }
 
-async fn route(bus: &Bus, req: &RouteRequest) -> Result<RouteDecision, ErrorReply> {
+async fn route_on_bus(bus: &Bus, req: &RouteRequest) -> Result<RouteDecision, ErrorReply> {
     let subject = Subjects::new("kvrouter").unwrap().route();
     ask::<_, RouteDecision>(bus, &subject, req)
         .await
@@ -93,7 +93,7 @@ async fn oversize_inputs_get_a_typed_error_and_metrics_stay_bounded() {
         ),
     ];
     for (req, field, limit) in cases {
-        assert_refused(route(&bus, &req).await, field, limit);
+        assert_refused(route_on_bus(&bus, &req).await, field, limit);
     }
     // Updates by an oversize request id, on the replica's own subjects.
     let subjects = Subjects::new("kvrouter").unwrap();
@@ -122,7 +122,7 @@ async fn oversize_inputs_get_a_typed_error_and_metrics_stay_bounded() {
         .with_allowed_workers(vec![10; MAX_WORKER_LIST_LEN])
         .with_priority_jump(1e308)
         .with_expected_output_tokens(u32::MAX);
-    let d = route(&bus, &at).await.expect("within every limit");
+    let d = route_on_bus(&bus, &at).await.expect("within every limit");
     assert_eq!(d.worker_id, 10);
     let load = || {
         r.shared()
@@ -146,10 +146,10 @@ async fn oversize_inputs_get_a_typed_error_and_metrics_stay_bounded() {
     // A flood of unknown model names (each within the length limit, some with a bad pin
     // too) adds one series, not one per name.
     let unknown = |i: u32| RouteRequest::new(format!("{i:08}-{}", long(200)), prompt(1, 1));
-    let _ = route(&bus, &unknown(0)).await;
+    let _ = route_on_bus(&bus, &unknown(0)).await;
     let before = r.shared().metrics.render().len();
     for i in 1..200 {
-        let e = route(&bus, &unknown(i)).await.unwrap_err();
+        let e = route_on_bus(&bus, &unknown(i)).await.unwrap_err();
         assert_eq!(e.kind, ErrorKind::UnknownModel);
     }
     let text = r.shared().metrics.render();

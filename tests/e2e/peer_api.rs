@@ -513,3 +513,125 @@ fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
     );
     assert_eq!(after.status, 200, "{}", after.body);
 }
+
+/// Hostile sizes through the real JSON API (issue 26): an oversize request id, a 200,000-entry
+/// `allowed_workers` and a 500 KB model name each get a clear 400 naming the field and the
+/// limit; numeric hints are clamped, not refused; routes for ever new unknown model names
+/// leave `/metrics` the size it was.
+#[test]
+fn peer_api_refuses_oversize_inputs_and_keeps_metrics_bounded() {
+    let nats = NatsServer::start();
+    let _fleet = common::mocker(&nats, 100, 2, 1, BLOCK);
+    let admin = free_port();
+    let _a = serve(&nats, "a", admin, &[]);
+    assert!(ready(admin), "the replica turns ready");
+    let prompt = tokens(1, 2);
+    let refused = |a: Answer, field: &str, limit: &str| {
+        assert_eq!(
+            a.error(),
+            (400, "invalid_request".into()),
+            "{field}: {}",
+            a.body
+        );
+        let m = a.message();
+        assert!(m.contains(field) && m.contains(limit), "{field}: {m}");
+        assert!(m.len() < 300, "the input is not echoed: {} bytes", m.len());
+    };
+    // One refusal of each kind first, so their series exist.
+    let unknown = |i: usize, pin: bool| {
+        let mut body = json!({
+            "model": format!("{i:06}-{}", "u".repeat(200)),
+            "tokens": prompt,
+        });
+        if pin {
+            body["pin"] = json!("not-a-pin");
+        }
+        route(admin, body)
+    };
+    assert_eq!(unknown(0, false).error(), (404, "unknown_model".into()));
+    assert_eq!(unknown(0, true).error(), (400, "invalid_request".into()));
+    // Hints past what makes sense are clamped: the route goes through.
+    let hinted = route(
+        admin,
+        route_body(
+            &prompt,
+            json!({ "update_states": false, "priority_jump": 1e308,
+                    "expected_output_tokens": 4294967295u64 }),
+        ),
+    );
+    assert_eq!(hinted.status, 200, "{}", hinted.body);
+    refused(
+        route(
+            admin,
+            route_body(&prompt, json!({ "request_id": "i".repeat(257) })),
+        ),
+        "request_id",
+        "256",
+    );
+
+    let id = "i".repeat(900 * 1024);
+    refused(
+        route(admin, route_body(&prompt, json!({ "request_id": id }))),
+        "request_id",
+        "256",
+    );
+    let many: Vec<u64> = (0..200_000).map(|i| 100 + i % 2).collect();
+    refused(
+        route(
+            admin,
+            route_body(&prompt, json!({ "allowed_workers": many })),
+        ),
+        "allowed_workers",
+        "4096",
+    );
+    let model = "m".repeat(500 * 1024);
+    for extra in [json!({}), json!({ "pin": "nope" })] {
+        let mut body = json!({ "model": model, "tokens": prompt });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        refused(route(admin, body), "model", "256");
+    }
+    let long_id = "r".repeat(300);
+    refused(
+        post(
+            admin,
+            &format!("/v1/requests/{long_id}/free"),
+            &json!({ "model": MODEL }),
+        ),
+        "request_id",
+        "256",
+    );
+    // Ever new model names, with and without a bad pin: no new series. (Other series
+    // appear as workers report their load, so the error series are compared.)
+    let errors = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with("kvrouter_route_errors_total{"))
+            .map(|l| l.rsplit_once(' ').unwrap().0.to_string())
+            .collect()
+    };
+    let before = errors(&common::metrics(admin));
+    for i in 1..=20 {
+        assert_eq!(unknown(i, false).error(), (404, "unknown_model".into()));
+        assert_eq!(unknown(i, true).error(), (400, "invalid_request".into()));
+    }
+    let text = common::metrics(admin);
+    assert_eq!(errors(&text), before, "no new error series");
+    let mut models: Vec<&str> = text
+        .split("model=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split_once('"').map(|(m, _)| m))
+        .collect();
+    models.sort_unstable();
+    models.dedup();
+    assert_eq!(models, ["", MODEL, "_other"], "the only model labels");
+    assert!(text.len() < 64 * 1024, "/metrics is {} bytes", text.len());
+    assert!(
+        !text.contains("uuuuuuuu") && !text.contains("mmmmmmmm"),
+        "no name is a label"
+    );
+    assert!(
+        text.contains(r#"kvrouter_route_errors_total{model="_other",kind="unknown_model"} 21"#),
+        "{text}"
+    );
+}

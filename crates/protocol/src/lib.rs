@@ -29,7 +29,7 @@ pub use hashing::{
     block_extra_keys, local_block_hash_with_extras, local_block_hashes, lora_seed,
     prompt_local_hashes, sequence_hashes, HashError, BASE_SEED,
 };
-pub use limits::{check_request_id, LimitError};
+pub use limits::{check_request_id, check_tracked_request_id, LimitError};
 pub use messages::*;
 pub use subjects::{
     fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects, WorkerSubject,

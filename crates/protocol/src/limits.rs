@@ -105,6 +105,21 @@ pub fn check_request_id(request_id: &str) -> Result<(), LimitError> {
     check_len("request_id", request_id, MAX_REQUEST_ID_BYTES)
 }
 
+/// The id a replica tracks a disaggregated request's prefill half by ends with this
+/// ([`crate::prefill_request_id`]).
+const PREFILL_SUFFIX: &str = "/prefill";
+
+/// A request id as updates name it (`mark_prefill`, `free`, `add_output_block`, `abandon`
+/// and the JSON API's paths): within [`MAX_REQUEST_ID_BYTES`], or that plus `/prefill` for
+/// a disaggregated request's prefill half.
+pub fn check_tracked_request_id(request_id: &str) -> Result<(), LimitError> {
+    let limit = match request_id.ends_with(PREFILL_SUFFIX) {
+        true => MAX_REQUEST_ID_BYTES + PREFILL_SUFFIX.len(),
+        false => MAX_REQUEST_ID_BYTES,
+    };
+    check_len("request_id", request_id, limit)
+}
+
 /// A model name within [`MAX_MODEL_NAME_BYTES`].
 pub fn check_model(model: &str) -> Result<(), LimitError> {
     check_len("model", model, MAX_MODEL_NAME_BYTES)
@@ -206,18 +221,18 @@ impl OverlapRequest {
 }
 
 impl RequestUpdate {
-    /// Model name and request id lengths.
+    /// Model name and request id lengths (see [`check_tracked_request_id`]).
     pub fn check_limits(&self) -> Result<(), LimitError> {
         check_model(&self.model)?;
-        check_request_id(&self.request_id)
+        check_tracked_request_id(&self.request_id)
     }
 }
 
 impl OutputBlock {
-    /// Model name and request id lengths.
+    /// Model name and request id lengths (see [`check_tracked_request_id`]).
     pub fn check_limits(&self) -> Result<(), LimitError> {
         check_model(&self.model)?;
-        check_request_id(&self.request_id)
+        check_tracked_request_id(&self.request_id)
     }
 }
 
@@ -225,7 +240,7 @@ impl Abandon {
     /// Model name, request id and replica id lengths.
     pub fn check_limits(&self) -> Result<(), LimitError> {
         check_model(&self.model)?;
-        check_request_id(&self.request_id)?;
+        check_tracked_request_id(&self.request_id)?;
         self.kept_by
             .as_deref()
             .map_or(Ok(()), |r| check_len("kept_by", r, MAX_REPLICA_ID_BYTES))
@@ -365,5 +380,16 @@ mod tests {
         };
         assert_eq!(overlap.check_limits().unwrap_err().field(), "lora");
         assert_eq!(check_request_id(&long(MAX_REQUEST_ID_BYTES)), Ok(()));
+        // A prefill half of the longest id may be freed.
+        let half = crate::prefill_request_id(&long(MAX_REQUEST_ID_BYTES));
+        assert_eq!(check_tracked_request_id(&half), Ok(()));
+        assert!(check_request_id(&half).is_err());
+        let update = RequestUpdate {
+            model: "m".into(),
+            request_id: half,
+        };
+        assert_eq!(update.check_limits(), Ok(()));
+        let longer = format!("{}x/prefill", long(MAX_REQUEST_ID_BYTES));
+        assert!(check_tracked_request_id(&longer).is_err());
     }
 }

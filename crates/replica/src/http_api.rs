@@ -17,7 +17,7 @@ use kvrouter_admin::{percent_decode, query_param, ApiPage, ApiRequest, ApiRespon
 use kvrouter_bus::BusError;
 use kvrouter_protocol::limits::{check_len, check_model, MAX_REPLICA_ID_BYTES};
 use kvrouter_protocol::{
-    check_request_id, decode, encode, ErrorKind, OutputBlock, Reply, RequestUpdate,
+    check_tracked_request_id, decode, encode, ErrorKind, OutputBlock, Reply, RequestUpdate,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -153,7 +153,7 @@ async fn update(
                 )),
             )
         })?;
-    if let Err(e) = check_request_id(&request_id) {
+    if let Err(e) = check_tracked_request_id(&request_id) {
         return Err(refused(shared, "", ApiError::invalid(e.to_string())));
     }
     let body: UpdateBody = json::parse(body).map_err(|e| refused(shared, "", e))?;

@@ -82,7 +82,7 @@ pub struct StateBound {
 
 /// Lower-tier blocks (and other items) a state answer may carry, per device block its
 /// registered capacity allows.
-pub const LOWER_TIER_ALLOWANCE: u64 = 16;
+pub const LOWER_TIER_ALLOWANCE: u64 = 64;
 
 impl StateBound {
     pub fn for_capacity(capacity_blocks: u64) -> Self {

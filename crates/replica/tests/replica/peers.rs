@@ -1,6 +1,7 @@
 //! Bounded peers and honest readiness, on the in-process bus: a worker that never answers
 //! state queries gets no routes and does not keep the replica unready; a huge registration
-//! cannot make a replica fetch without bound; undecodable messages are counted per subject.
+//! cannot make a replica fetch without bound, nor an overfull state answer make it hold more
+//! than the worker's capacity; undecodable messages are counted per subject.
 
 use crate::support::{fleet_config, replica_config, BLOCK, MODEL};
 use bytes::Bytes;
@@ -363,5 +364,91 @@ async fn previous_version_peers_are_read_and_answered_in_their_version() {
         metric_line(&replica, "kvrouter_undecodable_messages_total{"),
         None
     );
+    replica.shutdown().await;
+}
+
+/// A worker whose state answer holds more blocks than its registered capacity explains
+/// (1,024 blocks registered, 5,000 sent) is refused as the answer streams in: the fetch
+/// fails, the rank stays out of routing, and the replica holds none of it.
+#[tokio::test(start_paused = true)]
+async fn a_state_answer_beyond_the_registered_capacity_is_refused() {
+    use kvrouter_protocol::{EngineBlockHash, LocalBlockHash, Reply, StateChunk, StoredBlock};
+    const OVERFULL: u64 = 600;
+    let bus = Bus::local();
+    let _fleet = MockerFleet::start(bus.clone(), fleet_config(1, 1, 1024))
+        .await
+        .unwrap();
+    let s = subjects();
+    let mut state = bus.subscribe(&s.state(OVERFULL)).await.unwrap();
+    let mut roll_call = bus.subscribe(&s.who_is_there()).await.unwrap();
+    bus.flush().await.unwrap();
+    let instance = Uuid::new_v4();
+    let reg = Bytes::from(encode(&registration(OVERFULL, instance, 1)).unwrap());
+    let hb = Bytes::from(
+        encode(&Heartbeat {
+            worker_id: OVERFULL,
+            instance_id: instance,
+            live_ranks: vec![0],
+        })
+        .unwrap(),
+    );
+    let key = WorkerKey::new(OVERFULL, 0);
+    let chunk = move |first: u64| StateChunk {
+        key,
+        instance_id: instance,
+        last_event_id: Some(9),
+        events: vec![KvEvent {
+            key,
+            event_id: 0,
+            tier: Tier::Device,
+            data: KvEventData::Stored {
+                parent: (first > 0).then_some(EngineBlockHash(first - 1)),
+                blocks: (first..first + 500)
+                    .map(|i| StoredBlock {
+                        engine_hash: EngineBlockHash(i),
+                        local_hash: LocalBlockHash(i),
+                    })
+                    .collect(),
+            },
+        }],
+    };
+    let worker_bus = bus.clone();
+    let worker = tokio::spawn(async move {
+        let bus = worker_bus;
+        let _ = bus.publish(&s.register(OVERFULL), reg.clone()).await;
+        let mut beat = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = beat.tick() => { let _ = bus.publish(&s.heartbeat(OVERFULL), hb.clone()).await; }
+                Some(_) = roll_call.next() => { let _ = bus.publish(&s.register(OVERFULL), reg.clone()).await; }
+                Some(q) = state.next() => {
+                    let Some(reply) = q.reply else { continue };
+                    for c in 0..10 {
+                        let bytes = encode(&Reply::Ok(chunk(c * 500))).unwrap();
+                        let _ = bus.publish(&reply, Bytes::from(bytes)).await;
+                    }
+                    let _ = bus.end_stream(&reply).await;
+                }
+            }
+        }
+    });
+    let replica = Replica::start(short_fetch_config(), bus.clone())
+        .await
+        .unwrap();
+    assert!(replica.wait_ready(Duration::from_secs(5)).await);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric_line(&replica, "kvrouter_unroutable_ranks{") != Some(1) {
+        assert!(Instant::now() < deadline, "the overfull rank was taken");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(metric_line(&replica, "kvrouter_state_recovery_failures_total{").unwrap_or(0) >= 1);
+    assert_eq!(
+        replica.dump_rank(MODEL, key).await.map(|d| d.events.len()),
+        None,
+        "nothing of it is held"
+    );
+    let (_, body) = replica.shared().readiness();
+    assert!(body.contains(&format!("{OVERFULL}/0")), "{body}");
+    worker.abort();
     replica.shutdown().await;
 }

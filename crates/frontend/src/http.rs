@@ -127,7 +127,10 @@ impl Frontend {
             .headers()
             .get("x-request-id")
             .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty() && v.len() <= 256)
+            // Room for the `/retryN` a rerouted attempt adds within the protocol's limit.
+            .filter(|v| {
+                !v.is_empty() && v.len() + 16 <= kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES
+            })
             .map_or_else(kvrouter_client::new_request_id, str::to_string);
         let span =
             tracing::info_span!("request", request_id = %request_id, endpoint = endpoint.as_str());

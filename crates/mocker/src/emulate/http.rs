@@ -93,7 +93,7 @@ fn prompt_tokens(v: &Value) -> Option<Vec<u32>> {
 /// `"92 00 dd"` or `"9200dd"` as bytes; `None` for anything else.
 fn parse_hex(s: &str) -> Option<Vec<u8>> {
     let digits: Vec<u8> = s.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return None;
     }
     digits

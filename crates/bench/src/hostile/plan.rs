@@ -389,7 +389,7 @@ mod tests {
         assert_eq!((h.sent, h.ok), (100, 99));
         assert_eq!(h.failures["503"], 1);
         assert_eq!(h.p50_ms, 51.0);
-        assert_eq!(h.p99_ms, 99.0);
+        assert_eq!(h.p99_ms, 100.0);
         assert_eq!(percentile(&[], 0.5), 0.0);
         assert_eq!(percentile(&[3.0], 0.99), 3.0);
     }

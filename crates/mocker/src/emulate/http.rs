@@ -575,3 +575,20 @@ impl Call {
         r
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_hex;
+
+    #[test]
+    fn hex_frames() {
+        assert_eq!(
+            parse_hex("92 00 dd ff ff ff ff c0"),
+            Some(vec![0x92, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0])
+        );
+        assert_eq!(parse_hex("9200"), Some(vec![0x92, 0x00]));
+        assert_eq!(parse_hex(""), Some(vec![]));
+        assert_eq!(parse_hex("920"), None);
+        assert_eq!(parse_hex("zz"), None);
+    }
+}

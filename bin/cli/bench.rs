@@ -42,6 +42,12 @@ pub enum BenchCommand {
     /// every replica is checked against the workers' true caches. Exits non-zero when the
     /// fleet diverged after converging, or never converged.
     Chaos(super::bench_chaos::ChaosArgs),
+    /// The real fleet (replicas, frontend, a bridge over an emulated engine, NATS) under
+    /// honest traffic, alone and then beside each adversary (slow connections, hostile
+    /// bodies, label floods, huge worker lists, poisoned engine frames, 1 MiB request ids).
+    /// Exits non-zero when a process died, honest success fell, memory passed its ceiling or
+    /// a process did not exit on SIGTERM within its drain timeout.
+    Hostile(super::bench_hostile::HostileArgs),
 }
 
 #[derive(Args)]
@@ -156,6 +162,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             super::runtime()?.block_on(super::bench_frontend::run(args))
         }
         BenchCommand::Chaos(args) => super::runtime()?.block_on(super::bench_chaos::run(args)),
+        BenchCommand::Hostile(args) => super::runtime()?.block_on(super::bench_hostile::run(args)),
         BenchCommand::GenTrace(args) => gen_trace(args),
         BenchCommand::TraceStats(args) => trace_stats(args),
         BenchCommand::IndexerRss(args) => {

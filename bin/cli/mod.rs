@@ -9,6 +9,8 @@ pub mod bench_chaos;
 #[cfg(feature = "bench")]
 pub mod bench_frontend;
 #[cfg(feature = "bench")]
+pub mod bench_hostile;
+#[cfg(feature = "bench")]
 pub mod bench_route;
 pub mod bridge;
 pub mod cost_args;

@@ -9,6 +9,7 @@ mod bridge;
 mod chaos;
 mod gen_trace;
 mod hash;
+mod hostile;
 mod output;
 mod replay;
 mod subjects;

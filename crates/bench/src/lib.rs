@@ -5,6 +5,7 @@
 pub mod bridge_bench;
 pub mod chaos;
 pub mod frontend_bench;
+pub mod hostile;
 pub mod indexer_bench;
 pub mod indexer_experiment;
 pub mod indexer_scale;

@@ -128,7 +128,7 @@ impl Mocker {
 
 /// Spawns `exe args` and waits (30 s at most) for its first stdout line, which must contain
 /// `marker`; returns the process (its stdout kept open) and the line.
-async fn spawn_with_line(
+pub async fn spawn_with_line(
     name: &str,
     exe: &Path,
     args: &[String],

@@ -1,7 +1,9 @@
 //! One emulated worker's HTTP side, OpenAI-compatible as vLLM and SGLang serve it:
 //! `/v1/completions` and `/v1/chat/completions` (with and without `stream`), `/v1/models`,
-//! `/health`, `/metrics` (the engine's metric names), and the test hook
-//! `POST /kvrouter/test/drop {dp_rank, count}`.
+//! `/health`, `/metrics` (the engine's metric names), and the test hooks
+//! `POST /kvrouter/test/drop {dp_rank, count}` and `POST /kvrouter/test/raw_frame {dp_rank,
+//! hex}` (publishes the bytes as they are, a malformed frame say, as the rank's next batch:
+//! it takes the next sequence number and stays in the replay buffer).
 
 use super::wire::{BlockTokens, Emulated};
 use super::zmq::RankStream;
@@ -42,6 +44,8 @@ pub struct WorkerHttp {
     pub engine_seed: u64,
     pub ranks: Vec<HttpRank>,
     pub next_id: AtomicU64,
+    /// The test hook's raw payloads, to the publisher: (rank, payload).
+    pub raw_frames: mpsc::UnboundedSender<(u32, Bytes)>,
 }
 
 fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
@@ -86,6 +90,18 @@ fn prompt_tokens(v: &Value) -> Option<Vec<u32>> {
     }
 }
 
+/// `"92 00 dd"` or `"9200dd"` as bytes; `None` for anything else.
+fn parse_hex(s: &str) -> Option<Vec<u8>> {
+    let digits: Vec<u8> = s.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+    if !digits.len().is_multiple_of(2) {
+        return None;
+    }
+    digits
+        .chunks(2)
+        .map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok())
+        .collect()
+}
+
 /// Chat messages rendered as a plain transcript, then as UTF-8 bytes.
 fn chat_tokens(v: &Value) -> Option<Vec<u32>> {
     let mut text = String::new();
@@ -128,7 +144,13 @@ impl WorkerHttp {
                 });
                 self.cache(rank).await
             }
-            (Method::POST, "/v1/completions" | "/v1/chat/completions" | "/kvrouter/test/drop") => {
+            (
+                Method::POST,
+                "/v1/completions"
+                | "/v1/chat/completions"
+                | "/kvrouter/test/drop"
+                | "/kvrouter/test/raw_frame",
+            ) => {
                 let header_rank = req
                     .headers()
                     .get("x-data-parallel-rank")
@@ -149,6 +171,7 @@ impl WorkerHttp {
                 };
                 match path.as_str() {
                     "/kvrouter/test/drop" => self.drop_hook(&v),
+                    "/kvrouter/test/raw_frame" => self.raw_frame_hook(&v),
                     p => {
                         self.generate(&v, header_rank, p == "/v1/chat/completions")
                             .await
@@ -223,6 +246,35 @@ impl WorkerHttp {
         };
         self.ranks[i].stream.drop_next(count);
         json_response(StatusCode::OK, &json!({"dropping": count, "dp_rank": rank}))
+    }
+
+    fn raw_frame_hook(&self, v: &Value) -> Response<Body> {
+        let (Some(rank), Some(hex)) = (
+            v.get("dp_rank").and_then(Value::as_u64),
+            v.get("hex").and_then(Value::as_str),
+        ) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "expected {\"dp_rank\": R, \"hex\": \"92 00 ...\"}",
+            );
+        };
+        let Some(rank) = u32::try_from(rank)
+            .ok()
+            .filter(|&r| self.info.rank_index(r).is_some())
+        else {
+            return error(StatusCode::BAD_REQUEST, format!("no rank {rank}"));
+        };
+        let Some(payload) = parse_hex(hex) else {
+            return error(StatusCode::BAD_REQUEST, "hex: pairs of hex digits");
+        };
+        let len = payload.len();
+        if self.raw_frames.send((rank, Bytes::from(payload))).is_err() {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine is shutting down",
+            );
+        }
+        json_response(StatusCode::OK, &json!({"dp_rank": rank, "bytes": len}))
     }
 
     /// The rank a request names (vLLM: the `X-data-parallel-rank` header; SGLang: the body's
@@ -521,5 +573,22 @@ impl Call {
             hyper::header::HeaderValue::from_static("text/event-stream"),
         );
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_hex;
+
+    #[test]
+    fn hex_frames() {
+        assert_eq!(
+            parse_hex("92 00 dd ff ff ff ff c0"),
+            Some(vec![0x92, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0])
+        );
+        assert_eq!(parse_hex("9200"), Some(vec![0x92, 0x00]));
+        assert_eq!(parse_hex(""), Some(vec![]));
+        assert_eq!(parse_hex("920"), None);
+        assert_eq!(parse_hex("zz"), None);
     }
 }

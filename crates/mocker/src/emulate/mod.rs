@@ -138,6 +138,8 @@ impl EmulatedFleet {
         };
         let info = Arc::new(MockInfo::new(WorkerInfo::new(spec), transfer));
         let (pub_tx, mut pub_rx) = mpsc::unbounded_channel::<PubMsg>();
+        // Raw payloads from the test hook `POST /kvrouter/test/raw_frame`: (rank, payload).
+        let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<(u32, Bytes)>();
         let mut ranks = Vec::new();
         let mut sockets = BTreeMap::new();
         for r in 0..d {
@@ -182,6 +184,14 @@ impl EmulatedFleet {
                 let msg = tokio::select! {
                     _ = kvrouter_worker::stopped(&mut stop) => return,
                     m = pub_rx.recv() => match m { Some(m) => m, None => return },
+                    Some((rank, payload)) = raw_rx.recv() => {
+                        if let Some((socket, stream, _)) = sockets.get_mut(&rank) {
+                            if let Err(e) = zmq::publish(socket, stream, &topic, payload).await {
+                                tracing::warn!(dp_rank = rank, error = %e, "cannot publish a raw frame");
+                            }
+                        }
+                        continue;
+                    }
                 };
                 let PubMsg::Events(events) = msg else {
                     continue;
@@ -217,6 +227,7 @@ impl EmulatedFleet {
             engine_seed: c.engine.engine_hash_seed,
             ranks,
             next_id: AtomicU64::new(0),
+            raw_frames: raw_tx,
         });
         let addr = format!("{host}:{http_port}");
         let listener = tokio::net::TcpListener::bind(&addr)

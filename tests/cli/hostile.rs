@@ -12,12 +12,16 @@ use serde_json::Value;
 use std::process::Command;
 use std::time::Instant;
 
-/// The attacks the fleet absorbs at this revision. Not yet here, reported by the long run
-/// in docs/benchmarks.md ("Hostile run") until their fixes land: `allowed_workers` (a
-/// 200,000-entry list stalls the replicas for many seconds: honest routes time out) and
-/// `poison_frames` (the bridge's msgpack decoder grows without bound on
-/// `92 00 dd ff ff ff ff c0` and does not exit on SIGTERM).
-const ATTACKS: [&str; 4] = ["slowloris", "bodies", "labels", "request_ids"];
+/// Every attack of the bench: slow and half-open connections, oversized and nested bodies,
+/// label floods, 200,000-entry worker lists, 1 MiB request ids, poisoned engine frames.
+const ATTACKS: [&str; 6] = [
+    "slowloris",
+    "bodies",
+    "labels",
+    "allowed_workers",
+    "request_ids",
+    "poison_frames",
+];
 
 /// The frontend's model directory, made by the Python `tokenizers` package
 /// (tests/engines/make_model_dir.py).

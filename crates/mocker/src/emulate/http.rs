@@ -166,7 +166,7 @@ impl WorkerHttp {
                         return error(status, e.to_string());
                     }
                 };
-                let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+                let Ok(KnownFields(v)) = serde_json::from_slice::<KnownFields>(&body) else {
                     return error(StatusCode::BAD_REQUEST, "the body is not JSON");
                 };
                 match path.as_str() {
@@ -573,6 +573,53 @@ impl Call {
             hyper::header::HeaderValue::from_static("text/event-stream"),
         );
         r
+    }
+}
+
+/// The top-level fields the emulated engine reads, as JSON values; every other field is
+/// stepped over unparsed, so a client's long array in a field no engine reads costs a scan,
+/// not a tree of values (a real engine's parser is its own business; this one must not be
+/// the weak point of a hostile run).
+struct KnownFields(Value);
+
+const KNOWN_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "data_parallel_rank",
+    "routed_dp_rank",
+    "dp_rank",
+    "count",
+    "hex",
+];
+
+impl<'de> serde::Deserialize<'de> for KnownFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = KnownFields;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<KnownFields, A::Error> {
+                let mut out = serde_json::Map::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if KNOWN_FIELDS.contains(&key.as_str()) {
+                        out.insert(key, map.next_value()?);
+                    } else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(KnownFields(Value::Object(out)))
+            }
+        }
+        d.deserialize_map(Fields)
     }
 }
 

@@ -7,7 +7,7 @@
 
 use crate::common;
 
-use common::{kvrouter, repo_file};
+use common::{kvrouter, model_dir};
 use serde_json::Value;
 use std::process::Command;
 use std::time::Instant;
@@ -23,24 +23,6 @@ const ATTACKS: [&str; 6] = [
     "poison_frames",
 ];
 
-/// The frontend's model directory, made by the Python `tokenizers` package
-/// (tests/engines/make_model_dir.py).
-fn hostile_model_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new("python3")
-        .arg(repo_file("tests/engines/make_model_dir.py"))
-        .arg("build")
-        .arg(dir.path())
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "make_model_dir.py failed (scripts/setup.sh installs tokenizers): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    dir
-}
-
 #[test]
 fn the_fleet_absorbs_every_attack_and_exits_on_sigterm() {
     let found = Command::new("nats-server").arg("--version").output();
@@ -49,7 +31,7 @@ fn the_fleet_absorbs_every_attack_and_exits_on_sigterm() {
         "nats-server is not on PATH: run the tests with scripts/test.sh (it sources \
          scripts/setup.sh, which installs it)"
     );
-    let dir = hostile_model_dir();
+    let dir = model_dir();
     let t0 = Instant::now();
     let out = kvrouter()
         .args(["bench", "hostile", "--model-dir"])

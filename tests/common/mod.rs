@@ -23,6 +23,24 @@ pub fn repo_file(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)
 }
 
+/// A tiny model directory (tokenizer, config, chat templates) made by the Python `tokenizers`
+/// package (tests/engines/make_model_dir.py), for the frontend.
+pub fn model_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new("python3")
+        .arg(repo_file("tests/engines/make_model_dir.py"))
+        .arg("build")
+        .arg(dir.path())
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "make_model_dir.py failed (scripts/setup.sh installs tokenizers): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
+
 pub use kvrouter_testkit::{
     free_port, free_ports, http_get, http_post, metric_sum_in, wait_until, NatsServer, Proc,
 };

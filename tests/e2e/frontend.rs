@@ -10,23 +10,6 @@ use serde_json::Value;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A model directory made by the Python `tokenizers` package (tests/engines/make_model_dir.py).
-fn model_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new("python3")
-        .arg(repo_file("tests/engines/make_model_dir.py"))
-        .arg("build")
-        .arg(dir.path())
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "make_model_dir.py failed (scripts/setup.sh installs tokenizers): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    dir
-}
-
 /// Runs one scenario of tests/engines/openai_client.py and returns its JSON.
 fn sdk(scenario: &str, port: u16, args: &[&str]) -> Value {
     let out = Command::new("python3")

@@ -391,3 +391,23 @@ fn rss_in_child(
     }
     serde_json::from_slice(&out.stdout).context("memory-measurement run printed no figures")
 }
+
+/// Prints a fleet bench's report: as JSON with the build's revision and the verdict, or as
+/// its text with the revision under it.
+pub fn print_report(
+    json: bool,
+    report: serde_json::Value,
+    passed: bool,
+    text: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
+    if json {
+        let mut v = report;
+        v["git_revision"] = serde_json::json!(env!("KVROUTER_GIT_REV"));
+        v["passed"] = serde_json::json!(passed);
+        println!("{v}");
+    } else {
+        print!("{}", text());
+        println!("  (build {})", env!("KVROUTER_GIT_REV"));
+    }
+    Ok(())
+}

@@ -115,15 +115,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
         ..Timing::default()
     };
     let report = run_chaos(cfg).await?;
-    if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["git_revision"] = serde_json::json!(env!("KVROUTER_GIT_REV"));
-        v["passed"] = serde_json::json!(report.passed());
-        println!("{v}");
-    } else {
-        print!("{}", report.render());
-        println!("  (build {})", env!("KVROUTER_GIT_REV"));
-    }
+    super::bench::print_report(
+        args.json,
+        serde_json::to_value(&report)?,
+        report.passed(),
+        || report.render(),
+    )?;
     if !report.passed() {
         bail!(
             "the fleet diverged: {} faults did not converge, {} differences after convergence",

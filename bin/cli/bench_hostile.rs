@@ -122,15 +122,12 @@ pub async fn run(args: HostileArgs) -> anyhow::Result<()> {
     cfg.kill_rss_mib = args.kill_rss_mib;
     cfg.log_dir = args.log_dir;
     let report = run_hostile(cfg).await?;
-    if args.json {
-        let mut v = serde_json::to_value(&report)?;
-        v["git_revision"] = serde_json::json!(env!("KVROUTER_GIT_REV"));
-        v["passed"] = serde_json::json!(report.passed());
-        println!("{v}");
-    } else {
-        print!("{}", report.render());
-        println!("  (build {})", env!("KVROUTER_GIT_REV"));
-    }
+    super::bench::print_report(
+        args.json,
+        serde_json::to_value(&report)?,
+        report.passed(),
+        || report.render(),
+    )?;
     if !report.passed() {
         bail!(
             "the fleet did not absorb the attacks: {}",

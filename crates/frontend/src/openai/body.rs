@@ -19,7 +19,8 @@ pub enum RawPrompt {
     Bad(String),
 }
 
-/// The fields the frontend reads (or drops) itself; the others pass to the engine as text.
+/// The fields the frontend reads (or drops) itself, with [`CHAT_ONLY`]; the others pass to
+/// the engine as text.
 pub const INTERPRETED: &[&str] = &[
     "model",
     "stream",
@@ -29,7 +30,10 @@ pub const INTERPRETED: &[&str] = &[
     "messages",
     "max_tokens",
     "data_parallel_rank",
-    // Chat only (see request.rs).
+];
+
+/// Chat fields that mean nothing to `/v1/completions` (the frontend renders the prompt).
+pub const CHAT_ONLY: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -42,6 +46,10 @@ pub const INTERPRETED: &[&str] = &[
     "logprobs",
     "max_completion_tokens",
 ];
+
+fn interpreted(key: &str) -> bool {
+    INTERPRETED.contains(&key) || CHAT_ONLY.contains(&key)
+}
 
 /// The body: its prompt (if any), the fields the frontend reads, and the rest as text.
 #[derive(Debug)]
@@ -74,7 +82,7 @@ impl<'de> Deserialize<'de> for Body {
                 while let Some(key) = map.next_key::<String>()? {
                     if key == "prompt" {
                         body.prompt = Some(map.next_value()?);
-                    } else if INTERPRETED.contains(&key.as_str()) {
+                    } else if interpreted(&key) {
                         let v = map.next_value()?;
                         body.rest.insert(key, v);
                     } else {

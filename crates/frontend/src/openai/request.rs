@@ -1,7 +1,7 @@
 //! What a client asked for: an OpenAI completions or chat request, checked field by field,
 //! with the fields the frontend does not interpret kept for the engine.
 
-use super::body::{Body, RawPrompt};
+use super::body::{Body, RawPrompt, CHAT_ONLY};
 use super::error::ApiError;
 use kvrouter_protocol::{Pin, RouteOverrides, WorkerId};
 use serde_json::{Map, Value};
@@ -76,21 +76,6 @@ pub struct Conversation {
     /// `chat_template_kwargs`: extra template variables.
     pub template_kwargs: Map<String, Value>,
 }
-
-/// Chat fields that mean nothing to `/v1/completions` (the frontend renders the prompt).
-const CHAT_ONLY: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "documents",
-    "top_logprobs",
-    "logprobs",
-    "max_completion_tokens",
-];
 
 fn bad(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid(Some(param), message)

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 
 /// The format version this build writes.
-pub const FORMAT_VERSION: u8 = 5;
+pub const FORMAT_VERSION: u8 = 6;
 /// The oldest version this build still reads: the previous one, read through [`Wire`].
 pub const MIN_READ_VERSION: u8 = FORMAT_VERSION - 1;
 /// Upper bound on an encoded message and on what decoding may allocate for it.
@@ -177,7 +177,8 @@ mod tests {
     use super::*;
     use crate::messages::*;
     use crate::types::*;
-    use crate::v4;
+    use crate::lease::Lease;
+    use crate::v5;
     use crate::wire::Wire;
     use proptest::prelude::*;
     use uuid::Uuid;
@@ -281,14 +282,14 @@ mod tests {
     }
 
     proptest! {
-        /// A registration is unchanged since version 4: the same bytes behind either version
+        /// A registration is unchanged since version 5: the same bytes behind either version
         /// byte, read back whole from both.
         #[test]
         fn registrations_round_trip_in_both_versions(reg in arb_registration()) {
             let now = encode(&reg).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 5));
-            let old = encode_as(&reg, 4).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 4));
+            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 6));
+            let old = encode_as(&reg, 5).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 5));
             prop_assert_eq!(&old[1..], &now[1..]);
         }
 
@@ -359,40 +360,29 @@ mod tests {
         allocated <= bound
     }
 
-    /// Routes cross versions: a version-4 request jumps no queue and expects no output; a
-    /// version-4 peer reads exactly what version 4 wrote.
+    /// Routes cross versions: a version-5 request books without a lease; a version-5 peer
+    /// reads exactly what version 5 wrote.
     #[test]
     fn route_requests_in_both_versions() {
-        let req = v5_route_request();
+        let req = v6_route_request();
         assert_eq!(
             decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
-            (req.clone(), 5)
+            (req.clone(), 6)
         );
-        let old = v4_codec_read::<v4::RouteRequest>(&encode_as(&req, 4).unwrap());
+        let old = v5_codec_read::<v5::RouteRequest>(&encode_as(&req, 5).unwrap());
         assert_eq!(old, req.to_previous());
-        assert_eq!(old.overrides.unwrap().overlap_credit, Some(0.5));
-        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 4).unwrap()).unwrap();
-        assert_eq!(v, 4);
-        assert_eq!(
-            (back.priority_jump, back.expected_output_tokens),
-            (0.0, None)
-        );
-        assert_eq!(back.overrides, req.overrides);
-        assert_eq!(back.tokens, req.tokens);
+        assert_eq!(old.call_id, req.call_id);
+        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 5).unwrap()).unwrap();
+        assert_eq!(v, 5);
+        assert_eq!(back.lease, Lease::NONE);
+        assert_eq!(RouteRequest { lease: req.lease, ..back }, req);
     }
 
-    /// A version-4 decision has no block size (its caller reports no output blocks).
+    /// A version-5 decision carries no lease; leases and abandons lose theirs on the way to a
+    /// version-5 peer and come back as none.
     #[test]
-    fn decisions_in_both_versions() {
-        let d = RouteDecision {
-            worker_id: 7,
-            dp_rank: 1,
-            overlap_blocks: 3,
-            replica_id: "r1".into(),
-            base_url: "http://10.0.0.5:8000".into(),
-            tier_overlap_blocks: TierBlocks::on_device(3),
-            block_size: 16,
-        };
+    fn leases_in_both_versions() {
+        let d = v6_decision();
         let both = DisaggDecision {
             prefill: d.clone(),
             decode: d.clone(),
@@ -401,52 +391,37 @@ mod tests {
         assert_eq!(
             decode_versioned::<Reply<DisaggDecision>>(&encode(&Reply::Ok(both.clone())).unwrap())
                 .unwrap(),
-            (Reply::Ok(both.clone()), 5)
+            (Reply::Ok(both.clone()), 6)
         );
-        let old: v4::DisaggDecision = v4_codec_read(&encode_as(&both, 4).unwrap());
-        assert_eq!(old.decode.tier_overlap_blocks, d.tier_overlap_blocks);
-        let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 4).unwrap()).unwrap();
-        assert_eq!(back.prefill.block_size, 0);
-        assert_eq!(
-            DisaggDecision {
-                prefill: RouteDecision {
-                    block_size: 16,
-                    ..back.prefill
-                },
-                decode: RouteDecision {
-                    block_size: 16,
-                    ..back.decode
-                },
-                ..back
-            },
-            both
-        );
-    }
+        let old: v5::DisaggDecision = v5_codec_read(&encode_as(&both, 5).unwrap());
+        assert_eq!(old.decode.block_size, 16);
+        let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 5).unwrap()).unwrap();
+        assert_eq!((back.prefill.lease, back.decode.lease), (Lease::NONE, Lease::NONE));
+        let unleased = RouteDecision {
+            lease: Lease::NONE,
+            ..d
+        };
+        assert_eq!((back.prefill, back.decode), (unleased.clone(), unleased));
 
-    /// A version-4 peer hears no output blocks and sends unsequenced batches.
-    #[test]
-    fn sync_batches_in_both_versions() {
-        let batch = v5_sync_batch();
-        assert_eq!(
-            decode_versioned::<SyncBatch>(&encode(&batch).unwrap()).unwrap(),
-            (batch.clone(), 5)
-        );
-        let old = v4_codec_read::<v4::SyncBatch>(&encode_as(&batch, 4).unwrap());
-        assert_eq!(
-            old.changes.len(),
-            3,
-            "the Output change is dropped: {old:?}"
-        );
-        assert_eq!(old, v4_sync_batch());
-        let (back, v) = decode_versioned::<SyncBatch>(&encode_as(&batch, 4).unwrap()).unwrap();
-        assert_eq!((v, back.seq, back.instance_id), (4, 0, Uuid::nil()));
-        assert!(matches!(
-            back.changes[0],
-            SeqChange::Add {
-                output_blocks: 0,
-                ..
-            }
-        ));
+        let lease = Lease::random();
+        let update = RequestUpdate {
+            model: "m".into(),
+            request_id: "req-1".into(),
+            lease,
+        };
+        assert_eq!(decode::<RequestUpdate>(&encode(&update).unwrap()).unwrap(), update);
+        let back: RequestUpdate = decode(&encode_as(&update, 5).unwrap()).unwrap();
+        assert_eq!(back.lease, Lease::NONE);
+        let abandon = Abandon {
+            model: "m".into(),
+            request_id: "req-1".into(),
+            call_id: 9,
+            kept_by: None,
+            lease,
+        };
+        assert_eq!(decode::<Abandon>(&encode(&abandon).unwrap()).unwrap(), abandon);
+        let back: Abandon = decode(&encode_as(&abandon, 5).unwrap()).unwrap();
+        assert_eq!((back.call_id, back.lease), (9, Lease::NONE));
     }
 
     #[test]
@@ -508,24 +483,24 @@ mod tests {
         ));
     }
 
-    /// What the version-4 codec wrote: the version byte, then bincode of the v4 type.
-    fn v4_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
-        let mut out = vec![4u8];
+    /// What the version-5 codec wrote: the version byte, then bincode of the v5 type.
+    fn v5_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+        let mut out = vec![5u8];
         let config = config::standard().with_fixed_int_encoding();
         out.extend(bincode::serde::encode_to_vec(value, config).unwrap());
         out
     }
 
-    /// What a version-4 peer reads.
-    fn v4_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
-        assert_eq!(bytes[0], 4, "a version-4 peer reads only version 4");
+    /// What a version-5 peer reads.
+    fn v5_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
+        assert_eq!(bytes[0], 5, "a version-5 peer reads only version 5");
         let config = config::standard().with_fixed_int_encoding();
         let (v, n) = bincode::serde::decode_from_slice(&bytes[1..], config).unwrap();
         assert_eq!(n, bytes.len() - 1);
         v
     }
 
-    fn v5_route_request() -> RouteRequest {
+    fn v6_route_request() -> RouteRequest {
         RouteRequest {
             model: "llama".into(),
             request_id: "req-1".into(),
@@ -551,29 +526,35 @@ mod tests {
             }),
             priority_jump: 2.5,
             expected_output_tokens: Some(300),
-            call_id: 0,
+            call_id: 0x1122_3344_5566_7788,
+            lease: Lease::random(),
         }
     }
 
-    fn v4_sync_batch() -> v4::SyncBatch {
-        let id = || "r1:a".to_string();
-        v4::SyncBatch {
+    fn v6_decision() -> RouteDecision {
+        RouteDecision {
+            worker_id: 7,
+            dp_rank: 1,
+            overlap_blocks: 3,
             replica_id: "r1".into(),
-            model: "m".into(),
-            changes: vec![
-                v4::SeqChange::Add {
-                    request_id: id(),
-                    key: WorkerKey::new(3, 1),
-                    sequence_hashes: vec![SequenceHash(5), SequenceHash(6)],
-                    prefill_tokens: 40,
-                },
-                v4::SeqChange::Prefilled { request_id: id() },
-                v4::SeqChange::Free { request_id: id() },
-            ],
+            base_url: "http://10.0.0.5:8000".into(),
+            tier_overlap_blocks: TierBlocks::on_device(3),
+            block_size: 16,
+            lease: Lease::random(),
         }
     }
 
-    fn v5_sync_batch() -> SyncBatch {
+    fn v6_abandon() -> Abandon {
+        Abandon {
+            model: "m".into(),
+            request_id: "req-1".into(),
+            call_id: 0x1122_3344_5566_7788,
+            kept_by: Some("r2".into()),
+            lease: Lease::random(),
+        }
+    }
+
+    fn v6_sync_batch() -> SyncBatch {
         let id = || "r1:a".to_string();
         SyncBatch {
             replica_id: "r1".into(),
@@ -598,23 +579,26 @@ mod tests {
         }
     }
 
-    /// `v5_route_request()` (less the version-5 fields) and `v4_sync_batch()` as the
-    /// version-4 codec encoded them, captured by running the code before version 5 existed.
-    /// Never update these: a mismatch means v4 types changed.
-    const V4_REQUEST_HEX: &str = concat!(
-        "0405000000000000006c6c616d6105000000000000007265712d310300000000",
+    /// `v6_route_request()`, `v6_decision()` and `v6_abandon()` (less their leases) as the
+    /// version-5 codec encoded them, captured by running the code before version 6 existed.
+    /// Never update these: a mismatch means v5 types changed.
+    const V5_REQUEST_HEX: &str = concat!(
+        "0505000000000000006c6c616d6105000000000000007265712d310300000000",
         "0000000100000002000000efbeadde0101000000000000006101020000000000",
         "0000040000000000000008070605040302010109000000000000000103000000",
         "0101020000000000000002000000000000000300000000000000696d67010000",
         "0000000000320000000000000000010100000000000000730200000000000000",
         "050000000000000006000000000000000101000000000000e03f0001cdcccccc",
-        "ccccec3f0000",
+        "ccccec3f00000000000000000440012c0100008877665544332211",
     );
-    const V4_SYNC_HEX: &str = concat!(
-        "040200000000000000723101000000000000006d030000000000000000000000",
-        "040000000000000072313a610300000000000000010000000200000000000000",
-        "0500000000000000060000000000000028000000000000000100000004000000",
-        "0000000072313a6102000000040000000000000072313a61",
+    const V5_DECISION_HEX: &str = concat!(
+        "0507000000000000000100000003000000020000000000000072311400000000",
+        "000000687474703a2f2f31302e302e302e353a38303030030000000000000000",
+        "0000000000000010000000",
+    );
+    const V5_ABANDON_HEX: &str = concat!(
+        "0501000000000000006d05000000000000007265712d31887766554433221101",
+        "02000000000000007232",
     );
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -625,67 +609,74 @@ mod tests {
     }
 
     #[test]
-    fn version_4_bytes_are_frozen() {
-        let frozen = unhex(V4_REQUEST_HEX);
-        let req = v5_route_request();
-        assert_eq!(v4_codec_bytes(&req.to_previous()), frozen);
-        assert_eq!(encode_as(&req, 4).unwrap(), frozen);
+    fn version_5_bytes_are_frozen() {
+        let frozen = unhex(V5_REQUEST_HEX);
+        let req = v6_route_request();
+        assert_eq!(v5_codec_bytes(&req.to_previous()), frozen);
+        assert_eq!(encode_as(&req, 5).unwrap(), frozen);
         let back = decode::<RouteRequest>(&frozen).unwrap();
         assert_eq!(back.to_previous(), req.to_previous());
 
-        let frozen = unhex(V4_SYNC_HEX);
-        assert_eq!(v4_codec_bytes(&v4_sync_batch()), frozen);
-        let (batch, v) = decode_versioned::<SyncBatch>(&frozen).unwrap();
-        assert_eq!(v, 4);
-        assert_eq!(batch.to_previous(), v4_sync_batch());
-        // ...and written back for a version-4 peer, the same bytes.
-        assert_eq!(encode_as(&batch, 4).unwrap(), frozen);
+        let frozen = unhex(V5_DECISION_HEX);
+        let d = v6_decision();
+        assert_eq!(encode_as(&d, 5).unwrap(), frozen);
+        let (back, v) = decode_versioned::<RouteDecision>(&frozen).unwrap();
+        assert_eq!((v, back.lease), (5, Lease::NONE));
+        assert_eq!(back.to_previous(), d.to_previous());
+
+        let frozen = unhex(V5_ABANDON_HEX);
+        let a = v6_abandon();
+        assert_eq!(encode_as(&a, 5).unwrap(), frozen);
+        assert_eq!(decode::<Abandon>(&frozen).unwrap().to_previous(), a.to_previous());
+        // ...and a sync batch, unchanged, is the same bytes behind either version byte.
+        let batch = v6_sync_batch();
+        assert_eq!(encode_as(&batch, 5).unwrap()[1..], encode(&batch).unwrap()[1..]);
     }
 
     #[test]
     fn containers_convert_their_items() {
         let replies = vec![
-            Reply::Ok(v5_sync_batch()),
+            Reply::Ok(v6_decision()),
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x")),
         ];
-        let seen: Vec<Reply<v4::SyncBatch>> = v4_codec_read(&encode_as(&replies, 4).unwrap());
-        assert_eq!(seen[0], Reply::Ok(v5_sync_batch().to_previous()));
+        let seen: Vec<Reply<v5::RouteDecision>> = v5_codec_read(&encode_as(&replies, 5).unwrap());
+        assert_eq!(seen[0], Reply::Ok(v6_decision().to_previous()));
         assert_eq!(
             seen[1],
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x"))
         );
-        let back: Vec<Option<SyncBatch>> =
-            decode(&encode_as(&vec![Some(v5_sync_batch()), None], 4).unwrap()).unwrap();
-        assert_eq!(back[0].as_ref().map(|b| b.changes.len()), Some(3));
+        let back: Vec<Option<RouteDecision>> =
+            decode(&encode_as(&vec![Some(v6_decision()), None], 5).unwrap()).unwrap();
+        assert_eq!(back[0].as_ref().map(|d| d.lease), Some(Lease::NONE));
         assert_eq!(back[1], None);
         // An unchanged message is the same bytes behind either version byte.
         let q = StateQuery { dp_rank: 4 };
-        assert_eq!(encode_as(&q, 4).unwrap()[1..], encode(&q).unwrap()[1..]);
+        assert_eq!(encode_as(&q, 5).unwrap()[1..], encode(&q).unwrap()[1..]);
         assert_eq!(encode(&q).unwrap()[0], FORMAT_VERSION);
     }
 
     #[test]
     fn only_the_current_and_previous_versions_are_read_and_written() {
-        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (4, 5));
-        let req = v5_route_request();
+        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (5, 6));
+        let req = v6_route_request();
         let bytes = encode(&req).unwrap();
-        for v in [0u8, 1, 2, 3, 6, 255] {
+        for v in [0u8, 1, 2, 3, 4, 7, 255] {
             let mut bad = bytes.clone();
             bad[0] = v;
             assert_eq!(
                 decode::<RouteRequest>(&bad),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 4,
-                    max: 5
+                    min: 5,
+                    max: 6
                 })
             );
             assert_eq!(
                 encode_as(&req, v),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 4,
-                    max: 5
+                    min: 5,
+                    max: 6
                 })
             );
         }
@@ -694,18 +685,18 @@ mod tests {
     #[test]
     fn replies_go_out_in_the_request_version() {
         let q = StateQuery { dp_rank: 1 };
-        assert_eq!(reply_version(&encode(&q).unwrap()), 5);
-        assert_eq!(reply_version(&encode_as(&q, 4).unwrap()), 4);
+        assert_eq!(reply_version(&encode(&q).unwrap()), 6);
+        assert_eq!(reply_version(&encode_as(&q, 5).unwrap()), 5);
         assert_eq!(reply_version(&[]), FORMAT_VERSION);
         assert_eq!(reply_version(&[0, 1, 2]), FORMAT_VERSION);
-        assert_eq!(reply_version(&[3]), FORMAT_VERSION);
-        // Even an undecodable request in version 4 is answered in version 4.
-        assert_eq!(reply_version(&[4, 0xff]), 4);
+        assert_eq!(reply_version(&[4]), FORMAT_VERSION);
+        // Even an undecodable request in version 5 is answered in version 5.
+        assert_eq!(reply_version(&[5, 0xff]), 5);
     }
 
     #[test]
     fn encoded_len_is_the_payload_size() {
-        let req = v5_route_request();
+        let req = v6_route_request();
         assert_eq!(encoded_len(&req).unwrap(), encode(&req).unwrap().len() - 1);
     }
 

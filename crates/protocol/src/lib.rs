@@ -5,7 +5,8 @@
 //! - [`subjects`]: where on the bus each message travels.
 //! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
 //! - [`wire`]: the [`Wire`] trait: a message's current and previous-version shapes.
-//! - [`v4`]: the frozen version-4 shapes of the types version 5 changed.
+//! - [`v5`]: the frozen version-5 shapes of the types version 6 changed.
+//! - [`lease`]: route leases, what a route answer grants its caller.
 //! - [`limits`]: how large a caller's input may be, and the checks ([`LimitError`]).
 //! - [`chunk`]: splitting lists into messages under a byte budget.
 //! - [`hashing`]: Dynamo-compatible local block hashes and sequence hashes.
@@ -13,11 +14,12 @@
 pub mod chunk;
 pub mod codec;
 pub mod hashing;
+pub mod lease;
 pub mod limits;
 pub mod messages;
 pub mod subjects;
 pub mod types;
-pub mod v4;
+pub mod v5;
 pub mod wire;
 
 pub use chunk::chunk_by_budget;
@@ -29,6 +31,7 @@ pub use hashing::{
     block_extra_keys, local_block_hash_with_extras, local_block_hashes, lora_seed,
     prompt_local_hashes, sequence_hashes, HashError, BASE_SEED,
 };
+pub use lease::{Lease, LeaseParseError};
 pub use limits::{check_request_id, check_tracked_request_id, LimitError};
 pub use messages::*;
 pub use subjects::{

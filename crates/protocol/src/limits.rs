@@ -349,12 +349,14 @@ mod tests {
         let update = RequestUpdate {
             model: "m".into(),
             request_id: id.clone(),
+            lease: crate::Lease::NONE,
         };
         assert_eq!(update.check_limits().unwrap_err().field(), "request_id");
         let block = OutputBlock {
             model: "m".into(),
             request_id: id.clone(),
             decay_fraction: None,
+            lease: crate::Lease::NONE,
         };
         assert_eq!(block.check_limits().unwrap_err().field(), "request_id");
         let abandon = Abandon {
@@ -362,6 +364,7 @@ mod tests {
             request_id: "r".into(),
             call_id: 1,
             kept_by: Some(long(MAX_REPLICA_ID_BYTES + 1)),
+            lease: crate::Lease::NONE,
         };
         assert_eq!(abandon.check_limits().unwrap_err().field(), "kept_by");
         let disagg = DisaggRouteRequest {
@@ -371,6 +374,7 @@ mod tests {
             lora: None,
             allowed_workers: None,
             update_states: true,
+            lease: crate::Lease::NONE,
         };
         assert_eq!(disagg.check_limits().unwrap_err().field(), "model");
         let overlap = OverlapRequest {
@@ -387,6 +391,7 @@ mod tests {
         let update = RequestUpdate {
             model: "m".into(),
             request_id: half,
+            lease: crate::Lease::NONE,
         };
         assert_eq!(update.check_limits(), Ok(()));
         let longer = format!("{}x/prefill", long(MAX_REQUEST_ID_BYTES));

@@ -5,6 +5,7 @@
 //! docs/protocol.md lists which subject carries which message.
 
 use crate::chunk::chunk_by_budget;
+use crate::lease::Lease;
 use crate::types::{DpRank, EventId, KvEvent, PromptExtras, TierBlocks, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -302,6 +303,11 @@ pub struct RouteRequest {
     /// caller sends [`Abandon`] with it: a copy of the call that reaches a replica late is
     /// then turned away, while a new call for the same request id is not.
     pub call_id: u64,
+    /// The lease the booking is held under (`update_states`): 128 random bits the caller
+    /// keeps and presents with `mark_prefill`, `add_output_block`, `free` and [`Abandon`].
+    /// [`Lease::NONE`] from a version-5 caller; replicas refuse a booking without a lease
+    /// unless started with `--allow-unleased`. New in format version 6.
+    pub lease: Lease,
 }
 
 /// Building a request: [`RouteRequest::new`] is a plain lookup (no request id, nothing
@@ -328,9 +334,17 @@ impl RouteRequest {
     }
 
     /// Book the request as active load under `request_id` (`update_states`: `mark_prefill`
-    /// and `free` must follow).
+    /// and `free` must follow), under a fresh random [`Lease`] (the decision carries it).
     pub fn booked(self, request_id: impl Into<String>) -> Self {
-        self.with_request_id(request_id).with_update_states(true)
+        self.with_request_id(request_id)
+            .with_update_states(true)
+            .with_lease(Lease::random())
+    }
+
+    /// The lease a booking is held under (see [`RouteRequest::lease`]).
+    pub fn with_lease(mut self, lease: Lease) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// Name the request (booked or not: see [`RouteRequest::with_update_states`]).
@@ -455,6 +469,9 @@ pub struct RouteDecision {
     /// many generated tokens (0 from a version-4 replica: report none). New in format
     /// version 5.
     pub block_size: u32,
+    /// The lease the booking is held under: the request's ([`Lease::NONE`] when nothing was
+    /// booked, or from a version-5 replica). New in format version 6.
+    pub lease: Lease,
 }
 
 impl RouteDecision {
@@ -482,6 +499,9 @@ pub struct RouteAnswer {
     pub replica_id: String,
     /// Tokens per KV block: report `output_block` once per this many generated tokens.
     pub block_size: u32,
+    /// The booking's lease (32 hexadecimal digits): send it with `prefill_done`,
+    /// `output_block` and `free`; `null` when nothing was booked.
+    pub lease: Option<String>,
 }
 
 impl RouteAnswer {
@@ -495,6 +515,7 @@ impl RouteAnswer {
             request_id: (!request_id.is_empty()).then(|| request_id.to_string()),
             replica_id: d.replica_id,
             block_size: d.block_size,
+            lease: (!d.lease.is_none()).then(|| d.lease.to_hex()),
         }
     }
 }
@@ -513,6 +534,9 @@ pub struct DisaggRouteRequest {
     /// decode half as `request_id` (each then needs `mark_prefill`/`free`, or transfer
     /// reports for the prefill half).
     pub update_states: bool,
+    /// The lease both halves are booked under (see [`RouteRequest::lease`]). New in format
+    /// version 6.
+    pub lease: Lease,
 }
 
 /// Both halves of a disaggregated decision, made by one replica. `decode.dp_rank` is the
@@ -583,6 +607,8 @@ pub struct PotentialLoad {
 pub struct RequestUpdate {
     pub model: String,
     pub request_id: String,
+    /// The booking's lease, from its route decision. New in format version 6.
+    pub lease: Lease,
 }
 
 /// A running request generated another block of output (`add_output_block`), sent to the
@@ -594,6 +620,8 @@ pub struct OutputBlock {
     /// The share of the request's output load still to count, in `[0, 1]`: the caller's
     /// estimate of how much of its decode is still ahead (`None`: all of it).
     pub decay_fraction: Option<f64>,
+    /// The booking's lease, from its route decision. New in format version 6.
+    pub lease: Lease,
 }
 
 impl OutputBlock {
@@ -614,6 +642,9 @@ pub struct Abandon {
     pub request_id: String,
     pub call_id: u64,
     pub kept_by: Option<String>,
+    /// The lease the call was made with: a replica frees only a booking held under it, and
+    /// turns away only a late copy carrying it. New in format version 6.
+    pub lease: Lease,
 }
 
 /// One change to a replica's active sequences, shared with its peers (`--replica-sync`).
@@ -941,6 +972,7 @@ mod tests {
                 priority_jump: 0.0,
                 expected_output_tokens: None,
                 call_id: 0,
+                lease: crate::Lease::NONE,
             }
         );
         let pin = Pin {
@@ -982,8 +1014,10 @@ mod tests {
                 priority_jump: 2.5,
                 expected_output_tokens: Some(64),
                 call_id: 42,
+                lease: full.lease,
             }
         );
+        assert!(!full.lease.is_none(), "a booked route is leased");
         // Options pass through as they are; a named but untracked request stays a lookup.
         let named = RouteRequest::new("m", vec![])
             .with_request_id("r")
@@ -1019,6 +1053,7 @@ mod tests {
                 shared: 4,
             },
             block_size: 0,
+            lease: crate::Lease::NONE,
         });
         let back: Reply<RouteDecision> = decode(&encode(&ok).unwrap()).unwrap();
         assert_eq!(back, ok);
@@ -1125,6 +1160,7 @@ mod tests {
             base_url: String::new(),
             tier_overlap_blocks: TierBlocks::default(),
             block_size: 0,
+            lease: crate::Lease::NONE,
         };
         let ok: Reply<DisaggDecision> = Reply::Ok(DisaggDecision {
             prefill: d(1, 2),

@@ -1,7 +1,7 @@
 //! The process-wide write version (its own test binary: it is global state).
 
 use kvrouter_protocol::{
-    decode, decode_versioned, encode, set_write_version, v4, write_version, RouteOverrides,
+    decode, decode_versioned, encode, set_write_version, v5, write_version, Lease, RouteOverrides,
     RouteRequest, FORMAT_VERSION,
 };
 
@@ -24,7 +24,8 @@ fn request_with_every_field() -> RouteRequest {
         }),
         priority_jump: 1.5,
         expected_output_tokens: Some(64),
-        call_id: 0,
+        call_id: 3,
+        lease: Lease::parse_hex("0123456789abcdef0123456789abcdef").unwrap(),
     }
 }
 
@@ -38,7 +39,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     let old = encode(&request_with_every_field()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
-    let seen: v4::RouteRequest = bincode::serde::decode_from_slice(
+    let seen: v5::RouteRequest = bincode::serde::decode_from_slice(
         &old[1..],
         bincode::config::standard().with_fixed_int_encoding(),
     )
@@ -50,9 +51,10 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     assert_eq!(version, FORMAT_VERSION - 1);
     assert_eq!(back.overrides, request_with_every_field().overrides);
     assert_eq!(
-        (back.priority_jump, back.expected_output_tokens),
-        (0.0, None)
+        (back.priority_jump, back.expected_output_tokens, back.call_id),
+        (1.5, Some(64), 3)
     );
+    assert_eq!(back.lease, Lease::NONE);
 
     assert!(set_write_version(FORMAT_VERSION + 1).is_err());
     assert!(set_write_version(0).is_err());

@@ -7,7 +7,7 @@
 //! (block, key) pair.
 
 use crate::error::ScheduleError;
-use kvrouter_protocol::{SequenceHash, WorkerId, WorkerKey};
+use kvrouter_protocol::{Lease, SequenceHash, WorkerId, WorkerKey};
 use rustc_hash::FxHashMap;
 use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
@@ -130,6 +130,8 @@ struct ActiveRequest {
     /// Output blocks the caller expected when it routed the request.
     expected: u32,
     added: (Instant, u64),
+    /// What a caller must present to end it ([`Lease::NONE`]: nothing; peers' requests).
+    lease: Lease,
 }
 
 /// Worker keys, their load and the active sequences on them.
@@ -307,8 +309,7 @@ impl ActiveSequences {
             .map(|r| (r.slot, &r.hashes[..], r.prefill_tokens))
     }
 
-    /// Adds an active sequence on `slot`, its output counting `expected_output_blocks` from
-    /// the start.
+    /// Adds an active sequence on `slot` without a lease (see [`ActiveSequences::add_leased`]).
     pub fn add(
         &mut self,
         request_id: RequestId,
@@ -316,6 +317,21 @@ impl ActiveSequences {
         hashes: &[SequenceHash],
         prefill_tokens: u64,
         expected_output_blocks: u32,
+        now: Instant,
+    ) -> Result<(), ScheduleError> {
+        let booking = (prefill_tokens, expected_output_blocks, Lease::NONE);
+        self.add_leased(request_id, slot, hashes, booking, now)
+    }
+
+    /// Adds an active sequence on `slot` with `(prefill tokens, expected output blocks,
+    /// lease)`: its output counts the expected blocks from the start, and only a holder of
+    /// the lease may end it ([`ActiveSequences::lease_admits`]).
+    pub fn add_leased(
+        &mut self,
+        request_id: RequestId,
+        slot: Slot,
+        hashes: &[SequenceHash],
+        (prefill_tokens, expected_output_blocks, lease): (u64, u32, Lease),
         now: Instant,
     ) -> Result<(), ScheduleError> {
         if self.requests.contains_key(&request_id) {
@@ -351,9 +367,18 @@ impl ActiveSequences {
                 generated: 0,
                 expected: expected_output_blocks,
                 added,
+                lease,
             },
         );
         Ok(())
+    }
+
+    /// Whether `presented` may act on the request (its lease, or it has none); `None` if
+    /// the request is unknown.
+    pub fn lease_admits(&self, request_id: &str, presented: Lease) -> Option<bool> {
+        self.requests
+            .get(request_id)
+            .map(|r| r.lease.admits(presented))
     }
 
     /// Output blocks the request counts in its key's decode load. None if unknown.

@@ -1,7 +1,7 @@
 //! A request to place: prompt, block hashes and the filters narrowing where it may go.
 
 use crate::filters::FilterView;
-use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerKey};
+use kvrouter_protocol::{Lease, RouteOverrides, SequenceHash, TierBlocks, WorkerKey};
 
 /// A request to place.
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
@@ -25,6 +25,8 @@ pub struct RouteQuery<'a> {
     /// Output tokens the caller expects: their blocks count in the chosen key's decode load
     /// from the start.
     pub expected_output_tokens: Option<u32>,
+    /// The lease a booking is held under ([`Lease::NONE`]: none; any caller may end it).
+    pub lease: Lease,
 }
 
 impl<'a> RouteQuery<'a> {

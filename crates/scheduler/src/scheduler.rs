@@ -9,7 +9,7 @@ use crate::queue::{Overloaded, Queued, RequestQueue};
 use crate::route_query::RouteQuery;
 use fastrand::Rng;
 use kvrouter_protocol::limits::MAX_EXPECTED_OUTPUT_TOKENS;
-use kvrouter_protocol::{SequenceHash, TierBlocks, WorkerId, WorkerKey};
+use kvrouter_protocol::{Lease, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use std::time::{Duration, Instant};
 
 /// The chosen worker key and why.
@@ -292,8 +292,13 @@ impl<P> Scheduler<P> {
         );
         let output = self.expected_output_blocks(req, slot);
         let blocks_before = self.active.state(slot).load.active_blocks;
-        self.active
-            .add(request_id, slot, req.sequence_hashes, prefill, output, now)?;
+        self.active.add_leased(
+            request_id,
+            slot,
+            req.sequence_hashes,
+            (prefill, output, req.lease),
+            now,
+        )?;
         let new_blocks = self.active.state(slot).load.active_blocks - blocks_before;
         self.echo.record(slot, new_blocks, prefill, now);
         Ok(())
@@ -361,6 +366,13 @@ impl<P> Scheduler<P> {
         self.active
             .request(request_id)
             .map(|(slot, hashes, prefill)| (self.active.state(slot).key, hashes, prefill))
+    }
+
+    /// Whether `presented` may mark, extend or free the request: the lease its route was
+    /// booked under, or any lease for one booked without (a peer's, a previous-version
+    /// caller's). `None` if the request is unknown.
+    pub fn lease_admits(&self, request_id: &str, presented: Lease) -> Option<bool> {
+        self.active.lease_admits(request_id, presented)
     }
 
     /// The request finished prefill. False if unknown.
@@ -774,6 +786,33 @@ mod tests {
 
     fn hs(v: &[u64]) -> Vec<SequenceHash> {
         v.iter().map(|&x| SequenceHash(x)).collect()
+    }
+
+    /// A booking holds its route's lease: only that lease may act on it; one booked without
+    /// a lease (a peer's, or a previous-version caller's) admits any.
+    #[test]
+    fn bookings_admit_their_lease_only() {
+        let mut s = sched(|_| {});
+        let now = Instant::now();
+        s.add_worker_key(k(1, 0), 100);
+        let h = hs(&[1, 2]);
+        let lease = Lease::random();
+        let q = RouteQuery {
+            lease,
+            ..RouteQuery::new(8, &h)
+        };
+        s.route(&q, &[], "a".into(), true, now).unwrap();
+        assert_eq!(s.lease_admits("a", lease), Some(true));
+        assert_eq!(s.lease_admits("a", Lease::random()), Some(false));
+        assert_eq!(s.lease_admits("a", Lease::NONE), Some(false));
+        assert_eq!(s.lease_admits("b", lease), None);
+        s.route(&RouteQuery::new(8, &h), &[], "unleased".into(), true, now)
+            .unwrap();
+        assert_eq!(s.lease_admits("unleased", Lease::random()), Some(true));
+        s.add_request("peer:x".into(), k(1, 0), &h, 0, now).unwrap();
+        assert_eq!(s.lease_admits("peer:x", Lease::NONE), Some(true));
+        assert!(s.free("a"));
+        assert_eq!(s.lease_admits("a", lease), None);
     }
 
     #[test]

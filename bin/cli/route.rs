@@ -114,6 +114,7 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
             lora: args.lora.filter(|l| !l.is_empty()),
             allowed_workers: args.allowed_workers,
             update_states: !args.no_update_states,
+            lease: kvrouter_protocol::Lease::NONE, // the client makes one when booking
         };
         let d = client.route_disagg(&req).await?;
         println!("{}", disagg_json(&req.request_id, &d));
@@ -148,6 +149,13 @@ pub fn disagg_json(request_id: &str, d: &kvrouter_protocol::DisaggDecision) -> S
         ("prefill", key(&d.prefill)),
         ("decode", key(&d.decode)),
         ("replica_id", d.replica_id.clone().into()),
+        // Both halves are booked under one lease; null when nothing was booked.
+        (
+            "lease",
+            (!d.decode.lease.is_none())
+                .then(|| d.decode.lease.to_hex())
+                .into(),
+        ),
     ])
 }
 
@@ -197,6 +205,7 @@ mod tests {
             replica_id: "x".into(),
             base_url: String::new(),
             block_size: 16,
+            lease: kvrouter_protocol::Lease::NONE,
         };
         let s = disagg_json(
             "q",
@@ -208,7 +217,7 @@ mod tests {
         );
         assert_eq!(
             s,
-            r#"{"request_id":"q","prefill":{"dp_rank":3,"overlap_blocks":2,"worker_id":1},"decode":{"dp_rank":1,"overlap_blocks":2,"worker_id":2},"replica_id":"x"}"#
+            r#"{"request_id":"q","prefill":{"dp_rank":3,"overlap_blocks":2,"worker_id":1},"decode":{"dp_rank":1,"overlap_blocks":2,"worker_id":2},"replica_id":"x","lease":null}"#
         );
     }
 

@@ -137,6 +137,10 @@ pub struct ServeArgs {
     /// before it is logged and counted as overdue (kvrouter_transfers_overdue_total).
     #[arg(long, env = "KVROUTER_TRANSFER_TIMEOUT_SECS", default_value_t = 10.0)]
     transfer_timeout_secs: f64,
+    /// Book routes that come without a lease (callers of wire format 5, which know none)
+    /// and let any caller end them: only for a rolling upgrade from the previous release.
+    #[arg(long, env = "KVROUTER_ALLOW_UNLEASED")]
+    allow_unleased: bool,
     /// Remote lookups timing out in a row (a hung serving indexer) after which routes skip
     /// them (overlap 0) until a probe is answered; 0 turns this breaker off.
     #[arg(
@@ -235,6 +239,7 @@ impl ServeArgs {
                 })
                 .transpose()?,
             transfer_timeout: secs("transfer-timeout-secs", self.transfer_timeout_secs)?,
+            allow_unleased: self.allow_unleased,
             ..ReplicaConfig::default()
         })
     }

@@ -160,6 +160,7 @@ impl E2eClient {
             lora: None,
             allowed_workers: Some(vec![prefill, 20]),
             update_states: true,
+            lease: kvrouter_protocol::Lease::random(),
         };
         let d = self
             .rt

@@ -174,8 +174,8 @@ fn approximate_mode_decisions_reach_every_serving_indexer() {
     let first = c.route_req(request(&prompt, "req-1")).expect("route");
     let holder = first.key();
     // Finished: its load would otherwise cancel what the cached prefix saves.
-    c.rt.block_on(c.client.free(&first.replica_id, MODEL, "req-1"))
-        .expect("free");
+    let booking = kvrouter_client::Booking::new(&first, MODEL, "req-1");
+    c.rt.block_on(c.client.free(&booking)).expect("free");
     let records = r#"kvrouter_served_indexer_records_total{model="Qwen/Qwen3-0.6B"}"#;
     assert!(
         wait_until(Duration::from_secs(5), || counter(ps1, records) >= 1.0

@@ -9,6 +9,7 @@ mod disagg;
 mod emulate;
 mod frontend;
 mod indexer;
+mod leases;
 mod lifecycle;
 mod peer_api;
 mod readiness;

@@ -133,13 +133,16 @@ fn generate(nats: &NatsServer, tokens: &[u32]) {
     assert!(out.status.success(), "generate: {out:?}");
 }
 
-fn free(port: u16, id: &str, replica: Option<&str>) -> Answer {
-    let mut body = json!({ "model": MODEL });
+/// `free` of request `id`, presenting `lease` (the route answer's).
+fn free(port: u16, id: &str, replica: Option<&str>, lease: &Value) -> Answer {
+    let mut body = json!({ "model": MODEL, "lease": lease });
     if let Some(r) = replica {
         body["replica_id"] = json!(r);
     }
     post(port, &format!("/v1/requests/{id}/free"), &body)
 }
+
+const LEASE_REFUSED: &str = "kvrouter_replica_lease_refused_total";
 
 #[test]
 fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() {
@@ -169,9 +172,12 @@ fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() 
         "request_id",
         "replica_id",
         "block_size",
+        "lease",
     ] {
         assert!(d.get(field).is_some(), "{field} in {d}");
     }
+    let lease = d["lease"].clone();
+    assert_eq!(lease.as_str().map(str::len), Some(32), "{d}");
     assert_eq!(d["replica_id"], "a");
     assert_eq!(d["block_size"], BLOCK);
     assert_eq!(d["overlap_blocks"], 0);
@@ -216,22 +222,50 @@ fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() 
         );
     }
 
-    // prefill_done, then free, on this replica; a second free is unknown.
+    // Without the route's lease, or with another, nothing is done: the same answer as an
+    // unknown request (a caller without the lease learns nothing), counted.
     let path = format!("/v1/requests/{id}/prefill_done");
-    let p = post(api, &path, &json!({ "model": MODEL }));
+    let forged = json!("0123456789abcdef0123456789abcdef");
+    for (body, endpoint) in [
+        (json!({ "model": MODEL }), "prefill_done"),
+        (json!({ "model": MODEL, "lease": forged }), "free"),
+        (json!({ "model": MODEL, "lease": forged }), "output_block"),
+    ] {
+        let p = post(api, &format!("/v1/requests/{id}/{endpoint}"), &body);
+        assert_eq!(p.error(), (404, "unknown_request".into()), "{}", p.body);
+        assert!(p.message().contains("under this lease"), "{}", p.message());
+    }
+    let not_hex = post(
+        api,
+        &path,
+        &json!({ "model": MODEL, "lease": "not-a-lease" }),
+    );
+    assert_eq!(not_hex.error(), (400, "invalid_request".into()));
+    assert!(wait_until(Duration::from_secs(3), || sum(
+        admin,
+        LEASE_REFUSED
+    ) == 3.0));
+    assert_eq!(sum(admin, ACTIVE), 1.0, "the request is still held");
+    assert!(
+        sum(admin, "kvrouter_worker_prefill_tokens") > 0.0,
+        "its prefill still counts"
+    );
+
+    // prefill_done, then free, on this replica with the lease; a second free is unknown.
+    let p = post(api, &path, &json!({ "model": MODEL, "lease": lease }));
     assert_eq!((p.status, p.body.as_str()), (200, r#"{"ok":true}"#));
-    let f = free(api, &id, Some("a"));
+    let f = free(api, &id, Some("a"), &lease);
     assert_eq!(f.status, 200, "{}", f.body);
     assert!(wait_until(Duration::from_secs(3), || sum(admin, ACTIVE) == 0.0));
     assert_eq!(
-        free(api, &id, None).error(),
+        free(api, &id, None, &lease).error(),
         (404, "unknown_request".into())
     );
     assert_eq!(
-        free(api, "never-routed", None).error(),
+        free(api, "never-routed", None, &lease).error(),
         (404, "unknown_request".into())
     );
-    let gone = free(api, &id, Some("nobody"));
+    let gone = free(api, &id, Some("nobody"), &lease);
     assert_eq!(gone.error(), (404, "unknown_request".into()));
     assert!(
         gone.message().contains("not on the bus"),
@@ -349,13 +383,19 @@ fn peer_api_routes_reports_workers_and_refuses_bad_requests_with_their_status() 
         no_state(json!({ "allowed_workers": [999] })).error(),
         (409, "no_allowed_workers".into())
     );
-    let twice = route(api, route_body(&cached, json!({ "request_id": "dup" })));
+    // A caller may choose its lease.
+    let mine = json!("00000000000000000000000000c0ffee");
+    let twice = route(
+        api,
+        route_body(&cached, json!({ "request_id": "dup", "lease": mine })),
+    );
     assert_eq!(twice.status, 200, "{}", twice.body);
+    assert_eq!(twice.json()["lease"], mine);
     assert_eq!(
         route(api, route_body(&cached, json!({ "request_id": "dup" }))).error(),
         (409, "duplicate_request".into())
     );
-    assert_eq!(free(api, "dup", None).status, 200);
+    assert_eq!(free(api, "dup", None, &mine).status, 200);
     // The body limit: 256 tokens x 11 bytes + 64 KiB.
     let limit = 256 * 11 + 64 * 1024;
     let huge = format!(
@@ -429,6 +469,7 @@ fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
     )
     .json();
     assert_eq!(r["replica_id"], "a");
+    let lease = r["lease"].clone();
     assert!(wait_until(Duration::from_secs(3), || sum(pa, ACTIVE) == 1.0));
     // The expected output is one block of decode load; two generated blocks reported
     // through b (forwarded to a) make it two.
@@ -438,7 +479,7 @@ fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
         let o = post(
             pb,
             "/v1/requests/fwd/output_block",
-            &json!({ "model": MODEL, "replica_id": "a" }),
+            &json!({ "model": MODEL, "replica_id": "a", "lease": lease }),
         );
         assert_eq!((o.status, o.body.as_str()), (200, r#"{"ok":true}"#));
     }
@@ -460,13 +501,24 @@ fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
     );
     assert_eq!(misplaced.error(), (400, "invalid_request".into()));
     let path = "/v1/requests/fwd/prefill_done";
+    // Forwarded without the lease: a refuses it, and b answers what a answered.
     let p = post(pb, path, &json!({ "model": MODEL, "replica_id": "a" }));
+    assert_eq!(p.error(), (404, "unknown_request".into()), "{}", p.body);
+    assert!(wait_until(Duration::from_secs(3), || sum(
+        pa,
+        LEASE_REFUSED
+    ) == 1.0));
+    let p = post(
+        pb,
+        path,
+        &json!({ "model": MODEL, "replica_id": "a", "lease": lease }),
+    );
     assert_eq!(p.status, 200, "{}", p.body);
     assert!(wait_until(Duration::from_secs(3), || sum(
         pa,
         "kvrouter_worker_prefill_tokens"
     ) == 0.0));
-    let f = free(pb, "fwd", Some("a"));
+    let f = free(pb, "fwd", Some("a"), &lease);
     assert_eq!(f.status, 200, "{}", f.body);
     assert!(
         wait_until(Duration::from_secs(3), || sum(pa, ACTIVE) == 0.0),
@@ -474,7 +526,7 @@ fn peer_api_forwards_updates_sheds_load_and_expires_leases() {
         sum(pa, ACTIVE)
     );
     // a answers the forwarded free of an id it does not know.
-    let again = free(pb, "fwd", Some("a"));
+    let again = free(pb, "fwd", Some("a"), &lease);
     assert_eq!(again.error(), (404, "unknown_request".into()));
     assert!(again.message().contains("replica a"), "{}", again.message());
 

@@ -1,10 +1,11 @@
 //! [`KvRouterClient`]: the router endpoints as async methods.
 
+use crate::booking::Booking;
 use crate::error::ClientError;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError};
 use kvrouter_protocol::{
-    decode, encode, max_prompt_tokens_for, Abandon, ErrorKind, OutputBlock, OverlapRequest,
+    decode, encode, max_prompt_tokens_for, Abandon, ErrorKind, Lease, OutputBlock, OverlapRequest,
     OverlapScoresReply, PotentialLoad, Reply, RequestUpdate, RouteDecision, RouteRequest, Subjects,
     Wire,
 };
@@ -101,7 +102,8 @@ impl KvRouterClient {
 
     /// Asks a replica which worker rank should serve the request. An empty `request_id` is
     /// replaced by a fresh one (set one yourself when `update_states` is on: `mark_prefill`
-    /// and `free` need it), as is a `call_id` of 0.
+    /// and `free` need it), as is a `call_id` of 0 and, with `update_states`, a missing
+    /// lease (the decision carries the lease: report through [`Booking::new`]).
     ///
     /// With `update_states`, when an attempt may have been booked by a replica that did not
     /// answer in time (a timeout, a lost connection), every replica but the one that
@@ -114,6 +116,9 @@ impl KvRouterClient {
         }
         if req.call_id == 0 {
             req.to_mut().call_id = new_call_id();
+        }
+        if req.update_states && req.lease.is_none() {
+            req.to_mut().lease = Lease::random();
         }
         let span = tracing::debug_span!(
             "route",
@@ -132,7 +137,7 @@ impl KvRouterClient {
                 .as_ref()
                 .ok()
                 .map(|d: &RouteDecision| d.replica_id.clone());
-            self.abandon(&req.model, &req.request_id, req.call_id, kept_by)
+            self.abandon(&req.model, &req.request_id, req.call_id, req.lease, kept_by)
                 .instrument(span)
                 .await;
         }
@@ -140,12 +145,14 @@ impl KvRouterClient {
     }
 
     /// Tells every replica but `kept_by` to drop its booking of the route call `call_id` of
-    /// `request_id` (best effort: a lost one leaves the booking to the request-timeout sweep).
+    /// `request_id`, made under `lease` (best effort: a lost one leaves the booking to the
+    /// request-timeout sweep).
     pub(crate) async fn abandon(
         &self,
         model: &str,
         request_id: &str,
         call_id: u64,
+        lease: Lease,
         kept_by: Option<String>,
     ) {
         let abandon = Abandon {
@@ -153,6 +160,7 @@ impl KvRouterClient {
             request_id: request_id.to_string(),
             call_id,
             kept_by,
+            lease,
         };
         tracing::debug!(kept_by = ?abandon.kept_by, "a retried route may be booked elsewhere: abandoning it there");
         let sent = match encode(&abandon) {
@@ -195,17 +203,13 @@ impl KvRouterClient {
     }
 
     /// Tells the replica that made the decision that the request's prefill is done.
-    pub async fn mark_prefill(
-        &self,
-        replica_id: &str,
-        model: &str,
-        request_id: &str,
-    ) -> Result<(), ClientError> {
-        let span = tracing::debug_span!("mark_prefill", replica_id, model, request_id);
-        let subject = self.subjects.mark_prefill(replica_id);
+    pub async fn mark_prefill(&self, booking: &Booking) -> Result<(), ClientError> {
+        let span = booking_span("mark_prefill", booking);
+        let subject = self.subjects.mark_prefill(&booking.replica_id);
         let update = RequestUpdate {
-            model: model.to_string(),
-            request_id: request_id.to_string(),
+            model: booking.model.clone(),
+            request_id: booking.request_id.clone(),
+            lease: booking.lease,
         };
         self.call(&subject, &update, 0).instrument(span).await
     }
@@ -216,33 +220,28 @@ impl KvRouterClient {
     /// estimate of how much of its decode is still ahead (`None`: all of it).
     pub async fn add_output_block(
         &self,
-        replica_id: &str,
-        model: &str,
-        request_id: &str,
+        booking: &Booking,
         decay_fraction: Option<f64>,
     ) -> Result<(), ClientError> {
-        let span = tracing::debug_span!("add_output_block", replica_id, model, request_id);
-        let subject = self.subjects.add_output_block(replica_id);
+        let span = booking_span("add_output_block", booking);
+        let subject = self.subjects.add_output_block(&booking.replica_id);
         let block = OutputBlock {
-            model: model.to_string(),
-            request_id: request_id.to_string(),
+            model: booking.model.clone(),
+            request_id: booking.request_id.clone(),
             decay_fraction,
+            lease: booking.lease,
         };
         self.call(&subject, &block, 0).instrument(span).await
     }
 
     /// Tells the replica that made the decision that the request is finished.
-    pub async fn free(
-        &self,
-        replica_id: &str,
-        model: &str,
-        request_id: &str,
-    ) -> Result<(), ClientError> {
-        let span = tracing::debug_span!("free", replica_id, model, request_id);
-        let subject = self.subjects.free(replica_id);
+    pub async fn free(&self, booking: &Booking) -> Result<(), ClientError> {
+        let span = booking_span("free", booking);
+        let subject = self.subjects.free(&booking.replica_id);
         let update = RequestUpdate {
-            model: model.to_string(),
-            request_id: request_id.to_string(),
+            model: booking.model.clone(),
+            request_id: booking.request_id.clone(),
+            lease: booking.lease,
         };
         self.call(&subject, &update, 0).instrument(span).await
     }
@@ -254,28 +253,17 @@ impl KvRouterClient {
     /// default); a late one costs nothing. An `UnknownRequest` answer after a failed attempt
     /// counts as delivered (an earlier attempt landed, or the replica dropped the request
     /// itself). Run it in the background when the caller should not wait.
-    pub async fn free_until_delivered(
-        &self,
-        replica_id: &str,
-        model: &str,
-        request_id: &str,
-    ) -> Result<(), ClientError> {
-        self.free_retrying(replica_id, model, request_id, false)
-            .await
+    pub async fn free_until_delivered(&self, booking: &Booking) -> Result<(), ClientError> {
+        self.free_retrying(booking, false).await
     }
 
     /// [`Self::free_until_delivered`]; `failed`: an earlier attempt failed already (it may
     /// have landed).
-    async fn free_retrying(
-        &self,
-        replica_id: &str,
-        model: &str,
-        request_id: &str,
-        mut failed: bool,
-    ) -> Result<(), ClientError> {
+    async fn free_retrying(&self, booking: &Booking, mut failed: bool) -> Result<(), ClientError> {
+        let (replica_id, request_id) = (&booking.replica_id, &booking.request_id);
         let deadline = tokio::time::Instant::now() + FREE_RETRY_FOR;
         loop {
-            let result = self.free(replica_id, model, request_id).await;
+            let result = self.free(booking).await;
             let transient = result.as_ref().is_err_and(may_pass);
             match result {
                 Err(ClientError::Router(e)) if failed && e.kind == ErrorKind::UnknownRequest => {
@@ -295,26 +283,16 @@ impl KvRouterClient {
 
     /// [`Self::free`] once; when that fails in a way that may pass, it goes on trying in the
     /// background ([`Self::free_until_delivered`]) and the first failure is returned.
-    pub(crate) async fn free_now_or_later(
-        &self,
-        replica_id: &str,
-        model: &str,
-        request_id: &str,
-    ) -> Result<(), ClientError> {
-        let result = self.free(replica_id, model, request_id).await;
+    pub(crate) async fn free_now_or_later(&self, booking: &Booking) -> Result<(), ClientError> {
+        let result = self.free(booking).await;
         if let Err(e) = &result {
             if may_pass(e) {
-                let (client, replica, model, id) = (
-                    self.clone(),
-                    replica_id.to_string(),
-                    model.to_string(),
-                    request_id.to_string(),
-                );
+                let (client, booking) = (self.clone(), booking.clone());
                 tokio::spawn(async move {
                     // The first attempt may have landed: `unknown_request` then means done.
-                    let retried = client.free_retrying(&replica, &model, &id, true).await;
+                    let retried = client.free_retrying(&booking, true).await;
                     if let Err(e) = retried {
-                        tracing::warn!(error = %e, replica_id = %replica, request_id = %id, "free never reached the replica: its request-timeout sweep frees the load");
+                        tracing::warn!(error = %e, replica_id = %booking.replica_id, request_id = %booking.request_id, "free never reached the replica: its request-timeout sweep frees the load");
                     }
                 });
             }
@@ -464,6 +442,11 @@ pub(crate) fn encode_checked<T: Wire>(
     Ok(Bytes::from(bytes))
 }
 
+/// The span of a report on a booking (never with its lease).
+fn booking_span(name: &'static str, b: &Booking) -> tracing::Span {
+    tracing::debug_span!("booking", op = name, replica_id = %b.replica_id, model = %b.model, request_id = %b.request_id)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,6 +471,7 @@ mod tests {
         let update = RequestUpdate {
             model: "m".repeat(5000),
             request_id: "r".into(),
+            lease: kvrouter_protocol::Lease::NONE,
         };
         assert!(matches!(
             encode_checked(&update, 0, 4096),
@@ -524,6 +508,7 @@ mod tests {
                             base_url: String::new(),
                             tier_overlap_blocks: Default::default(),
                             block_size: 16,
+                            lease: kvrouter_protocol::Lease::NONE,
                         });
                         let reply = Bytes::from(encode(&decision).unwrap());
                         bus.publish(&msg.reply.unwrap(), reply).await.unwrap();

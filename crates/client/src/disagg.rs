@@ -1,13 +1,14 @@
 //! Disaggregated prefill and decode: [`KvRouterClient::route_disagg`] and
 //! [`KvRouterClient::generate_disagg`].
 
+use crate::booking::Booking;
 use crate::client::{encode_checked, new_request_id, KvRouterClient};
 use crate::error::{ClientError, WorkerFailure};
 use crate::generate::GenerateParams;
 use kvrouter_bus::BusError;
 use kvrouter_protocol::{
     decode, prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, GenerateEvent,
-    GenerateRequest, RouteDecision, TierBlocks,
+    GenerateRequest, Lease, RouteDecision, TierBlocks,
 };
 use std::time::Instant;
 use tracing::Instrument;
@@ -47,9 +48,18 @@ impl KvRouterClient {
         req: &DisaggRouteRequest,
     ) -> Result<DisaggDecision, ClientError> {
         let filled;
-        let req = if req.request_id.is_empty() {
+        let req = if req.request_id.is_empty() || (req.update_states && req.lease.is_none()) {
             filled = DisaggRouteRequest {
-                request_id: new_request_id(),
+                request_id: if req.request_id.is_empty() {
+                    new_request_id()
+                } else {
+                    req.request_id.clone()
+                },
+                lease: if req.lease.is_none() {
+                    Lease::random()
+                } else {
+                    req.lease
+                },
                 ..req.clone()
             };
             &filled
@@ -74,7 +84,7 @@ impl KvRouterClient {
                 .as_ref()
                 .ok()
                 .map(|d: &DisaggDecision| d.replica_id.clone());
-            self.abandon(&req.model, &req.request_id, 0, kept_by)
+            self.abandon(&req.model, &req.request_id, 0, req.lease, kept_by)
                 .instrument(span)
                 .await;
         }
@@ -119,6 +129,7 @@ impl KvRouterClient {
                 lora: params.lora.clone(),
                 allowed_workers: params.allowed_workers.clone(),
                 update_states: true,
+                lease: Lease::random(),
             })
             .await?;
         let route_wall_us = micros(t0);
@@ -151,13 +162,13 @@ impl KvRouterClient {
         }
         .await;
         // Whatever happened, the replica must stop counting both halves.
-        for (replica, id) in [
-            (&pre.replica_id, &prefill_id),
-            (&dec.replica_id, &request_id),
+        for booking in [
+            Booking::new(pre, &params.model, &prefill_id),
+            Booking::new(dec, &params.model, &request_id),
         ] {
-            if let Err(e) = self.free_now_or_later(replica, &params.model, id).await {
+            if let Err(e) = self.free_now_or_later(&booking).await {
                 if !unknown_request(&e) {
-                    tracing::warn!(error = %e, request_id = %id, "free failed");
+                    tracing::warn!(error = %e, request_id = %booking.request_id, "free failed");
                     bookkeeping.push(e);
                 }
             }

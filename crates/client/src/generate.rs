@@ -1,5 +1,6 @@
 //! [`KvRouterClient::generate`]: what a frontend does with one request, end to end.
 
+use crate::booking::Booking;
 use crate::client::{encode_checked, new_request_id, KvRouterClient};
 use crate::error::{ClientError, WorkerFailure};
 use kvrouter_bus::BusError;
@@ -153,10 +154,8 @@ impl KvRouterClient {
             )
             .await;
         // Whatever happened on the worker, the replica must stop counting the request.
-        if let Err(e) = self
-            .free_now_or_later(&decision.replica_id, &params.model, &request_id)
-            .await
-        {
+        let booking = Booking::new(&decision, &params.model, &request_id);
+        if let Err(e) = self.free_now_or_later(&booking).await {
             tracing::warn!(error = %e, replica_id = %decision.replica_id, "free failed");
             bookkeeping_errors.push(e);
         }
@@ -190,6 +189,7 @@ impl KvRouterClient {
         decision: &RouteDecision,
         bookkeeping_errors: &mut Vec<ClientError>,
     ) -> Result<Progress, WorkerFailure> {
+        let booking = Booking::new(decision, &params.model, request_id);
         let req = GenerateRequest {
             request_id: request_id.to_string(),
             tokens: params.tokens.clone(),
@@ -226,10 +226,7 @@ impl KvRouterClient {
                     progress.prompt_blocks = prompt_blocks;
                     if !progress.prefill_marked {
                         progress.prefill_marked = true;
-                        if let Err(e) = self
-                            .mark_prefill(&decision.replica_id, &params.model, request_id)
-                            .await
-                        {
+                        if let Err(e) = self.mark_prefill(&booking).await {
                             tracing::warn!(error = %e, replica_id = %decision.replica_id, "mark_prefill failed");
                             bookkeeping_errors.push(e);
                         }
@@ -243,10 +240,7 @@ impl KvRouterClient {
                         && generated >= (progress.output_blocks + 1) * decision.block_size
                     {
                         progress.output_blocks += 1;
-                        if let Err(e) = self
-                            .add_output_block(&decision.replica_id, &params.model, request_id, None)
-                            .await
-                        {
+                        if let Err(e) = self.add_output_block(&booking, None).await {
                             tracing::debug!(error = %e, replica_id = %decision.replica_id, "add_output_block failed");
                             bookkeeping_errors.push(e);
                             break;

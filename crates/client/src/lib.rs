@@ -22,11 +22,13 @@
 //! # Ok(()) }
 //! ```
 
+mod booking;
 mod client;
 mod disagg;
 mod error;
 mod generate;
 
+pub use booking::Booking;
 pub use client::{
     new_call_id, new_request_id, route_request, KvRouterClient, DEFAULT_GENERATE_IDLE_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT, DEFAULT_RETRIES,

@@ -27,6 +27,7 @@ fn decision(replica: &str) -> RouteDecision {
         replica_id: replica.to_string(),
         base_url: String::new(),
         block_size: 0,
+        lease: kvrouter_protocol::Lease::NONE,
     }
 }
 
@@ -552,7 +553,7 @@ async fn frees_are_sent_again_until_the_replica_answers() {
         tokio::time::sleep(Duration::from_millis(600)).await;
         responder(&bus2, &subject2, |_| enc(&Reply::<()>::Ok(()))).await
     });
-    c.free_until_delivered("late", MODEL, "q").await.unwrap();
+    c.free_until_delivered(&held("late")).await.unwrap();
     let seen = late.await.unwrap();
     assert_eq!(seen.lock().unwrap().len(), 1, "delivered once it was there");
 
@@ -564,7 +565,7 @@ async fn frees_are_sent_again_until_the_replica_answers() {
     };
     let gone = Subjects::new(NS).unwrap().free("r-unknown");
     let seen = responder(&bus, &gone, move |_| unknown()).await;
-    let first = c.free_until_delivered("r-unknown", MODEL, "q").await;
+    let first = c.free_until_delivered(&held("r-unknown")).await;
     assert!(
         matches!(&first, Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest),
         "{first:?}"
@@ -574,4 +575,14 @@ async fn frees_are_sent_again_until_the_replica_answers() {
         1,
         "an answer is not tried again"
     );
+}
+
+/// A booking of request "q" held on `replica_id`.
+fn held(replica_id: &str) -> kvrouter_client::Booking {
+    kvrouter_client::Booking {
+        replica_id: replica_id.into(),
+        model: MODEL.into(),
+        request_id: "q".into(),
+        lease: kvrouter_protocol::Lease::from_bits(7),
+    }
 }

@@ -2,7 +2,7 @@
 //! `add_output_block` per block of output, `free` exactly once, whether the answer ends, fails, times out or the client leaves
 //! (dropping the lease frees it).
 
-use kvrouter_client::{ClientError, KvRouterClient};
+use kvrouter_client::{Booking, ClientError, KvRouterClient};
 use kvrouter_protocol::{ErrorKind, RouteDecision};
 use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
@@ -17,8 +17,8 @@ pub struct LeaseCounts {
 /// One route decision made with `update_states`, until freed.
 pub struct RouteLease {
     client: KvRouterClient,
-    model: String,
-    request_id: String,
+    /// Where to report, under the decision's lease.
+    booking: Booking,
     pub decision: RouteDecision,
     prefill_marked: bool,
     /// Output tokens seen, and blocks of them reported.
@@ -39,8 +39,7 @@ impl RouteLease {
         counts.taken.inc();
         Self {
             client,
-            model,
-            request_id,
+            booking: Booking::new(&decision, &model, &request_id),
             decision,
             prefill_marked: false,
             output_tokens: 0,
@@ -51,7 +50,7 @@ impl RouteLease {
     }
 
     pub fn request_id(&self) -> &str {
-        &self.request_id
+        &self.booking.request_id
     }
 
     /// The prefill is done (first token seen); sent once, in the background.
@@ -59,10 +58,10 @@ impl RouteLease {
         if std::mem::replace(&mut self.prefill_marked, true) || self.freed {
             return;
         }
-        let (client, replica, model, id) = self.parts();
+        let (client, booking) = self.parts();
         spawn(async move {
-            if let Err(e) = client.mark_prefill(&replica, &model, &id).await {
-                tracing::debug!(request_id = %id, error = %e, "mark_prefill failed");
+            if let Err(e) = client.mark_prefill(&booking).await {
+                tracing::debug!(request_id = %booking.request_id, error = %e, "mark_prefill failed");
             }
         });
     }
@@ -78,10 +77,10 @@ impl RouteLease {
         let due = self.output_tokens / block;
         while self.output_blocks < due {
             self.output_blocks += 1;
-            let (client, replica, model, id) = self.parts();
+            let (client, booking) = self.parts();
             spawn(async move {
-                if let Err(e) = client.add_output_block(&replica, &model, &id, None).await {
-                    tracing::debug!(request_id = %id, error = %e, "add_output_block failed");
+                if let Err(e) = client.add_output_block(&booking, None).await {
+                    tracing::debug!(request_id = %booking.request_id, error = %e, "add_output_block failed");
                 }
             });
         }
@@ -97,9 +96,10 @@ impl RouteLease {
             return;
         }
         self.counts.freed.inc();
-        let (client, replica, model, id) = self.parts();
+        let (client, booking) = self.parts();
         spawn(async move {
-            match client.free_until_delivered(&replica, &model, &id).await {
+            let (id, replica) = (&booking.request_id, &booking.replica_id);
+            match client.free_until_delivered(&booking).await {
                 Ok(()) => {}
                 // Already gone there (its worker left, or the sweep took it): nothing held.
                 Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest => {
@@ -113,13 +113,8 @@ impl RouteLease {
         });
     }
 
-    fn parts(&self) -> (KvRouterClient, String, String, String) {
-        (
-            self.client.clone(),
-            self.decision.replica_id.clone(),
-            self.model.clone(),
-            self.request_id.clone(),
-        )
+    fn parts(&self) -> (KvRouterClient, Booking) {
+        (self.client.clone(), self.booking.clone())
     }
 }
 
@@ -143,12 +138,14 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use kvrouter_bus::Bus;
-    use kvrouter_protocol::{decode, encode, OutputBlock, Reply, RequestUpdate, Subjects};
+    use kvrouter_protocol::{decode, encode, Lease, OutputBlock, Reply, RequestUpdate, Subjects};
     use std::time::Duration;
 
+    type Seen = Arc<parking_lot::Mutex<Vec<(String, String, Lease)>>>;
+
     /// A fake replica that answers `mark_prefill`, `add_output_block` and `free` and records
-    /// what came.
-    async fn replica(bus: &Bus, seen: Arc<parking_lot::Mutex<Vec<(String, String)>>>) {
+    /// what came, with the lease presented.
+    async fn replica(bus: &Bus, seen: Seen) {
         let s = Subjects::new("ns").unwrap();
         for (kind, subject) in [
             ("prefill", s.mark_prefill("r1")),
@@ -159,11 +156,17 @@ mod tests {
             let (bus, seen) = (bus.clone(), seen.clone());
             tokio::spawn(async move {
                 while let Some(msg) = sub.next().await {
-                    let id = match kind {
-                        "output" => decode::<OutputBlock>(&msg.payload).unwrap().request_id,
-                        _ => decode::<RequestUpdate>(&msg.payload).unwrap().request_id,
+                    let (id, lease) = match kind {
+                        "output" => {
+                            let b = decode::<OutputBlock>(&msg.payload).unwrap();
+                            (b.request_id, b.lease)
+                        }
+                        _ => {
+                            let u = decode::<RequestUpdate>(&msg.payload).unwrap();
+                            (u.request_id, u.lease)
+                        }
                     };
-                    seen.lock().push((kind.to_string(), id));
+                    seen.lock().push((kind.to_string(), id, lease));
                     if let Some(reply) = msg.reply {
                         let ok: Reply<()> = Reply::Ok(());
                         bus.publish(&reply, Bytes::from(encode(&ok).unwrap()))
@@ -175,7 +178,7 @@ mod tests {
         }
     }
 
-    fn decision() -> RouteDecision {
+    fn decision(lease: Lease) -> RouteDecision {
         RouteDecision {
             tier_overlap_blocks: kvrouter_protocol::TierBlocks::default(),
             worker_id: 1,
@@ -184,6 +187,7 @@ mod tests {
             replica_id: "r1".into(),
             base_url: String::new(),
             block_size: 2,
+            lease,
         }
     }
 
@@ -194,16 +198,17 @@ mod tests {
         replica(&bus, seen.clone()).await;
         let client = KvRouterClient::new(bus, "ns").unwrap();
         let counts = Arc::new(LeaseCounts::default());
-        let lease = |id: &str| {
+        let (la, lb) = (Lease::random(), Lease::random());
+        let lease = |id: &str, l| {
             RouteLease::new(
                 client.clone(),
                 "m".into(),
                 id.into(),
-                decision(),
+                decision(l),
                 counts.clone(),
             )
         };
-        let mut a = lease("a");
+        let mut a = lease("a", la);
         a.mark_prefill();
         a.mark_prefill();
         // Blocks of 2 tokens: 5 tokens are 2 full blocks.
@@ -211,22 +216,23 @@ mod tests {
             a.saw_output_tokens(1);
         }
         a.free();
-        drop(lease("b")); // a client that left
+        drop(lease("b", lb)); // a client that left
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while seen.lock().len() < 5 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
         let mut got = seen.lock().clone();
-        got.sort();
+        got.sort_by(|x, y| (&x.0, &x.1).cmp(&(&y.0, &y.1)));
+        // Every report carries its decision's lease.
         assert_eq!(
             got,
             vec![
-                ("free".into(), "a".into()),
-                ("free".into(), "b".into()),
-                ("output".into(), "a".into()),
-                ("output".into(), "a".into()),
-                ("prefill".into(), "a".into()),
+                ("free".into(), "a".into(), la),
+                ("free".into(), "b".into(), lb),
+                ("output".into(), "a".into(), la),
+                ("output".into(), "a".into(), la),
+                ("prefill".into(), "a".into(), la),
             ]
         );
         assert_eq!((counts.taken.get(), counts.freed.get()), (2, 2));

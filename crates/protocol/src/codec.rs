@@ -175,9 +175,9 @@ fn read<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lease::Lease;
     use crate::messages::*;
     use crate::types::*;
-    use crate::lease::Lease;
     use crate::v5;
     use crate::wire::Wire;
     use proptest::prelude::*;
@@ -375,7 +375,13 @@ mod tests {
         let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 5).unwrap()).unwrap();
         assert_eq!(v, 5);
         assert_eq!(back.lease, Lease::NONE);
-        assert_eq!(RouteRequest { lease: req.lease, ..back }, req);
+        assert_eq!(
+            RouteRequest {
+                lease: req.lease,
+                ..back
+            },
+            req
+        );
     }
 
     /// A version-5 decision carries no lease; leases and abandons lose theirs on the way to a
@@ -396,7 +402,10 @@ mod tests {
         let old: v5::DisaggDecision = v5_codec_read(&encode_as(&both, 5).unwrap());
         assert_eq!(old.decode.block_size, 16);
         let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 5).unwrap()).unwrap();
-        assert_eq!((back.prefill.lease, back.decode.lease), (Lease::NONE, Lease::NONE));
+        assert_eq!(
+            (back.prefill.lease, back.decode.lease),
+            (Lease::NONE, Lease::NONE)
+        );
         let unleased = RouteDecision {
             lease: Lease::NONE,
             ..d
@@ -409,7 +418,10 @@ mod tests {
             request_id: "req-1".into(),
             lease,
         };
-        assert_eq!(decode::<RequestUpdate>(&encode(&update).unwrap()).unwrap(), update);
+        assert_eq!(
+            decode::<RequestUpdate>(&encode(&update).unwrap()).unwrap(),
+            update
+        );
         let back: RequestUpdate = decode(&encode_as(&update, 5).unwrap()).unwrap();
         assert_eq!(back.lease, Lease::NONE);
         let abandon = Abandon {
@@ -419,7 +431,10 @@ mod tests {
             kept_by: None,
             lease,
         };
-        assert_eq!(decode::<Abandon>(&encode(&abandon).unwrap()).unwrap(), abandon);
+        assert_eq!(
+            decode::<Abandon>(&encode(&abandon).unwrap()).unwrap(),
+            abandon
+        );
         let back: Abandon = decode(&encode_as(&abandon, 5).unwrap()).unwrap();
         assert_eq!((back.call_id, back.lease), (9, Lease::NONE));
     }
@@ -627,10 +642,16 @@ mod tests {
         let frozen = unhex(V5_ABANDON_HEX);
         let a = v6_abandon();
         assert_eq!(encode_as(&a, 5).unwrap(), frozen);
-        assert_eq!(decode::<Abandon>(&frozen).unwrap().to_previous(), a.to_previous());
+        assert_eq!(
+            decode::<Abandon>(&frozen).unwrap().to_previous(),
+            a.to_previous()
+        );
         // ...and a sync batch, unchanged, is the same bytes behind either version byte.
         let batch = v6_sync_batch();
-        assert_eq!(encode_as(&batch, 5).unwrap()[1..], encode(&batch).unwrap()[1..]);
+        assert_eq!(
+            encode_as(&batch, 5).unwrap()[1..],
+            encode(&batch).unwrap()[1..]
+        );
     }
 
     #[test]

@@ -26,6 +26,11 @@ impl Lease {
         Self(Uuid::new_v4().as_u128())
     }
 
+    /// A lease of the caller's own making (128 random bits, or a test's fixed value).
+    pub const fn from_bits(bits: u128) -> Self {
+        Self(bits)
+    }
+
     pub fn is_none(self) -> bool {
         self == Self::NONE
     }
@@ -91,7 +96,13 @@ mod tests {
         assert_eq!(Lease::parse_hex(&a.to_hex()), Ok(a));
         assert_eq!(a.to_hex().len(), 32);
         assert_eq!(Lease::parse_hex(&a.to_hex().to_uppercase()), Ok(a));
-        for bad in ["", "abc", &"g".repeat(32), &"0".repeat(33), "+0000000000000000000000000000001"] {
+        for bad in [
+            "",
+            "abc",
+            &"g".repeat(32),
+            &"0".repeat(33),
+            "+0000000000000000000000000000001",
+        ] {
             assert!(Lease::parse_hex(bad).is_err(), "{bad:?}");
         }
     }

@@ -51,7 +51,11 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     assert_eq!(version, FORMAT_VERSION - 1);
     assert_eq!(back.overrides, request_with_every_field().overrides);
     assert_eq!(
-        (back.priority_jump, back.expected_output_tokens, back.call_id),
+        (
+            back.priority_jump,
+            back.expected_output_tokens,
+            back.call_id
+        ),
         (1.5, Some(64), 3)
     );
     assert_eq!(back.lease, Lease::NONE);

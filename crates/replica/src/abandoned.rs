@@ -2,9 +2,12 @@
 //! more than one replica keeps the answer it got, and a copy of the call that reaches this
 //! replica later (it was stopped, or its socket backed up) must not book load nobody frees.
 //!
-//! Remembered for [`KEEP`] by (request id, call id): a new call for the same request id (a
-//! frontend routing again around a failed worker) has a new call id and is not turned away.
+//! Remembered for [`KEEP`] by (request id, call id, lease): a new call for the same request id
+//! (a frontend routing again around a failed worker) has a new call id and is not turned
+//! away, and an abandon under another lease than the call's (not its caller's) turns nothing
+//! away.
 
+use kvrouter_protocol::Lease;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -23,22 +26,25 @@ pub const MAX_BYTES: usize = 8 << 20;
 /// What one remembered call costs besides its id's bytes, about (map and queue entries).
 const ENTRY_OVERHEAD: usize = 64;
 
-/// Keyed by call id (random, so unique in practice) with the request id it belongs to: the
-/// lookup on every route allocates nothing.
+/// Keyed by call id (random, so unique in practice) and lease, with the request id it
+/// belongs to: the lookup on every route allocates nothing, and a forged abandon (another
+/// lease) neither matches nor displaces the genuine one.
 #[derive(Default)]
 pub struct Abandoned {
-    calls: FxHashMap<u64, String>,
-    order: VecDeque<(Instant, u64)>,
+    calls: FxHashMap<(u64, Lease), String>,
+    order: VecDeque<(Instant, (u64, Lease))>,
     /// Bytes held: ids plus [`ENTRY_OVERHEAD`] each.
     bytes: usize,
 }
 
 impl Abandoned {
-    /// Remembers call `call_id` of `request_id` as abandoned (call id 0 names no call).
-    pub fn insert(&mut self, request_id: &str, call_id: u64, now: Instant) {
+    /// Remembers call `call_id` of `request_id`, made under `lease`, as abandoned (call id 0
+    /// names no call).
+    pub fn insert(&mut self, request_id: &str, call_id: u64, lease: Lease, now: Instant) {
         self.expire(now);
+        let call = (call_id, lease);
         if call_id == 0
-            || self.calls.contains_key(&call_id)
+            || self.calls.contains_key(&call)
             || request_id.len() > kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES
         {
             return;
@@ -47,8 +53,8 @@ impl Abandoned {
         while self.order.len() >= MAX || (self.bytes + cost > MAX_BYTES && !self.order.is_empty()) {
             self.pop_oldest();
         }
-        self.calls.insert(call_id, request_id.to_string());
-        self.order.push_back((now, call_id));
+        self.calls.insert(call, request_id.to_string());
+        self.order.push_back((now, call));
         self.bytes += cost;
     }
 
@@ -60,13 +66,15 @@ impl Abandoned {
         }
     }
 
-    /// Whether this call was abandoned (within [`KEEP`]).
-    pub fn contains(&mut self, request_id: &str, call_id: u64, now: Instant) -> bool {
+    /// Whether this call, made under `lease`, was abandoned (within [`KEEP`]).
+    pub fn contains(&mut self, request_id: &str, call_id: u64, lease: Lease, now: Instant) -> bool {
         if call_id == 0 || self.calls.is_empty() {
             return false;
         }
         self.expire(now);
-        self.calls.get(&call_id).is_some_and(|id| id == request_id)
+        self.calls
+            .get(&(call_id, lease))
+            .is_some_and(|id| id == request_id)
     }
 
     #[cfg(test)]
@@ -93,20 +101,36 @@ impl Abandoned {
 mod tests {
     use super::*;
 
+    const L: Lease = Lease::NONE;
+
     #[test]
     fn remembers_the_call_not_the_request_and_forgets_after_keep() {
         let t0 = Instant::now();
         let mut a = Abandoned::default();
-        a.insert("r1", 7, t0);
-        assert!(a.contains("r1", 7, t0 + Duration::from_secs(1)));
+        a.insert("r1", 7, L, t0);
+        assert!(a.contains("r1", 7, L, t0 + Duration::from_secs(1)));
         // Another call for the same request, another request, no call id: not abandoned.
-        assert!(!a.contains("r1", 8, t0));
-        assert!(!a.contains("r2", 7, t0));
-        a.insert("r3", 0, t0);
-        assert!(!a.contains("r3", 0, t0));
+        assert!(!a.contains("r1", 8, L, t0));
+        assert!(!a.contains("r2", 7, L, t0));
+        a.insert("r3", 0, L, t0);
+        assert!(!a.contains("r3", 0, L, t0));
         assert_eq!(a.len(), 1);
-        assert!(!a.contains("r1", 7, t0 + KEEP));
+        assert!(!a.contains("r1", 7, L, t0 + KEEP));
         assert!(a.is_empty());
+    }
+
+    /// Only an abandon under the call's own lease turns its late copy away, and a forged one
+    /// (another lease, same call id) does not keep the genuine one out.
+    #[test]
+    fn an_abandon_under_another_lease_turns_nothing_away() {
+        let t0 = Instant::now();
+        let mut a = Abandoned::default();
+        let (mine, forged) = (Lease::random(), Lease::random());
+        a.insert("r1", 7, forged, t0);
+        assert!(!a.contains("r1", 7, mine, t0));
+        a.insert("r1", 7, mine, t0);
+        assert!(a.contains("r1", 7, mine, t0));
+        assert_eq!(a.len(), 2);
     }
 
     #[test]
@@ -114,12 +138,12 @@ mod tests {
         let t0 = Instant::now();
         let mut a = Abandoned::default();
         for i in 0..(MAX as u64 + 10) {
-            a.insert(&format!("r{i}"), i + 1, t0);
+            a.insert(&format!("r{i}"), i + 1, L, t0);
         }
         assert_eq!(a.len(), MAX);
         assert_eq!(a.order.len(), MAX);
-        assert!(!a.contains("r0", 1, t0));
-        assert!(a.contains(&format!("r{}", MAX + 9), MAX as u64 + 10, t0));
+        assert!(!a.contains("r0", 1, L, t0));
+        assert!(a.contains(&format!("r{}", MAX + 9), MAX as u64 + 10, L, t0));
         assert!(a.bytes <= MAX_BYTES);
     }
 
@@ -129,7 +153,7 @@ mod tests {
         let mut a = Abandoned::default();
         let long = "x".repeat(kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES);
         for i in 0..(MAX as u64) {
-            a.insert(&format!("{long}{i}")[..long.len()], i + 1, t0);
+            a.insert(&format!("{long}{i}")[..long.len()], i + 1, L, t0);
             assert!(a.bytes <= MAX_BYTES);
         }
         assert_eq!(a.len(), MAX_BYTES / (long.len() + ENTRY_OVERHEAD));
@@ -141,10 +165,10 @@ mod tests {
                 .sum::<usize>()
         );
         // Over the protocol's limit: not remembered at all.
-        a.insert(&format!("{long}!"), u64::MAX, t0);
-        assert!(!a.contains(&format!("{long}!"), u64::MAX, t0));
+        a.insert(&format!("{long}!"), u64::MAX, L, t0);
+        assert!(!a.contains(&format!("{long}!"), u64::MAX, L, t0));
         // Expiry gives the bytes back.
-        assert!(!a.contains(&long, 1, t0 + KEEP));
+        assert!(!a.contains(&long, 1, L, t0 + KEEP));
         assert_eq!((a.len(), a.bytes), (0, 0));
     }
 }

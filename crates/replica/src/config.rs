@@ -239,6 +239,9 @@ pub struct ReplicaConfig {
     /// How long a disaggregated request may wait for its KV transfer reports before it is
     /// logged and counted as overdue (`--transfer-timeout-secs`).
     pub transfer_timeout: Duration,
+    /// Book routes without a lease (`--allow-unleased`: a rolling upgrade from format
+    /// version 5); otherwise a booked route without one is refused.
+    pub allow_unleased: bool,
 }
 
 impl Default for ReplicaConfig {
@@ -263,6 +266,7 @@ impl Default for ReplicaConfig {
             index: IndexSource::Events { serve: false },
             sync: None,
             transfer_timeout: DEFAULT_TRANSFER_TIMEOUT,
+            allow_unleased: false,
         }
     }
 }

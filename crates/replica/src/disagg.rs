@@ -15,10 +15,11 @@
 
 use crate::config::ReplicaError;
 use crate::endpoints;
+use crate::endpoints::booked_lease;
 use crate::layouts::decode_candidates;
 use crate::metrics::Metrics;
 use crate::route_gate::RouteGate;
-use crate::scheduler_actor::{route_job, SchedulerMsg};
+use crate::scheduler_actor::{route_job, Asker, SchedulerMsg};
 use crate::serve::{follow_workers, serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
@@ -133,9 +134,9 @@ pub async fn start(
 fn scheduler_update(m: &ModelShared, request_id: String, free: bool) {
     let (tx, _rx) = oneshot::channel();
     let msg = if free {
-        SchedulerMsg::Free(request_id, tx)
+        SchedulerMsg::Free(request_id, Asker::Replica, tx)
     } else {
-        SchedulerMsg::MarkPrefill(request_id, tx)
+        SchedulerMsg::MarkPrefill(request_id, Asker::Replica, tx)
     };
     let _ = m.scheduler.send_message(msg);
 }
@@ -180,6 +181,7 @@ async fn route_disagg(
             ),
         ));
     }
+    endpoints::check_lease(shared, &req.model, req.update_states, req.lease)?;
     let layouts = &m.status.layouts;
     let allowed = req.allowed_workers.as_deref();
     let prefill_workers = layouts.workers_with(WorkerRole::Prefill, allowed);
@@ -204,6 +206,7 @@ async fn route_disagg(
         overlaps,
         req.update_states,
     );
+    job.lease = req.lease;
     job.filters = RouteFilters::only_workers(prefill_workers);
     let pre = endpoints::schedule(shared, m, job, rx).await?;
     let undo_prefill = || {
@@ -229,6 +232,7 @@ async fn route_disagg(
         Default::default(),
         req.update_states,
     );
+    job.lease = req.lease;
     job.filters = RouteFilters::only_keys(candidates);
     let dec = match endpoints::schedule(shared, m, job, rx).await {
         Ok(d) => d,
@@ -264,6 +268,7 @@ async fn route_disagg(
         replica_id: shared.replica_id.clone(),
         base_url: m.status.layouts.base_url(sel.key.worker_id),
         block_size: m.status.block_size().unwrap_or(0),
+        lease: booked_lease(req.update_states, req.lease),
     };
     tracing::debug!(model = %req.model, request_id = %req.request_id, prefill = %pre.key, decode = %dec.key, "disaggregated route");
     Ok((

@@ -4,12 +4,12 @@
 //! scheduler's queue holds up nobody. Every failure is answered with an [`ErrorReply`].
 
 use crate::layouts::aggregated_workers;
-use crate::scheduler_actor::{route_job, RouteJob, SchedulerMsg};
+use crate::scheduler_actor::{route_job, Asker, Held, RouteJob, SchedulerMsg};
 use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, LimitError,
+    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, Lease, LimitError,
     LocalBlockHash, OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad, PromptExtras,
     RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier,
 };
@@ -286,6 +286,7 @@ pub(crate) async fn route(
             ),
         ));
     }
+    check_lease(shared, &req.model, req.update_states, req.lease)?;
     let overrides = req.overrides.unwrap_or_default();
     if let Some((field, value)) = overrides.invalid() {
         return Err(error(
@@ -321,6 +322,7 @@ pub(crate) async fn route(
         req.update_states,
     );
     job.token.call_id = req.call_id;
+    job.lease = req.lease;
     // Aggregated workers only, when the model also has prefill/decode ones.
     let allowed = aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
     job.filters = RouteFilters::from_request(allowed, req.excluded_workers, req.pin);
@@ -342,8 +344,39 @@ pub(crate) async fn route(
             replica_id: shared.replica_id.clone(),
             base_url: m.status.layouts.base_url(sel.key.worker_id),
             block_size: m.status.block_size().unwrap_or(0),
+            lease: booked_lease(req.update_states, req.lease),
         },
     ))
+}
+
+/// A booking needs a lease, unless the replica takes unleased ones (`--allow-unleased`: a
+/// rolling upgrade from format version 5, whose callers know no leases).
+pub(crate) fn check_lease(
+    shared: &ReplicaShared,
+    model: &str,
+    update_states: bool,
+    lease: Lease,
+) -> Result<(), ErrorReply> {
+    if !update_states || !lease.is_none() || shared.allow_unleased {
+        return Ok(());
+    }
+    Err(error(
+        shared,
+        model,
+        ErrorReply::new(
+            ErrorKind::InvalidRequest,
+            "a booked route (update_states) needs a lease: 128 random bits the caller keeps and presents to mark, extend, free or abandon the request (a caller of format version 5 knows none: this replica was not started with --allow-unleased)",
+        ),
+    ))
+}
+
+/// The lease a decision carries: the request's, when it booked anything.
+pub(crate) fn booked_lease(update_states: bool, lease: Lease) -> Lease {
+    if update_states {
+        lease
+    } else {
+        Lease::NONE
+    }
 }
 
 /// Hands a route job to the model's scheduler actor and waits for its answer.
@@ -435,9 +468,10 @@ pub(crate) async fn update(
         .map_err(|e| over_limit(shared, &req.model, e))?;
     let m = model(shared, &req.model).map_err(|e| error(shared, &req.model, e))?;
     let (tx, rx) = oneshot::channel();
+    let asker = Asker::Holder(req.lease);
     let msg = match endpoint {
-        Endpoint::MarkPrefill => SchedulerMsg::MarkPrefill(req.request_id.clone(), tx),
-        _ => SchedulerMsg::Free(req.request_id.clone(), tx),
+        Endpoint::MarkPrefill => SchedulerMsg::MarkPrefill(req.request_id.clone(), asker, tx),
+        _ => SchedulerMsg::Free(req.request_id.clone(), asker, tx),
     };
     ask_known(shared, m, msg, rx, &req.request_id).await
 }
@@ -464,6 +498,7 @@ pub(crate) async fn output_block(
     let msg = SchedulerMsg::OutputBlock {
         request_id: req.request_id.clone(),
         decay_fraction: req.decay_fraction,
+        asker: Asker::Holder(req.lease),
         reply: tx,
     };
     ask_known(shared, m, msg, rx, &req.request_id).await
@@ -482,6 +517,7 @@ fn abandon(shared: &ReplicaShared, req: Abandon) -> Result<(), ErrorReply> {
         .send_message(SchedulerMsg::Abandon {
             request_id: req.request_id,
             call_id: req.call_id,
+            lease: req.lease,
         })
         .map_err(|_| unavailable(shared, &m.name))
 }
@@ -492,25 +528,25 @@ async fn ask_known(
     shared: &ReplicaShared,
     m: &ModelShared,
     msg: SchedulerMsg,
-    known: oneshot::Receiver<bool>,
+    held: oneshot::Receiver<Held>,
     request_id: &str,
 ) -> Result<(), ErrorReply> {
     m.scheduler
         .send_message(msg)
         .map_err(|_| unavailable(shared, &m.name))?;
-    if known.await.map_err(|_| unavailable(shared, &m.name))? {
-        Ok(())
-    } else {
-        Err(error(
+    match held.await.map_err(|_| unavailable(shared, &m.name))? {
+        Held::Done => Ok(()),
+        // One answer for both: a caller without the lease learns nothing of the request.
+        Held::Unknown | Held::WrongLease => Err(error(
             shared,
             &m.name,
             ErrorReply::new(
                 ErrorKind::UnknownRequest,
                 format!(
-                    "request {request_id:?} is not active on replica {} (already freed, swept, or routed elsewhere)",
+                    "request {request_id:?} is not active on replica {} under this lease (already freed, swept, routed elsewhere, or booked under another lease)",
                     shared.replica_id
                 ),
             ),
-        ))
+        )),
     }
 }

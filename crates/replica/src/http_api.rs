@@ -17,7 +17,7 @@ use kvrouter_admin::{percent_decode, query_param, ApiPage, ApiRequest, ApiRespon
 use kvrouter_bus::BusError;
 use kvrouter_protocol::limits::{check_len, check_model, MAX_REPLICA_ID_BYTES};
 use kvrouter_protocol::{
-    check_tracked_request_id, decode, encode, ErrorKind, OutputBlock, Reply, RequestUpdate,
+    check_tracked_request_id, decode, encode, ErrorKind, Lease, OutputBlock, Reply, RequestUpdate,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -168,6 +168,10 @@ async fn update(
             ApiError::invalid("decay_fraction belongs to output_block only"),
         ));
     }
+    let lease = match body.lease.as_deref() {
+        Some(hex) => json::parse_lease(hex).map_err(|e| refused(shared, &model, e))?,
+        None => Lease::NONE,
+    };
     let other = body.replica_id.filter(|other| *other != shared.replica_id);
     let internal = |e: String| ApiError::new(ErrorKind::Internal, e);
     if endpoint == Endpoint::OutputBlock {
@@ -175,6 +179,7 @@ async fn update(
             model: body.model,
             request_id,
             decay_fraction: body.decay_fraction,
+            lease,
         };
         match other {
             Some(other) => {
@@ -189,6 +194,7 @@ async fn update(
         let update = RequestUpdate {
             model: body.model,
             request_id,
+            lease,
         };
         match other {
             Some(other) => {

@@ -42,6 +42,13 @@ impl ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabels {
+    pub model: String,
+    /// `mark_prefill`, `free`, `add_output_block` or `abandon`.
+    pub endpoint: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KeyLabels {
     pub model: String,
     pub worker: String,
@@ -110,6 +117,9 @@ pub struct Metrics {
     /// of that peer's active sequences.
     pub sync_batches_lost: Family<ModelLabels, Counter>,
     pub routes_abandoned: Family<ModelLabels, Counter>,
+    /// Updates of active requests refused because the caller did not present the
+    /// request's route lease.
+    pub lease_refused: Family<EndpointLabels, Counter>,
     pub index_blocks: Family<ModelLabels, Gauge>,
     /// Approximate mode (`--no-kv-events`): route decisions recorded in the index.
     pub approx_records: Family<ModelLabels, Counter>,
@@ -269,6 +279,11 @@ impl Metrics {
             routes_abandoned: reg!(
                 "replica_routes_abandoned",
                 "Route bookings dropped, or late copies of route calls turned away, because the caller abandoned the call after asking another replica (a timeout or a lost answer)",
+                Family::default()
+            ),
+            lease_refused: reg!(
+                "replica_lease_refused",
+                "Updates of active requests (mark_prefill, free, add_output_block, abandon) refused because the caller did not present the request's route lease",
                 Family::default()
             ),
             index_blocks: reg!(

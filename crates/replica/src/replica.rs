@@ -506,6 +506,7 @@ impl Replica {
             draining: Default::default(),
             replica_sync: config.sync.is_some(),
             sync_caught_up: Default::default(),
+            allow_unleased: config.allow_unleased,
             routes_open: Default::default(),
             stall: crate::stall::StallWatch::new(crate::clock::now()),
         });

@@ -9,7 +9,8 @@ use crate::metrics::{KeyLabels, Metrics, ModelLabels};
 use crate::replica_sync::{self, ReplicaSync, SeqCheck};
 use kvrouter_indexer::OverlapScores;
 use kvrouter_protocol::{
-    ErrorKind, ErrorReply, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId, WorkerKey,
+    ErrorKind, ErrorReply, Lease, LoadReport, SeqChange, SequenceHash, SyncBatch, WorkerId,
+    WorkerKey,
 };
 use kvrouter_scheduler::{
     KeyLoad, PotentialLoad, Queued, ReportedLoad, RouteQuery, ScheduleError, Scheduler,
@@ -33,6 +34,27 @@ pub struct RouteToken {
     pub request_id: String,
     /// The caller's route call (0: none), to turn away a copy of an abandoned one.
     pub call_id: u64,
+    /// The call's lease: only an abandon under it turns the call away.
+    pub lease: Lease,
+}
+
+/// Who asks to mark, extend or free a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asker {
+    /// This replica's own bookkeeping (disaggregation, KV transfers).
+    Replica,
+    /// A caller presenting this lease (from the request's route decision).
+    Holder(Lease),
+}
+
+/// What became of an update: done, or why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    Done,
+    /// Not an active request here.
+    Unknown,
+    /// Active, under another lease than the one presented (refused, counted).
+    WrongLease,
 }
 
 /// A route request, hashed and scored against the index, with its reply channel: the same
@@ -61,12 +83,14 @@ pub fn route_job(
         update_states,
         priority_jump: 0.0,
         expected_output_tokens: None,
+        lease: Lease::NONE,
         enqueued_at: crate::clock::now(),
         order: 0.0, // set by the scheduler's queue policy if it is queued
         token: RouteToken {
             reply: tx,
             request_id: String::new(),
             call_id: 0,
+            lease: Lease::NONE,
         },
     };
     (job, rx)
@@ -115,20 +139,23 @@ pub struct SyncLink {
 #[allow(clippy::large_enum_variant)]
 pub enum SchedulerMsg {
     Route(RouteJob),
-    /// Replies whether the request was known.
-    MarkPrefill(String, oneshot::Sender<bool>),
-    Free(String, oneshot::Sender<bool>),
-    /// The caller of a route call kept another replica's answer (or none): drop ours, now
-    /// and if a copy of the call arrives later ([`kvrouter_protocol::Abandon`]).
+    /// Replies whether it was done (the request known, the asker its lease holder).
+    MarkPrefill(String, Asker, oneshot::Sender<Held>),
+    Free(String, Asker, oneshot::Sender<Held>),
+    /// The caller of a route call kept another replica's answer (or none): drop ours (if
+    /// booked under its lease), now and if a copy of the call arrives later
+    /// ([`kvrouter_protocol::Abandon`]).
     Abandon {
         request_id: String,
         call_id: u64,
+        lease: Lease,
     },
-    /// `add_output_block`: replies whether the request was known.
+    /// `add_output_block`: replies whether it was done.
     OutputBlock {
         request_id: String,
         decay_fraction: Option<f64>,
-        reply: oneshot::Sender<bool>,
+        asker: Asker,
+        reply: oneshot::Sender<Held>,
     },
     PotentialLoads {
         prompt_tokens: usize,
@@ -223,6 +250,7 @@ impl SchedulerState {
     fn route(&mut self, mut job: RouteJob, now: Instant) {
         job.request_id = self.ids.global_id(&job.request_id);
         job.token.request_id.clone_from(&job.request_id);
+        job.token.lease = job.lease;
         if job.update_states && self.is_abandoned(&job.token, now) {
             let _ = job.token.reply.send(Err(abandoned_reply()));
             return;
@@ -282,7 +310,7 @@ impl SchedulerState {
     fn is_abandoned(&mut self, token: &RouteToken, now: Instant) -> bool {
         if !self
             .abandoned
-            .contains(&token.request_id, token.call_id, now)
+            .contains(&token.request_id, token.call_id, token.lease, now)
         {
             return false;
         }
@@ -294,17 +322,20 @@ impl SchedulerState {
         true
     }
 
-    /// Drops our booking of an abandoned call (and of its prefill half), and remembers the
-    /// call so a late copy of it is turned away.
-    fn abandon(&mut self, request_id: &str, call_id: u64, now: Instant) {
+    /// Drops our booking of an abandoned call (and of its prefill half) if held under the
+    /// abandon's lease, and remembers the call so a late copy of it is turned away.
+    fn abandon(&mut self, request_id: &str, call_id: u64, lease: Lease, now: Instant) {
         self.abandoned
-            .insert(&self.ids.global_id(request_id), call_id, now);
+            .insert(&self.ids.global_id(request_id), call_id, lease, now);
         let mut freed = 0;
         for local in [
             request_id.to_string(),
             kvrouter_protocol::prefill_request_id(request_id),
         ] {
-            if self.core.free(&self.ids.global_id(&local)) {
+            let global = self.ids.global_id(&local);
+            if self.held(&global, Asker::Holder(lease), "abandon") == Held::Done
+                && self.core.free(&global)
+            {
                 freed += 1;
                 if self.sync_out.is_some() {
                     self.ids.freed(&local);
@@ -318,6 +349,30 @@ impl SchedulerState {
                 .get_or_create(&self.labels)
                 .inc();
             self.drain(now);
+        }
+    }
+
+    /// Whether `asker` may act on the request `global_id` (a refusal is counted and logged).
+    fn held(&self, global_id: &str, asker: Asker, endpoint: &'static str) -> Held {
+        let presented = match asker {
+            Asker::Replica => Lease::NONE,
+            Asker::Holder(lease) => lease,
+        };
+        match self.core.lease_admits(global_id, presented) {
+            None => Held::Unknown,
+            Some(true) => Held::Done,
+            Some(false) if asker == Asker::Replica => Held::Done,
+            Some(false) => {
+                tracing::info!(model = %self.model, request_id = %global_id, endpoint, "refused: the caller does not hold the request's lease");
+                self.metrics
+                    .lease_refused
+                    .get_or_create(&crate::metrics::EndpointLabels {
+                        model: self.labels.model.clone(),
+                        endpoint,
+                    })
+                    .inc();
+                Held::WrongLease
+            }
         }
     }
 
@@ -539,37 +594,50 @@ impl Actor for SchedulerActor {
         state.apply_inbox(now);
         match msg {
             SchedulerMsg::Route(job) => state.route(job, now),
-            SchedulerMsg::MarkPrefill(id, reply) => {
-                let known = state.core.mark_prefill(&state.ids.global_id(&id));
-                if known && state.sync_out.is_some() {
-                    state.ids.prefilled(&id);
+            SchedulerMsg::MarkPrefill(id, asker, reply) => {
+                let global = state.ids.global_id(&id);
+                let held = state.held(&global, asker, "mark_prefill");
+                if held == Held::Done {
+                    state.core.mark_prefill(&global);
+                    if state.sync_out.is_some() {
+                        state.ids.prefilled(&id);
+                    }
                 }
-                let _ = reply.send(known);
+                let _ = reply.send(held);
                 state.drain(now);
             }
             SchedulerMsg::Abandon {
                 request_id,
                 call_id,
-            } => state.abandon(&request_id, call_id, now),
-            SchedulerMsg::Free(id, reply) => {
-                let known = state.core.free(&state.ids.global_id(&id));
-                if known && state.sync_out.is_some() {
-                    state.ids.freed(&id);
+                lease,
+            } => state.abandon(&request_id, call_id, lease, now),
+            SchedulerMsg::Free(id, asker, reply) => {
+                let global = state.ids.global_id(&id);
+                let held = state.held(&global, asker, "free");
+                if held == Held::Done {
+                    state.core.free(&global);
+                    if state.sync_out.is_some() {
+                        state.ids.freed(&id);
+                    }
                 }
-                let _ = reply.send(known);
+                let _ = reply.send(held);
                 state.drain(now);
             }
             SchedulerMsg::OutputBlock {
                 request_id,
                 decay_fraction,
+                asker,
                 reply,
             } => {
                 let global = state.ids.global_id(&request_id);
-                let counted = state.core.add_output_block(&global, decay_fraction);
-                if let (Some(n), Some(_)) = (counted, &state.sync_out) {
-                    state.ids.output(&request_id, n);
+                let held = state.held(&global, asker, "add_output_block");
+                if held == Held::Done {
+                    let counted = state.core.add_output_block(&global, decay_fraction);
+                    if let (Some(n), Some(_)) = (counted, &state.sync_out) {
+                        state.ids.output(&request_id, n);
+                    }
                 }
-                let _ = reply.send(counted.is_some());
+                let _ = reply.send(held);
             }
             SchedulerMsg::PotentialLoads {
                 prompt_tokens,

@@ -66,6 +66,8 @@ pub struct ReplicaShared {
     /// Replica sync is on, and whether the catch-up from a peer has landed.
     pub replica_sync: bool,
     pub sync_caught_up: AtomicBool,
+    /// Book routes that come without a lease (`--allow-unleased`).
+    pub allow_unleased: bool,
     /// The router queue-group endpoints are subscribed (the route gate).
     pub routes_open: AtomicBool,
     /// Whether the process just woke from a stall (routes read then are turned away).

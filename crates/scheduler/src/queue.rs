@@ -4,7 +4,7 @@ use crate::active::RequestId;
 use crate::error::ScheduleError;
 use crate::filters::RouteFilters;
 use crate::route_query::RouteQuery;
-use kvrouter_protocol::{RouteOverrides, SequenceHash, TierBlocks, WorkerKey};
+use kvrouter_protocol::{Lease, RouteOverrides, SequenceHash, TierBlocks, WorkerKey};
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -27,6 +27,8 @@ pub struct Queued<P> {
     /// Seconds the request counts as having waited already (see [`RouteQuery`]).
     pub priority_jump: f64,
     pub expected_output_tokens: Option<u32>,
+    /// The lease its booking will be held under (see [`RouteQuery`]).
+    pub lease: Lease,
     pub enqueued_at: Instant,
     /// Retry order: lower first, ties in arrival order (set by the scheduler's queue policy).
     pub order: f64,
@@ -55,6 +57,7 @@ impl<P> Queued<P> {
             update_states,
             priority_jump: query.priority_jump,
             expected_output_tokens: query.expected_output_tokens,
+            lease: query.lease,
             enqueued_at,
             order: 0.0,
             token,
@@ -71,6 +74,7 @@ impl<P> Queued<P> {
             shared_blocks: self.shared_blocks,
             priority_jump: self.priority_jump,
             expected_output_tokens: self.expected_output_tokens,
+            lease: self.lease,
             ..RouteQuery::default()
         }
         .with_filters(self.filters.view())

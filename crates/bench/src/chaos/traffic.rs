@@ -8,7 +8,7 @@
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::header::{HeaderName, HeaderValue};
-use kvrouter_client::{route_request, ClientError, GenerateParams, KvRouterClient};
+use kvrouter_client::{route_request, Booking, ClientError, GenerateParams, KvRouterClient};
 use kvrouter_frontend::upstream::{Upstream, UpstreamError};
 use kvrouter_protocol::{Pin, WorkerId};
 use parking_lot::Mutex;
@@ -269,6 +269,7 @@ impl Traffic {
             HeaderName::from_static("x-data-parallel-rank"),
             HeaderValue::from(d.dp_rank),
         )];
+        let booking = Booking::new(&d, &params.model, &req.request_id);
         let answer = async {
             let res = self
                 .upstream
@@ -282,10 +283,7 @@ impl Traffic {
                 .map_err(EngineFailure::Upstream)?;
             // A frontend marks the prefill done at the first token; the whole answer comes
             // at once here.
-            let _ = self
-                .client
-                .mark_prefill(&d.replica_id, &params.model, &req.request_id)
-                .await;
+            let _ = self.client.mark_prefill(&booking).await;
             tokio::time::timeout(self.cfg.engine_timeout, res.into_body().collect())
                 .await
                 .map_err(|_| EngineFailure::Body("timed out".into()))?
@@ -294,17 +292,10 @@ impl Traffic {
         }
         .await;
         // In the background, as the frontend frees its routes.
-        let (client, model, id) = (
-            self.client.clone(),
-            params.model.clone(),
-            req.request_id.clone(),
-        );
+        let client = self.client.clone();
         tokio::spawn(async move {
-            if let Err(e) = client
-                .free_until_delivered(&d.replica_id, &model, &id)
-                .await
-            {
-                tracing::debug!(error = %e, replica = %d.replica_id, "free failed");
+            if let Err(e) = client.free_until_delivered(&booking).await {
+                tracing::debug!(error = %e, replica = %booking.replica_id, "free failed");
             }
         });
         answer

@@ -28,6 +28,7 @@ async fn fake_route_replica(bus: &Bus) -> Arc<Mutex<Vec<RouteRequest>>> {
         replica_id: "r1".to_string(),
         base_url: String::new(),
         block_size: 0,
+        lease: kvrouter_protocol::Lease::NONE,
     };
     let answer = Bytes::from(encode(&Reply::Ok(decision)).expect("encodes"));
     let (bus, seen2) = (bus.clone(), seen.clone());

@@ -4,7 +4,7 @@
 use super::errors::ApiError;
 use crate::layouts::WorkerLayout;
 use kvrouter_protocol::{
-    DpRank, ErrorKind, Pin, PromptExtras, RouteOverrides, RouteRequest, WorkerId, WorkerKey,
+    DpRank, ErrorKind, Lease, Pin, PromptExtras, RouteOverrides, RouteRequest, WorkerId, WorkerKey,
 };
 use kvrouter_scheduler::KeyLoad;
 use serde::de::DeserializeOwned;
@@ -70,6 +70,10 @@ pub struct RouteBody {
     /// Output tokens expected: their blocks count as the worker's decode load from the start.
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
+    /// The booking's lease, 32 hexadecimal digits (made up when absent; the answer carries
+    /// it either way).
+    #[serde(default)]
+    pub lease: Option<String>,
 }
 
 /// `kvrouter` in a route body: each `None` keeps the replica's setting.
@@ -133,6 +137,11 @@ impl RouteBody {
             None if self.update_states => new_id(),
             None => String::new(),
         };
+        let lease = match self.lease.as_deref() {
+            Some(hex) => parse_lease(hex)?,
+            None if self.update_states => Lease::random(),
+            None => Lease::NONE,
+        };
         Ok(RouteRequest::new(self.model, self.tokens)
             .with_request_id(request_id)
             .with_update_states(self.update_states)
@@ -143,8 +152,14 @@ impl RouteBody {
             .with_extras(extras)
             .with_overrides(overrides)
             .with_priority_jump(self.priority_jump)
-            .with_expected_output_tokens(self.expected_output_tokens))
+            .with_expected_output_tokens(self.expected_output_tokens)
+            .with_lease(lease))
     }
+}
+
+/// A lease as the JSON API writes it (32 hexadecimal digits).
+pub fn parse_lease(hex: &str) -> Result<Lease, ApiError> {
+    Lease::parse_hex(hex).map_err(|e| ApiError::invalid(format!("lease: {e}")))
 }
 
 /// The answer to `POST /v1/route` (also what `kvrouter route` prints).
@@ -161,6 +176,9 @@ pub struct UpdateBody {
     /// `output_block` only: the share of the request's output load still to count, 0 to 1.
     #[serde(default)]
     pub decay_fraction: Option<f64>,
+    /// The `lease` of the route answer (needed unless the route was booked without one).
+    #[serde(default)]
+    pub lease: Option<String>,
 }
 
 /// The answer to `GET /v1/workers`.
@@ -435,6 +453,7 @@ mod tests {
             replica_id: "r".into(),
             base_url: "http://w".into(),
             block_size: 16,
+            lease: Lease::from_bits(0xab),
         };
         let json = serde_json::to_string(&RouteAnswer::new(d.clone(), "q")).unwrap();
         assert_eq!(
@@ -442,10 +461,16 @@ mod tests {
             concat!(
                 r#"{"worker_id":7,"dp_rank":1,"overlap_blocks":3,"#,
                 r#""tier_overlap_blocks":{"device":3,"host":2,"disk":0,"shared":1},"#,
-                r#""base_url":"http://w","request_id":"q","replica_id":"r","block_size":16}"#
+                r#""base_url":"http://w","request_id":"q","replica_id":"r","block_size":16,"#,
+                r#""lease":"000000000000000000000000000000ab"}"#
             )
         );
-        assert_eq!(RouteAnswer::new(d, "").request_id, None);
+        let unbooked = RouteDecision {
+            lease: Lease::NONE,
+            ..d
+        };
+        let answer = RouteAnswer::new(unbooked, "");
+        assert_eq!((answer.request_id, answer.lease), (None, None));
     }
 
     #[test]

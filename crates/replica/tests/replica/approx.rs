@@ -4,7 +4,7 @@
 
 use crate::support::{fleet_config, model_metric, replica_config, seeded_tokens, BLOCK, MODEL};
 use kvrouter_bus::{Bus, Subscription};
-use kvrouter_client::{GenerateParams, KvRouterClient};
+use kvrouter_client::{Booking, GenerateParams, KvRouterClient};
 use kvrouter_mocker::MockerFleet;
 use kvrouter_protocol::{OverlapRequest, RouteDecision, RouteRequest, Subjects, WorkerKey};
 use kvrouter_replica::{IndexSource, Replica, ReplicaConfig};
@@ -130,10 +130,13 @@ async fn decisions_feed_the_index_without_kv_events_or_state_fetches() {
     );
     // ...and once a's load is gone, a query for the same prompt goes there on overlap alone.
     client
-        .mark_prefill(&first.replica_id, MODEL, "a")
+        .mark_prefill(&Booking::new(&first, MODEL, "a"))
         .await
         .unwrap();
-    client.free(&first.replica_id, MODEL, "a").await.unwrap();
+    client
+        .free(&Booking::new(&first, MODEL, "a"))
+        .await
+        .unwrap();
     for i in 0..5 {
         let again = client
             .route(&route_req(&format!("q{i}"), a.clone(), false))
@@ -206,10 +209,13 @@ async fn recorded_decisions_expire_after_the_router_ttl() {
     let scores = wait_overlaps(&client, &a, Duration::from_secs(2), |s| !s.is_empty()).await;
     assert_eq!(scores, vec![(key(&decision), 3)]);
     client
-        .mark_prefill(&decision.replica_id, MODEL, "a")
+        .mark_prefill(&Booking::new(&decision, MODEL, "a"))
         .await
         .unwrap();
-    client.free(&decision.replica_id, MODEL, "a").await.unwrap();
+    client
+        .free(&Booking::new(&decision, MODEL, "a"))
+        .await
+        .unwrap();
     // Still there well within the TTL (queries do not renew it)...
     let q = client
         .route(&route_req("q", a.clone(), false))

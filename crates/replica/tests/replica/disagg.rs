@@ -4,11 +4,11 @@
 use crate::support::{fleet_config, prompt, replica_config, MODEL};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
-use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
+use kvrouter_client::{Booking, ClientError, GenerateParams, KvRouterClient};
 use kvrouter_mocker::{FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    encode, prefill_request_id, DisaggRouteRequest, ErrorKind, GenerateRequest, RouteRequest,
-    Subjects, WorkerRole,
+    encode, prefill_request_id, DisaggRouteRequest, ErrorKind, GenerateRequest, Lease,
+    RouteRequest, Subjects, WorkerRole,
 };
 use kvrouter_replica::{Replica, ReplicaConfig};
 use std::time::Duration;
@@ -24,6 +24,19 @@ fn pool_config(role: WorkerRole, first_id: u64, dp_size: u32, dp_start_rank: u32
     }
 }
 
+/// The lease of every disaggregated booking here.
+const LEASE: Lease = Lease::from_bits(0x5eed);
+
+/// What a caller holds of half `request_id` of a booking [`disagg_request`] made.
+fn held(replica_id: &str, request_id: &str) -> Booking {
+    Booking {
+        replica_id: replica_id.into(),
+        model: MODEL.into(),
+        request_id: request_id.into(),
+        lease: LEASE,
+    }
+}
+
 fn disagg_request(tokens: Vec<u32>, update_states: bool) -> DisaggRouteRequest {
     DisaggRouteRequest {
         model: MODEL.into(),
@@ -32,6 +45,7 @@ fn disagg_request(tokens: Vec<u32>, update_states: bool) -> DisaggRouteRequest {
         lora: None,
         allowed_workers: None,
         update_states,
+        lease: LEASE,
     }
 }
 
@@ -158,7 +172,7 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
     let d = client.route_disagg(&req).await.unwrap();
     let prefill_id = prefill_request_id(&req.request_id);
     client
-        .mark_prefill(&d.replica_id, MODEL, &prefill_id)
+        .mark_prefill(&held(&d.replica_id, &prefill_id))
         .await
         .expect("the prefill half is tracked");
     let generate = Subjects::new("kvrouter")
@@ -185,7 +199,7 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
     }
     let released = async {
         loop {
-            let r = client.mark_prefill(&d.replica_id, MODEL, &prefill_id).await;
+            let r = client.mark_prefill(&held(&d.replica_id, &prefill_id)).await;
             if kind(r) == Some(ErrorKind::UnknownRequest) {
                 return;
             }
@@ -197,7 +211,7 @@ async fn prefill_by_overlap_decode_on_the_matching_rank_and_transfers_release_th
         .expect("the prefill half is released once both tp ranks reported");
     // The decode half is the client's to free.
     client
-        .free(&d.replica_id, MODEL, &req.request_id)
+        .free(&held(&d.replica_id, &req.request_id))
         .await
         .unwrap();
 
@@ -363,7 +377,7 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
     assert_eq!(load_on(&client, 100, 90).await, kept);
     let prefill_id = prefill_request_id(&id);
     client
-        .mark_prefill(replica.replica_id(), MODEL, &prefill_id)
+        .mark_prefill(&held(replica.replica_id(), &prefill_id))
         .await
         .expect("the prefill half is still tracked");
 
@@ -381,7 +395,7 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
     assert_eq!(
         kind(
             client
-                .mark_prefill(replica.replica_id(), MODEL, &prefill_request_id(&id2))
+                .mark_prefill(&held(replica.replica_id(), &prefill_request_id(&id2)))
                 .await
         ),
         Some(ErrorKind::UnknownRequest)
@@ -390,7 +404,7 @@ async fn the_prefill_load_stays_until_every_prefill_tp_rank_sent_and_a_missing_o
     assert_eq!(overdue(), 1, "a complete transfer is never overdue");
 
     for half in [prefill_id, id, id2] {
-        let _ = client.free(replica.replica_id(), MODEL, &half).await;
+        let _ = client.free(&held(replica.replica_id(), &half)).await;
     }
     replica.shutdown().await;
     for f in [silenced, healthy, decode] {
@@ -491,7 +505,7 @@ async fn with_two_replicas_reports_count_by_reason_and_a_departed_worker_is_not_
     // The decode halves are the client's to free; the departed worker's prefill half went
     // with the worker.
     for (replica, id) in [first, (d.replica_id.clone(), req.request_id.clone())] {
-        client.free(&replica, MODEL, &id).await.unwrap();
+        client.free(&held(&replica, &id)).await.unwrap();
     }
 
     for r in replicas {

@@ -4,10 +4,10 @@
 use crate::support::{fleet_config, replica_config, MODEL};
 use bytes::Bytes;
 use kvrouter_bus::Bus;
-use kvrouter_client::{ClientError, GenerateParams, KvRouterClient};
+use kvrouter_client::{Booking, ClientError, GenerateParams, KvRouterClient};
 use kvrouter_mocker::{FleetConfig, MockerFleet};
 use kvrouter_protocol::{
-    decode, encode, hashing::stored_sequence_hashes, Abandon, ErrorKind, KvEvent, Reply,
+    decode, encode, hashing::stored_sequence_hashes, Abandon, ErrorKind, KvEvent, Lease, Reply,
     RouteRequest, SeqChange, SequenceHash, StateChunk, StateQuery, Subjects, SyncBatch, WorkerKey,
 };
 use kvrouter_replica::{Replica, ReplicaConfig, SyncConfig};
@@ -360,7 +360,7 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
         other => panic!("expected overloaded, got {other:?}"),
     }
     client
-        .mark_prefill(&a.replica_id, MODEL, "a")
+        .mark_prefill(&Booking::new(&a, MODEL, "a"))
         .await
         .unwrap();
     let b = tokio::time::timeout(Duration::from_secs(2), waiting)
@@ -378,13 +378,13 @@ async fn busy_workers_queue_requests_until_load_drops_then_overload() {
     }
     assert!(started.elapsed() >= Duration::from_millis(600));
     assert!(matches!(
-        client.free(&a.replica_id, MODEL, "d").await,
+        client.free(&Booking::new(&a, MODEL, "d")).await,
         Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest
     ));
-    client.free(&a.replica_id, MODEL, "b").await.unwrap();
+    client.free(&Booking::new(&b, MODEL, "b")).await.unwrap();
     // Freeing an unknown request is an error the client sees.
-    client.free(&a.replica_id, MODEL, "a").await.unwrap();
-    match client.free(&a.replica_id, MODEL, "a").await {
+    client.free(&Booking::new(&a, MODEL, "a")).await.unwrap();
+    match client.free(&Booking::new(&a, MODEL, "a")).await {
         Err(ClientError::Router(e)) => assert_eq!(e.kind, ErrorKind::UnknownRequest),
         other => panic!("expected unknown request, got {other:?}"),
     }
@@ -443,11 +443,11 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     for (i, d) in decisions.iter().enumerate() {
         let id = format!("q{i}");
         client
-            .mark_prefill(&d.replica_id, MODEL, &id)
+            .mark_prefill(&Booking::new(&d, MODEL, &id))
             .await
             .unwrap();
         if i % 2 == 0 {
-            client.free(&d.replica_id, MODEL, &id).await.unwrap();
+            client.free(&Booking::new(&d, MODEL, &id)).await.unwrap();
         }
     }
     settle().await;
@@ -662,7 +662,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
     .await;
     for _ in 0..3 {
         client
-            .add_output_block(&d.replica_id, MODEL, "q", None)
+            .add_output_block(&Booking::new(&d, MODEL, "q"), None)
             .await
             .unwrap();
     }
@@ -671,7 +671,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
     })
     .await;
     client
-        .add_output_block(&d.replica_id, MODEL, "q", Some(0.5))
+        .add_output_block(&Booking::new(&d, MODEL, "q"), Some(0.5))
         .await
         .unwrap();
     eventually("half of the four blocks count everywhere", || {
@@ -679,7 +679,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
     })
     .await;
     let refused = client
-        .add_output_block(&d.replica_id, MODEL, "q", Some(1.5))
+        .add_output_block(&Booking::new(&d, MODEL, "q"), Some(1.5))
         .await
         .unwrap_err();
     assert!(
@@ -687,7 +687,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
         "{refused:?}"
     );
     let unknown = client
-        .add_output_block(&d.replica_id, MODEL, "nope", None)
+        .add_output_block(&Booking::new(&d, MODEL, "nope"), None)
         .await
         .unwrap_err();
     assert!(
@@ -702,7 +702,7 @@ async fn output_blocks_count_as_decode_load_on_every_synced_replica() {
             && e.message.contains("priority_jump")),
         "{refused:?}"
     );
-    client.free(&d.replica_id, MODEL, "q").await.unwrap();
+    client.free(&Booking::new(&d, MODEL, "q")).await.unwrap();
     eventually("freed everywhere", || blocks(&a) == 0 && blocks(&b) == 0).await;
     for r in [a, b] {
         r.shutdown().await;
@@ -844,13 +844,14 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
     let (a, b) = (synced(&bus).await, synced(&bus).await);
     let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
     let subjects = client.subjects().clone();
-    let abandon = |id: &str, call_id: u64, kept_by: Option<String>| {
+    let abandon = |id: &str, call_id: u64, lease: Lease, kept_by: Option<String>| {
         let (bus, subject) = (bus.clone(), subjects.abandon());
         let msg = Abandon {
             model: MODEL.into(),
             request_id: id.into(),
             call_id,
             kept_by,
+            lease,
         };
         async move {
             let bytes = encode(&msg).unwrap();
@@ -863,20 +864,24 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
     let d = client.route(&req).await.unwrap();
     eventually("both see it", || active(&a) == 1 && active(&b) == 1).await;
     // Kept where it was answered: nothing changes.
-    abandon("q", 7, Some(d.replica_id.clone())).await;
+    abandon("q", 7, req.lease, Some(d.replica_id.clone())).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!((active(&a), active(&b)), (1, 1));
+    // Under another lease (not its caller's): nothing changes either.
+    abandon("q", 7, Lease::random(), Some("another".into())).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!((active(&a), active(&b)), (1, 1));
     // Kept elsewhere: the booking goes, on the peer too.
-    abandon("q", 7, Some("another".into())).await;
+    abandon("q", 7, req.lease, Some("another".into())).await;
     eventually("freed everywhere", || active(&a) == 0 && active(&b) == 0).await;
     let abandoned = |r: &Replica| gauge_sum(r, "kvrouter_replica_routes_abandoned_total");
     assert_eq!(abandoned(&a) + abandoned(&b), 1);
 
     // Abandoned before it arrives (the copy waited in a stopped replica's socket).
-    abandon("late", 9, None).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let mut late = booked_request("late", shared_prefix_prompt(2, 2, 4));
     late.call_id = 9;
+    abandon("late", 9, late.lease, None).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let refused = client.route(&late).await.unwrap_err();
     assert!(
         matches!(&refused, ClientError::Router(e) if e.kind == ErrorKind::Unavailable
@@ -889,7 +894,7 @@ async fn an_abandoned_route_call_is_freed_and_a_late_copy_turned_away() {
         active(&a) == 1 && active(&b) == 1
     })
     .await;
-    client.free(&d.replica_id, MODEL, "late").await.unwrap();
+    client.free(&Booking::new(&d, MODEL, "late")).await.unwrap();
     eventually("and freed", || active(&a) == 0 && active(&b) == 0).await;
     for r in [a, b] {
         r.shutdown().await;
@@ -937,7 +942,7 @@ async fn a_request_a_replica_drops_by_itself_leaves_its_peers_too() {
             on_a = true;
             break;
         }
-        client.free("b", MODEL, &id).await.unwrap();
+        client.free(&Booking::new(&d, MODEL, &id)).await.unwrap();
     }
     assert!(on_a, "replica a decided none of 64 routes");
     eventually("b sees a's request", || active(&b) == 1).await;

@@ -100,6 +100,7 @@ async fn oversize_inputs_get_a_typed_error_and_metrics_stay_bounded() {
     let update = RequestUpdate {
         model: MODEL.into(),
         request_id: long(MAX_REQUEST_ID_BYTES + 1),
+        lease: kvrouter_protocol::Lease::NONE,
     };
     for subject in [
         subjects.free(r.replica_id()),
@@ -112,6 +113,7 @@ async fn oversize_inputs_get_a_typed_error_and_metrics_stay_bounded() {
         model: MODEL.into(),
         request_id: long(MAX_REQUEST_ID_BYTES + 1),
         decay_fraction: None,
+        lease: kvrouter_protocol::Lease::NONE,
     };
     let reply = ask::<_, ()>(&bus, &subjects.add_output_block(r.replica_id()), &block).await;
     assert_refused(reply.into_result(), "request_id", MAX_REQUEST_ID_BYTES);

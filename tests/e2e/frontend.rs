@@ -310,6 +310,7 @@ fn the_front_door_serves_each_key_what_it_was_granted() {
     let op = &v["operator_pinned"];
     assert_eq!(op["worker"], format!("{pin}:0"), "{v}");
     assert_eq!(op["overlap"], 0, "{v}");
+    assert_eq!(op["cached"], 0, "{v}");
     assert_eq!(op["replica"], "r1", "{v}");
     assert_eq!(
         op["x_kvrouter"],
@@ -337,6 +338,8 @@ fn the_front_door_serves_each_key_what_it_was_granted() {
         assert_eq!(v[k]["x_kvrouter"], serde_json::json!([]), "{k}: {v}");
     }
     assert_eq!(v["tenant_plain"]["overlap"], -1, "{v}");
+    // Nor the engine's cached-token count, the same probe in the usage.
+    assert_eq!(v["tenant_plain"]["cached"], Value::Null, "{v}");
     assert!(!v["tenant_plain"]["request_id"].as_str().unwrap().is_empty());
     assert_eq!(v["tenant_models"], serde_json::json!([E2E_MODEL]), "{v}");
     assert_eq!(refused(port, "wrong_key"), 2.0);

@@ -166,6 +166,12 @@ def refused(call):
                 "message": e.message}
 
 
+def cached(r):
+    """usage.prompt_tokens_details.cached_tokens, or None when the answer has none."""
+    details = r.usage.prompt_tokens_details if r.usage else None
+    return details.cached_tokens if details else None
+
+
 def auth(base_url, model, operator_key, tenant_key, pin):
     """What a caller may do with each key: none, a wrong one, a tenant's (no grants) and the
     operator's (routing-extension and overlap-header granted)."""
@@ -178,18 +184,18 @@ def auth(base_url, model, operator_key, tenant_key, pin):
     raw = operator.completions.with_raw_response.create(
         model=model, prompt=tokens(51, 64), max_tokens=2,
         extra_body={"kvrouter": {"pin": f"{pin}:0", "priority_jump": 1}})
-    raw.parse()
-    out["operator_pinned"] = {**routed(raw.headers), "x_kvrouter": sorted(
-        k for k in raw.headers.keys() if k.lower().startswith("x-kvrouter-"))}
+    out["operator_pinned"] = {**routed(raw.headers), "cached": cached(raw.parse()),
+                              "x_kvrouter": sorted(k for k in raw.headers.keys()
+                                                   if k.lower().startswith("x-kvrouter-"))}
     tenant = client(base_url, api_key=tenant_key)
     out["tenant_extension"] = refused(lambda: tenant.completions.create(
         model=model, prompt=tokens(52, 64), max_tokens=2,
         extra_body={"kvrouter": {"pin": f"{pin}:0"}}))
     raw = tenant.completions.with_raw_response.create(model=model, prompt=tokens(51, 64),
                                                       max_tokens=2)
-    raw.parse()
-    out["tenant_plain"] = {**routed(raw.headers), "x_kvrouter": sorted(
-        k for k in raw.headers.keys() if k.lower().startswith("x-kvrouter-"))}
+    out["tenant_plain"] = {**routed(raw.headers), "cached": cached(raw.parse()),
+                           "x_kvrouter": sorted(k for k in raw.headers.keys()
+                                                if k.lower().startswith("x-kvrouter-"))}
     raw = tenant.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True)
     for _ in raw.parse():

@@ -231,7 +231,11 @@ impl Frontend {
             in_flight,
         );
         let mut res = if creq.stream {
-            let body = StreamBody::new(relay.into_sse_body(chat, creq.include_usage));
+            let body = StreamBody::new(relay.into_sse_body(
+                chat,
+                creq.include_usage,
+                !grants.overlap_header,
+            ));
             let mut r = Response::new(BodyExt::boxed(body));
             let h = r.headers_mut();
             h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -241,7 +245,7 @@ impl Frontend {
             );
             r
         } else {
-            match relay.gather(chat).await {
+            match relay.gather(chat, !grants.overlap_header).await {
                 Ok(v) => json_response(200, &v),
                 Err(e) => error_response(&e),
             }

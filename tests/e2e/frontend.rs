@@ -61,7 +61,7 @@ fn listen_port(fe: &mut Proc) -> u16 {
 }
 
 /// `kvrouter_frontend_auth_refused_total` for one reason.
-fn refused(port: u16, reason: &str) -> f64 {
+fn auth_refused(port: u16, reason: &str) -> f64 {
     let page = metrics(port);
     let prefix = format!("kvrouter_frontend_auth_refused_total{{reason=\"{reason}\"}} ");
     page.lines()
@@ -276,7 +276,7 @@ fn the_front_door_serves_each_key_what_it_was_granted() {
         "kvrouter_worker_ranks"
     ) >= 2.0));
     for reason in ["missing_key", "wrong_key", "routing_extension"] {
-        assert_eq!(refused(port, reason), 0.0, "{reason}");
+        assert_eq!(auth_refused(port, reason), 0.0, "{reason}");
     }
 
     // No key at all: 401 in OpenAI's shape, on every /v1/ path; the probes stay open.
@@ -296,7 +296,7 @@ fn the_front_door_serves_each_key_what_it_was_granted() {
     assert_eq!(status, 401);
     assert_eq!(http_get(port, "/health").0, 200);
     assert_eq!(http_get(port, "/readyz").0, 200);
-    assert_eq!(refused(port, "missing_key"), 3.0);
+    assert_eq!(auth_refused(port, "missing_key"), 3.0);
 
     let pin = engines[1].worker_id.to_string();
     let v = sdk("auth", port, &[OPERATOR_KEY, TENANT_KEY, &pin]);
@@ -342,8 +342,8 @@ fn the_front_door_serves_each_key_what_it_was_granted() {
     assert_eq!(v["tenant_plain"]["cached"], Value::Null, "{v}");
     assert!(!v["tenant_plain"]["request_id"].as_str().unwrap().is_empty());
     assert_eq!(v["tenant_models"], serde_json::json!([E2E_MODEL]), "{v}");
-    assert_eq!(refused(port, "wrong_key"), 2.0);
-    assert_eq!(refused(port, "routing_extension"), 1.0);
+    assert_eq!(auth_refused(port, "wrong_key"), 2.0);
+    assert_eq!(auth_refused(port, "routing_extension"), 1.0);
 
     // Two requests in flight at once under one x-request-id: both answered in full (the
     // router books each under the frontend's own id), each echoing the client's id.

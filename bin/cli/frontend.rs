@@ -7,9 +7,12 @@ use super::renamed_env;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use kvrouter_client::KvRouterClient;
-use kvrouter_frontend::{Frontend, FrontendConfig, FrontendServer, ModelFiles, RankConvention};
+use kvrouter_frontend::auth::MAX_KEYS_FILE_BYTES;
+use kvrouter_frontend::{
+    Access, ApiKeys, Frontend, FrontendConfig, FrontendServer, Grants, ModelFiles, RankConvention,
+};
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -57,9 +60,22 @@ pub struct FrontendArgs {
     /// Times a request is routed again around an engine that failed it before answering.
     #[arg(long, env = "KVROUTER_ROUTE_RETRIES", default_value_t = 2)]
     route_retries: u32,
-    /// Clients must send `Authorization: Bearer KEY`.
+    /// An API key clients must send as `Authorization: Bearer KEY` (at least 16 bytes; an
+    /// empty key is refused). With --api-keys-file, one more key.
     #[arg(long, env = "KVROUTER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// A file of API keys: one a line, each optionally followed by its grants
+    /// (routing-extension, overlap-header; comma-separated); `#` starts a comment.
+    #[arg(long, env = "KVROUTER_API_KEYS_FILE")]
+    api_keys_file: Option<PathBuf>,
+    /// Let every caller use the `kvrouter` request extension (pin, allowed_workers,
+    /// priority_jump, cost settings): for trusted clients only.
+    #[arg(long, env = "KVROUTER_GRANT_ROUTING_EXTENSION")]
+    grant_routing_extension: bool,
+    /// Send every caller the x-kvrouter-* answer headers (worker, replica, cached blocks):
+    /// for trusted clients only, since they reveal whether others' prompts are cached.
+    #[arg(long, env = "KVROUTER_GRANT_OVERLAP_HEADER")]
+    grant_overlap_header: bool,
     /// How the engines take a data-parallel rank: vllm (header X-data-parallel-rank) or
     /// sglang (the body's data_parallel_rank).
     #[arg(long, env = "KVROUTER_ENGINE", value_enum, default_value = "vllm")]
@@ -79,6 +95,14 @@ pub struct FrontendArgs {
     drain_timeout_secs: f64,
 }
 
+fn read_keys_file(path: &std::path::Path) -> anyhow::Result<ApiKeys> {
+    let mut text = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_KEYS_FILE_BYTES as u64 + 1)
+        .read_to_end(&mut text)?;
+    Ok(ApiKeys::from_file(&text)?)
+}
+
 fn parse_pair(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.trim().is_empty() && !v.trim().is_empty() => {
@@ -94,7 +118,7 @@ impl FrontendArgs {
             max_inflight: self.max_inflight as usize,
             request_timeout: super::serve::secs("request-timeout-secs", self.request_timeout_secs)?,
             route_retries: self.route_retries,
-            api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+            access: self.access()?,
             ranks: match self.engine {
                 EngineArg::Vllm => RankConvention::Vllm,
                 EngineArg::Sglang => RankConvention::Sglang,
@@ -104,6 +128,47 @@ impl FrontendArgs {
             max_buffered_body_bytes: self.max_buffered_body_bytes,
             ..FrontendConfig::default()
         })
+    }
+
+    /// The API keys and grants. An empty key or a keys file with none fails the start:
+    /// neither may be read as "no authentication".
+    fn access(&self) -> anyhow::Result<Access> {
+        let flag = self
+            .api_key
+            .as_deref()
+            .map(ApiKeys::from_flag)
+            .transpose()
+            .context("cannot use the API key (--api-key, KVROUTER_API_KEY)")?;
+        let file = match &self.api_keys_file {
+            None => None,
+            Some(path) => Some(read_keys_file(path).with_context(|| {
+                format!(
+                    "cannot use the API keys file {} (--api-keys-file, KVROUTER_API_KEYS_FILE)",
+                    path.display()
+                )
+            })?),
+        };
+        let keys = match (flag, file) {
+            (Some(a), Some(b)) => Some(a.merge(b).context("cannot use the API keys")?),
+            (a, b) => a.or(b),
+        };
+        let everyone = Grants {
+            routing_extension: self.grant_routing_extension,
+            overlap_header: self.grant_overlap_header,
+        };
+        match &keys {
+            Some(k) => tracing::info!(
+                keys = k.len(),
+                keys_with_grants = k.with_grants(),
+                granted_to_every_caller = %everyone,
+                "API keys required"
+            ),
+            None => tracing::warn!(
+                granted_to_every_caller = %everyone,
+                "no API keys (--api-key, --api-keys-file): every caller is served"
+            ),
+        }
+        Ok(Access::new(keys, everyone))
     }
 
     /// Loads every model directory (before anything connects: a bad directory fails fast).

@@ -52,6 +52,23 @@ fn bridged_engine(nats: &NatsServer, dp: u32) -> BridgedEngine {
     }
 }
 
+/// The frontend's port, from its start line.
+fn listen_port(fe: &mut Proc) -> u16 {
+    fe.first_json()["listen"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next()?.parse().ok())
+        .expect("the frontend prints its address")
+}
+
+/// `kvrouter_frontend_auth_refused_total` for one reason.
+fn auth_refused(port: u16, reason: &str) -> f64 {
+    let page = metrics(port);
+    let prefix = format!("kvrouter_frontend_auth_refused_total{{reason=\"{reason}\"}} ");
+    page.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix} in {page}"))
+}
+
 /// Active requests a replica tracks, summed over ranks.
 fn active_requests(admin: u16) -> u64 {
     metric_sum(admin, "kvrouter_worker_active_requests") as u64
@@ -81,12 +98,11 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
             "4",
             "--route-retries",
             "2",
+            // Trusted clients: the test reads which worker served and what was cached.
+            "--grant-overlap-header",
         ],
     );
-    let port: u16 = fe.first_json()["listen"]
-        .as_str()
-        .and_then(|a| a.rsplit(':').next()?.parse().ok())
-        .expect("the frontend prints its address");
+    let port = listen_port(&mut fe);
     assert!(ready(a1) && ready(a2), "replicas not ready");
     // Both replicas see all three ranks before the first request.
     assert!(wait_until(Duration::from_secs(10), || {
@@ -212,4 +228,217 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
         .terminate(Duration::from_secs(10))
         .is_some_and(|s| s.success()));
     drop((r1, r2, engines, victim.bridge));
+}
+
+const OPERATOR_KEY: &str = "sk-operator-0123456789abcdef";
+const TENANT_KEY: &str = "sk-tenant-0123456789abcdef";
+
+/// With API keys, the front door serves only callers holding one, and each only what the
+/// operator granted its key: a tenant's key gets plain OpenAI answers (no `kvrouter`
+/// extension, no x-kvrouter-* headers); the operator's key gets both. The client's
+/// x-request-id is only a label: two requests may share one.
+#[test]
+fn the_front_door_serves_each_key_what_it_was_granted() {
+    let nats = NatsServer::start();
+    let a1 = free_port();
+    let r1 = serve(&nats, "r1", a1, &[]);
+    let engines = [bridged_engine(&nats, 1), bridged_engine(&nats, 1)];
+    let dir = model_dir();
+    let keys = dir.path().join("api-keys");
+    std::fs::write(
+        &keys,
+        format!(
+            "# who may call the front door\n\n{OPERATOR_KEY} routing-extension,overlap-header \
+             # the operator's tools\n{TENANT_KEY}\n"
+        ),
+    )
+    .unwrap();
+    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
+    let (url, keys) = (nats.url(), keys.display().to_string());
+    let mut fe = kvrouter_proc(
+        "frontend",
+        &[
+            "frontend",
+            "--nats",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            &model_arg,
+            "--api-keys-file",
+            &keys,
+        ],
+    );
+    let port = listen_port(&mut fe);
+    assert!(ready(a1), "replica not ready");
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_worker_ranks"
+    ) >= 2.0));
+    for reason in ["missing_key", "wrong_key", "routing_extension"] {
+        assert_eq!(auth_refused(port, reason), 0.0, "{reason}");
+    }
+
+    // No key at all: 401 in OpenAI's shape, on every /v1/ path; the probes stay open.
+    let body = format!(r#"{{"model":"{E2E_MODEL}","prompt":[1,2,3],"max_tokens":1}}"#);
+    let (status, text) = http_post(port, "/v1/completions", &[], &body);
+    assert_eq!(status, 401, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+    assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+    assert_eq!(http_get(port, "/v1/models").0, 401);
+    let (status, _) = http_post(
+        port,
+        "/v1/completions",
+        &[("Authorization", &format!("Basic {OPERATOR_KEY}"))],
+        &body,
+    );
+    assert_eq!(status, 401);
+    assert_eq!(http_get(port, "/health").0, 200);
+    assert_eq!(http_get(port, "/readyz").0, 200);
+    assert_eq!(auth_refused(port, "missing_key"), 3.0);
+
+    let pin = engines[1].worker_id.to_string();
+    let v = sdk("auth", port, &[OPERATOR_KEY, TENANT_KEY, &pin]);
+    // A wrong key: 401 for completions and for the model list.
+    for k in ["wrong_key", "wrong_key_models"] {
+        assert_eq!(v[k]["status"], 401, "{k}: {v}");
+        assert_eq!(v[k]["code"], "invalid_api_key", "{k}: {v}");
+    }
+    // The operator's key: the extension works (pinned to the second worker) and the
+    // routing headers come.
+    let op = &v["operator_pinned"];
+    assert_eq!(op["worker"], format!("{pin}:0"), "{v}");
+    assert_eq!(op["overlap"], 0, "{v}");
+    assert_eq!(op["cached"], 0, "{v}");
+    assert_eq!(op["replica"], "r1", "{v}");
+    assert_eq!(
+        op["x_kvrouter"],
+        serde_json::json!([
+            "x-kvrouter-overlap-blocks",
+            "x-kvrouter-replica",
+            "x-kvrouter-worker"
+        ]),
+        "{v}"
+    );
+    // A tenant's key: 403 on the extension, and no x-kvrouter-* header on its answers (its
+    // prompt is the one just cached: the header would have told it so).
+    let t = &v["tenant_extension"];
+    assert_eq!(t["status"], 403, "{v}");
+    assert_eq!(t["code"], "permission_denied", "{v}");
+    assert_eq!(t["param"], "kvrouter", "{v}");
+    assert!(
+        t["message"]
+            .as_str()
+            .unwrap()
+            .contains("--grant-routing-extension"),
+        "{v}"
+    );
+    for k in ["tenant_plain", "tenant_chat_stream"] {
+        assert_eq!(v[k]["x_kvrouter"], serde_json::json!([]), "{k}: {v}");
+    }
+    assert_eq!(v["tenant_plain"]["overlap"], -1, "{v}");
+    // Nor the engine's cached-token count, the same probe in the usage.
+    assert_eq!(v["tenant_plain"]["cached"], Value::Null, "{v}");
+    assert!(!v["tenant_plain"]["request_id"].as_str().unwrap().is_empty());
+    assert_eq!(v["tenant_models"], serde_json::json!([E2E_MODEL]), "{v}");
+    assert_eq!(auth_refused(port, "wrong_key"), 2.0);
+    assert_eq!(auth_refused(port, "routing_extension"), 1.0);
+
+    // Two requests in flight at once under one x-request-id: both answered in full (the
+    // router books each under the frontend's own id), each echoing the client's id.
+    let shared = "tenant-chose-this-id";
+    let v = sdk("same_id", port, &[TENANT_KEY, shared, "400"]);
+    assert_eq!(v["inflight_together"], 2, "{v}");
+    let answers = v["answers"].as_array().unwrap();
+    assert_eq!(answers.len(), 2, "{v}");
+    for a in answers {
+        assert_eq!(a["request_id"], shared, "{v}");
+        assert_eq!(
+            a["text"].as_str().unwrap().matches("tok").count(),
+            400,
+            "{v}"
+        );
+    }
+    // Nothing booked under the client's id, nothing left booked at all.
+    assert!(wait_until(Duration::from_secs(2), || active_requests(a1) == 0));
+    assert!(wait_until(Duration::from_secs(2), || {
+        metric_sum(port, "kvrouter_frontend_routes_taken_total")
+            == metric_sum(port, "kvrouter_frontend_routes_freed_total")
+    }));
+    assert!(fe
+        .terminate(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+    drop((r1, engines));
+}
+
+/// Keys that would leave the door open, or are too easy to guess, fail the start with a
+/// message saying why (and never the key): an empty `--api-key` (flag or environment), a
+/// short one, a keys file with no keys or a bad line.
+#[test]
+fn the_frontend_refuses_to_start_on_an_empty_or_weak_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_arg = format!("{E2E_MODEL}={}", dir.path().join("no-model").display());
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let comments = file("comments", "# no keys yet\n\n");
+    let indented = file("indented", "  routing-extension\n");
+    let unknown = file("unknown", "sk-0123456789abcdef-secret admin\n");
+    let start = |extra: &[&str], env: Option<&str>| {
+        let mut cmd = kvrouter();
+        cmd.args([
+            "frontend",
+            "--nats",
+            "nats://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            &model_arg,
+        ])
+        .args(extra)
+        .env_remove("KVROUTER_API_KEY")
+        .env_remove("KVROUTER_API_KEYS_FILE");
+        if let Some(v) = env {
+            cmd.env("KVROUTER_API_KEY", v);
+        }
+        let out = cmd.output().expect("kvrouter runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let cases: Vec<(Vec<&str>, Option<&str>, &str)> = vec![
+        (vec!["--api-key", ""], None, "the API key is empty"),
+        (vec!["--api-key="], None, "the API key is empty"),
+        (vec![], Some(""), "the API key is empty"),
+        (vec![], Some("  \n"), "the API key is empty"),
+        (vec!["--api-key", "sk-tiny"], None, "at least 16"),
+        (vec!["--api-keys-file", &comments], None, "no keys in it"),
+        (
+            vec!["--api-keys-file", &indented],
+            None,
+            "line 1 starts with whitespace",
+        ),
+        (
+            vec!["--api-keys-file", &unknown],
+            None,
+            "unknown grant \"admin\"",
+        ),
+        (
+            vec!["--api-keys-file", "/nonexistent/keys"],
+            None,
+            "cannot use the API keys file /nonexistent/keys",
+        ),
+    ];
+    for (args, env, want) in cases {
+        let (ok, err) = start(&args, env);
+        assert!(!ok, "{args:?} {env:?} started");
+        assert!(err.contains(want), "{args:?} {env:?}: {err}");
+        assert!(!err.contains("0123456789abcdef-secret"), "{err}");
+        // The key is refused before the model directory is looked at.
+        assert!(!err.contains("no-model"), "{args:?}: {err}");
+    }
 }

@@ -10,12 +10,14 @@ import json
 import sys
 import threading
 import time
+import urllib.request
 
 import openai
 
 
-def client(base_url, retries=0):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=retries, timeout=30)
+def client(base_url, retries=0, api_key="none"):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=retries,
+                         timeout=30)
 
 
 def routed(headers):
@@ -153,8 +155,94 @@ def overload(c, model, held):
     return out
 
 
+def refused(call):
+    """The status, code and param of a call the frontend should refuse, or 200."""
+    try:
+        call()
+        return {"status": 200}
+    except openai.APIStatusError as e:
+        return {"status": e.status_code, "code": e.code, "param": e.param,
+                "type": e.body.get("type") if isinstance(e.body, dict) else None,
+                "message": e.message}
+
+
+def cached(r):
+    """usage.prompt_tokens_details.cached_tokens, or None when the answer has none."""
+    details = r.usage.prompt_tokens_details if r.usage else None
+    return details.cached_tokens if details else None
+
+
+def auth(base_url, model, operator_key, tenant_key, pin):
+    """What a caller may do with each key: none, a wrong one, a tenant's (no grants) and the
+    operator's (routing-extension and overlap-header granted)."""
+    out = {}
+    wrong = client(base_url, api_key="sk-wrong-0123456789abcdef")
+    out["wrong_key"] = refused(lambda: wrong.completions.create(model=model, prompt=tokens(50, 32),
+                                                                 max_tokens=1))
+    out["wrong_key_models"] = refused(lambda: wrong.models.list())
+    operator = client(base_url, api_key=operator_key)
+    raw = operator.completions.with_raw_response.create(
+        model=model, prompt=tokens(51, 64), max_tokens=2,
+        extra_body={"kvrouter": {"pin": f"{pin}:0", "priority_jump": 1}})
+    out["operator_pinned"] = {**routed(raw.headers), "cached": cached(raw.parse()),
+                              "x_kvrouter": sorted(k for k in raw.headers.keys()
+                                                   if k.lower().startswith("x-kvrouter-"))}
+    tenant = client(base_url, api_key=tenant_key)
+    out["tenant_extension"] = refused(lambda: tenant.completions.create(
+        model=model, prompt=tokens(52, 64), max_tokens=2,
+        extra_body={"kvrouter": {"pin": f"{pin}:0"}}))
+    raw = tenant.completions.with_raw_response.create(model=model, prompt=tokens(51, 64),
+                                                      max_tokens=2)
+    out["tenant_plain"] = {**routed(raw.headers), "cached": cached(raw.parse()),
+                           "x_kvrouter": sorted(k for k in raw.headers.keys()
+                                                if k.lower().startswith("x-kvrouter-"))}
+    raw = tenant.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True)
+    for _ in raw.parse():
+        pass
+    out["tenant_chat_stream"] = {"x_kvrouter": sorted(
+        k for k in raw.headers.keys() if k.lower().startswith("x-kvrouter-"))}
+    out["tenant_models"] = [m.id for m in tenant.models.list()]
+    return out
+
+
+def inflight(base_url):
+    """The frontend's kvrouter_frontend_inflight_requests."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvrouter_frontend_inflight_requests "):
+                return int(float(line.split()[1]))
+    return None
+
+
+def same_id(base_url, c, model, request_id, max_tokens):
+    """Two streams with one x-request-id, both in flight at once, each read to its end."""
+    streams, out = [], []
+    for i in range(2):
+        raw = c.completions.with_raw_response.create(
+            model=model, prompt=tokens(60 + i, 64), max_tokens=max_tokens, stream=True,
+            extra_headers={"x-request-id": request_id})
+        it = iter(raw.parse())
+        first = next(it)  # this one is being answered: its route is booked
+        streams.append((raw, it, first.choices[0].text if first.choices else ""))
+    both = inflight(base_url)
+    for raw, it, text in streams:
+        for ch in it:
+            if ch.choices:
+                text += ch.choices[0].text
+        out.append({"text": text, "request_id": raw.headers.get("x-request-id")})
+    return {"answers": out, "inflight_together": both}
+
+
 def main(argv):
     scenario, base_url, model = argv[1], argv[2], argv[3]
+    if scenario == "auth":
+        print(json.dumps(auth(base_url, model, argv[4], argv[5], int(argv[6]))))
+        return
+    if scenario == "same_id":
+        c = client(base_url, api_key=argv[4])
+        print(json.dumps(same_id(base_url, c, model, argv[5], int(argv[6]))))
+        return
     c = client(base_url)
     if scenario == "basic":
         out = basic(c, model)

@@ -19,8 +19,8 @@ pub struct FrontendConfig {
     pub request_timeout: Duration,
     /// Times a request is routed again around an engine that failed it before answering.
     pub route_retries: u32,
-    /// Clients must send `Authorization: Bearer KEY` when set.
-    pub api_key: Option<String>,
+    /// Who may call (API keys, none: every caller) and what each caller may use.
+    pub access: crate::auth::Access,
     pub ranks: RankConvention,
     /// Largest request body read.
     pub max_body_bytes: usize,
@@ -39,7 +39,7 @@ impl Default for FrontendConfig {
             max_inflight: 1024,
             request_timeout: Duration::from_secs(600),
             route_retries: 2,
-            api_key: None,
+            access: crate::auth::Access::default(),
             ranks: RankConvention::Vllm,
             max_body_bytes: 32 << 20,
             connect_timeout: Duration::from_secs(2),

@@ -217,10 +217,12 @@ impl Frontend {
 
     /// Checks, tokenizes and routes the request, and sends it to the chosen engine,
     /// routing again (that worker excluded) when an engine fails before answering.
+    /// `route_id` names it to the router and the engine: the frontend's own, never the
+    /// client's `x-request-id`.
     pub async fn route_and_send(
         &self,
         req: &ClientRequest,
-        request_id: &str,
+        route_id: &str,
     ) -> Result<Routed, ApiError> {
         let (model, lora) = self.resolve(&req.model)?;
         let labels = FrontendMetrics::model(model.name());
@@ -252,7 +254,7 @@ impl Frontend {
             .get_or_create(&labels)
             .inc_by(tokens.len() as u64);
         let mut route = RouteRequest::new(model.name(), tokens)
-            .booked(request_id.to_string())
+            .booked(route_id.to_string())
             .with_lora(lora)
             .with_allowed_workers(req.router.allowed_workers.clone())
             .with_pin(req.router.pin)
@@ -282,7 +284,7 @@ impl Frontend {
         for attempt in 0..=self.config.route_retries {
             if attempt > 0 {
                 // A fresh id: the failed one may not be freed on its replica yet.
-                route.request_id = format!("{request_id}/retry{attempt}");
+                route.request_id = format!("{route_id}/retry{attempt}");
             }
             let t = Instant::now();
             let decision = match self.router.route(&route).await {
@@ -309,7 +311,8 @@ impl Frontend {
             if self.config.ranks == RankConvention::Sglang {
                 body.insert("data_parallel_rank".into(), d.dp_rank.into());
             }
-            let headers = self.upstream_headers(request_id, d.dp_rank);
+            // The engine knows the request by the id the router booked it under.
+            let headers = self.upstream_headers(&route.request_id, d.dp_rank);
             let payload = Bytes::from(with_token_prompt(&body, &req.passthrough, &route.tokens));
             let timeout = deadline.saturating_duration_since(Instant::now());
             match self
@@ -326,7 +329,7 @@ impl Frontend {
                 }
                 Err(e) if e.route_around() => {
                     tracing::warn!(
-                        request_id,
+                        route_id = %route.request_id,
                         worker_id = d.worker_id,
                         dp_rank = d.dp_rank,
                         error = %e,

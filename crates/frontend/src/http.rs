@@ -1,6 +1,7 @@
 //! The frontend's HTTP server: the OpenAI endpoints, `/v1/models`, `/health`, `/readyz`
-//! and `/metrics`, with the kvrouter headers on every routed answer.
+//! and `/metrics`, with the kvrouter headers on routed answers to callers granted them.
 
+use crate::auth::{Grants, Refusal};
 use crate::frontend::{Frontend, Routed};
 use crate::metrics::RequestLabels;
 use crate::openai::{self, ApiError, ClientRequest, Endpoint};
@@ -8,7 +9,7 @@ use crate::relay::Relay;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
-use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use kvrouter_admin::HttpServer;
 use serde_json::{json, Value};
@@ -45,12 +46,33 @@ impl Frontend {
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
-        if path.starts_with("/v1/") && !self.authorized(req.headers()) {
-            return error_response(&ApiError::unauthorized());
+        let mut grants = Grants::default();
+        if path.starts_with("/v1/") {
+            let authorization = req
+                .headers()
+                .get(hyper::header::AUTHORIZATION)
+                .map(HeaderValue::as_bytes);
+            match self.config.access.check(authorization) {
+                Ok(g) => grants = g,
+                Err(r) => {
+                    self.metrics.refused(r);
+                    tracing::debug!(reason = r.reason(), path, "refused: no valid API key");
+                    let mut res = error_response(&ApiError::unauthorized());
+                    res.headers_mut().insert(
+                        hyper::header::WWW_AUTHENTICATE,
+                        HeaderValue::from_static("Bearer"),
+                    );
+                    return res;
+                }
+            }
         }
         match (&method, path.as_str()) {
-            (&Method::POST, "/v1/completions") => self.openai(Endpoint::Completions, req).await,
-            (&Method::POST, "/v1/chat/completions") => self.openai(Endpoint::Chat, req).await,
+            (&Method::POST, "/v1/completions") => {
+                self.openai(Endpoint::Completions, req, grants).await
+            }
+            (&Method::POST, "/v1/chat/completions") => {
+                self.openai(Endpoint::Chat, req, grants).await
+            }
             (&Method::GET, "/v1/models") => json_response(200, &self.models_page()),
             (&Method::GET, "/health" | "/healthz") => full(200, "text/plain", "ok\n"),
             (&Method::GET, "/readyz") => {
@@ -85,17 +107,6 @@ impl Frontend {
         }
     }
 
-    fn authorized(&self, headers: &HeaderMap) -> bool {
-        let Some(key) = &self.config.api_key else {
-            return true;
-        };
-        headers
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), key.as_bytes()))
-    }
-
     /// Ready when the bus is up: routing needs nothing else of the frontend.
     fn readiness(&self) -> (bool, String) {
         if self.router.bus().is_connected() {
@@ -121,22 +132,36 @@ impl Frontend {
     }
 
     /// `/v1/completions` and `/v1/chat/completions`.
-    async fn openai(self: Arc<Self>, endpoint: Endpoint, req: Request<Incoming>) -> Response<Body> {
+    ///
+    /// The client's `x-request-id` (or one made for it) names the request in logs and is
+    /// echoed back; it never names the request to the router or the engine. Those know it
+    /// by a route id of the frontend's own (a v4 UUID): a client that knows or guesses
+    /// another's `x-request-id` can neither collide with its booking nor end it, and two
+    /// requests may share one.
+    async fn openai(
+        self: Arc<Self>,
+        endpoint: Endpoint,
+        req: Request<Incoming>,
+        grants: Grants,
+    ) -> Response<Body> {
         let started = Instant::now();
         let request_id = req
             .headers()
             .get("x-request-id")
             .and_then(|v| v.to_str().ok())
-            // Room for the `/retryN` a rerouted attempt adds within the protocol's limit.
-            .filter(|v| {
-                !v.is_empty() && v.len() + 16 <= kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES
-            })
+            // Bounded: it is logged and echoed.
+            .filter(|v| !v.is_empty() && v.len() <= kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES)
             .map_or_else(kvrouter_client::new_request_id, str::to_string);
-        let span =
-            tracing::info_span!("request", request_id = %request_id, endpoint = endpoint.as_str());
+        let route_id = kvrouter_client::new_request_id();
+        let span = tracing::info_span!(
+            "request",
+            request_id = %request_id,
+            route_id = %route_id,
+            endpoint = endpoint.as_str()
+        );
         let (model, mut res) = self
             .clone()
-            .answer(endpoint, req, &request_id, started)
+            .answer(endpoint, req, grants, &route_id, started)
             .instrument(span)
             .await
             .unwrap_or_else(|(model, e)| (model, error_response(&e)));
@@ -158,13 +183,22 @@ impl Frontend {
         self: Arc<Self>,
         endpoint: Endpoint,
         req: Request<Incoming>,
-        request_id: &str,
+        grants: Grants,
+        route_id: &str,
         started: Instant,
     ) -> Result<(String, Response<Body>), (String, ApiError)> {
-        let no_model = |e| (String::new(), e);
         // A place among the in-flight requests only for a whole, well-formed request: a
         // client that sends its body slowly holds a connection, never a permit.
-        let creq = self.read_request(endpoint, req).await.map_err(no_model)?;
+        let creq = self
+            .read_request(endpoint, req, grants)
+            .await
+            .map_err(|e| {
+                if e.status == 403 {
+                    self.metrics.refused(Refusal::RoutingExtension);
+                    tracing::debug!("refused: the kvrouter extension is not granted");
+                }
+                (String::new(), e)
+            })?;
         let model = self.label_for(&creq.model);
         let in_flight = self.admit().map_err(|e| (model.clone(), e))?;
         let Routed {
@@ -172,10 +206,12 @@ impl Frontend {
             answer,
             model: served,
         } = self
-            .route_and_send(&creq, request_id)
+            .route_and_send(&creq, route_id)
             .await
             .map_err(|e| (model.clone(), e))?;
         let d = &lease.decision;
+        // Which worker and replica served, and how much of the prompt was cached there: a
+        // map of the fleet and a probe of other tenants' prompts, for granted callers only.
         let headers = [
             (
                 "x-kvrouter-worker",
@@ -195,7 +231,11 @@ impl Frontend {
             in_flight,
         );
         let mut res = if creq.stream {
-            let body = StreamBody::new(relay.into_sse_body(chat, creq.include_usage));
+            let body = StreamBody::new(relay.into_sse_body(
+                chat,
+                creq.include_usage,
+                !grants.overlap_header,
+            ));
             let mut r = Response::new(BodyExt::boxed(body));
             let h = r.headers_mut();
             h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -205,14 +245,16 @@ impl Frontend {
             );
             r
         } else {
-            match relay.gather(chat).await {
+            match relay.gather(chat, !grants.overlap_header).await {
                 Ok(v) => json_response(200, &v),
                 Err(e) => error_response(&e),
             }
         };
-        for (k, v) in headers {
-            if let Ok(v) = HeaderValue::from_str(&v) {
-                res.headers_mut().insert(k, v);
+        if grants.overlap_header {
+            for (k, v) in headers {
+                if let Ok(v) = HeaderValue::from_str(&v) {
+                    res.headers_mut().insert(k, v);
+                }
             }
         }
         Ok((served.name().to_string(), res))
@@ -229,6 +271,7 @@ impl Frontend {
         &self,
         endpoint: Endpoint,
         req: Request<Incoming>,
+        grants: Grants,
     ) -> Result<ClientRequest, ApiError> {
         let (body, _hold) = self
             .body_budget
@@ -247,21 +290,17 @@ impl Frontend {
                 err
             })?;
         if body.len() <= INLINE_PARSE_BYTES {
-            return openai::parse(endpoint, &body);
+            return openai::parse(endpoint, &body, grants);
         }
         let _slot = self
             .parse_slots
             .acquire()
             .await
             .map_err(|_| ApiError::internal("the frontend is stopping"))?;
-        tokio::task::spawn_blocking(move || openai::parse(endpoint, &body))
+        tokio::task::spawn_blocking(move || openai::parse(endpoint, &body, grants))
             .await
             .map_err(|e| ApiError::internal(format!("parse task failed: {e}")))?
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The frontend serving on a listener, until [`FrontendServer::shutdown_within`].
@@ -322,13 +361,6 @@ impl FrontendServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn api_keys_compare_whole() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-    }
 
     #[test]
     fn overload_carries_retry_after() {

@@ -10,6 +10,7 @@ pub mod model_dir;
 pub mod tokenizer;
 
 // The HTTP side: OpenAI requests in, routed through the replicas, answered by the engines.
+pub mod auth;
 pub mod config;
 mod frontend;
 mod http;
@@ -25,6 +26,7 @@ pub mod upstream;
 #[global_allocator]
 static ALLOC: kvrouter_testkit::CountingAlloc = kvrouter_testkit::CountingAlloc;
 
+pub use auth::{Access, ApiKeys, Grants, KeyError, KeysError};
 pub use config::{FrontendConfig, RankConvention};
 pub use frontend::Frontend;
 pub use http::FrontendServer;

@@ -1,6 +1,7 @@
 //! What the frontend counts, on its `/metrics` (names in the style of Dynamo's frontend:
 //! requests by status, time to first token, inter-token latency, end-to-end duration).
 
+use crate::auth::Refusal;
 use crate::route_lease::LeaseCounts;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -15,6 +16,11 @@ pub struct RequestLabels {
     pub model: String,
     pub endpoint: &'static str,
     pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -42,6 +48,7 @@ pub struct FrontendMetrics {
     pub retries: Family<ModelLabel, Counter>,
     pub inflight: Gauge,
     pub input_tokens: Family<ModelLabel, Counter>,
+    pub auth_refused: Family<ReasonLabel, Counter>,
     pub leases: Arc<LeaseCounts>,
 }
 
@@ -58,6 +65,7 @@ impl FrontendMetrics {
             retries: Family::default(),
             inflight: Gauge::default(),
             input_tokens: Family::default(),
+            auth_refused: Family::default(),
             leases,
             registry: Registry::default(),
         };
@@ -107,6 +115,17 @@ impl FrontendMetrics {
             m.input_tokens.clone(),
         );
         registry.register(
+            "auth_refused",
+            "Calls refused: no API key, a wrong one, or the kvrouter extension not granted",
+            m.auth_refused.clone(),
+        );
+        // Every reason shows from the start (at 0), for alerts on its rate.
+        for r in Refusal::ALL {
+            let _ = m
+                .auth_refused
+                .get_or_create(&ReasonLabel { reason: r.reason() });
+        }
+        registry.register(
             "routes_taken",
             "Route decisions holding router load",
             m.leases.taken.clone(),
@@ -117,6 +136,12 @@ impl FrontendMetrics {
             m.leases.freed.clone(),
         );
         Self { registry, ..m }
+    }
+
+    pub fn refused(&self, r: Refusal) {
+        self.auth_refused
+            .get_or_create(&ReasonLabel { reason: r.reason() })
+            .inc();
     }
 
     pub fn model(model: &str) -> ModelLabel {

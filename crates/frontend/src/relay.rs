@@ -169,9 +169,10 @@ impl Relay {
         self,
         chat: bool,
         include_usage: bool,
+        hide_cache_details: bool,
     ) -> impl futures_util::Stream<Item = Result<hyper::body::Frame<Bytes>, std::convert::Infallible>>
     {
-        let shaper = ChunkShaper::new(chat, include_usage);
+        let shaper = ChunkShaper::new(chat, include_usage).hiding_cache_details(hide_cache_details);
         futures_util::stream::unfold((self, shaper), |(mut relay, mut shaper)| async move {
             let bytes = relay.next_sse(&mut shaper).await?;
             Some((Ok(hyper::body::Frame::data(bytes)), (relay, shaper)))
@@ -179,8 +180,8 @@ impl Relay {
     }
 
     /// The whole answer, for a client that did not ask to stream.
-    pub async fn gather(mut self, chat: bool) -> Result<Value, ApiError> {
-        let mut gathered = Gathered::default();
+    pub async fn gather(mut self, chat: bool, hide_cache_details: bool) -> Result<Value, ApiError> {
+        let mut gathered = Gathered::hiding_cache_details(hide_cache_details);
         loop {
             let failure = match self.step().await {
                 Step::Event(SseEvent::Done) | Step::End => break,

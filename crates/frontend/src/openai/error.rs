@@ -51,6 +51,15 @@ impl ApiError {
         }
     }
 
+    /// 403: the caller is known but not granted what it asked for.
+    pub fn permission_denied(param: Option<&str>, message: impl Into<String>) -> Self {
+        Self {
+            param: param.map(str::to_string),
+            code: Some("permission_denied"),
+            ..Self::new(403, "permission_error", message)
+        }
+    }
+
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(404, "not_found_error", message)
     }

@@ -3,6 +3,7 @@
 
 use super::body::{Body, RawPrompt, CHAT_ONLY};
 use super::error::ApiError;
+use crate::auth::Grants;
 use kvrouter_protocol::{Pin, RouteOverrides, WorkerId};
 use serde_json::{Map, Value};
 
@@ -81,8 +82,8 @@ fn bad(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid(Some(param), message)
 }
 
-/// Parses a request body for `endpoint`.
-pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError> {
+/// Parses a request body for `endpoint`, from a caller with `grants`.
+pub fn parse(endpoint: Endpoint, body: &[u8], grants: Grants) -> Result<ClientRequest, ApiError> {
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ApiError::invalid(None, "the body must be a JSON object"));
     }
@@ -92,6 +93,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, ApiError>
         passthrough,
     } = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
+    // Operator knobs (pin, worker lists, queue jumps, cost settings): refused before any of
+    // it is read, so a caller not granted them learns nothing of how they are checked.
+    if !grants.routing_extension && rest.get("kvrouter").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::permission_denied(
+            Some("kvrouter"),
+            "the kvrouter request extension is not granted to this caller: the operator \
+             grants it per API key (routing-extension in --api-keys-file) or to every caller \
+             (--grant-routing-extension)",
+        ));
+    }
     let model = match rest.remove("model") {
         Some(Value::String(m)) if !m.is_empty() => m,
         Some(_) => return Err(bad("model", "model must be a non-empty string")),
@@ -331,6 +342,58 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    const GRANTED: Grants = Grants {
+        routing_extension: true,
+        overlap_header: false,
+    };
+
+    #[test]
+    fn the_extension_is_refused_unless_granted() {
+        let plain = |v: Value| {
+            parse(
+                Endpoint::Completions,
+                v.to_string().as_bytes(),
+                Grants::default(),
+            )
+        };
+        for ext in [
+            json!({"pin": "1:0"}),
+            json!({"allowed_workers": [1]}),
+            json!({}),
+            json!({"temperature": -1}),
+            json!("not even an object"),
+        ] {
+            let e = plain(json!({"model": "m", "prompt": "x", "kvrouter": ext})).unwrap_err();
+            assert_eq!(
+                (e.status, e.code),
+                (403, Some("permission_denied")),
+                "{ext}"
+            );
+            assert_eq!(e.param.as_deref(), Some("kvrouter"));
+            assert!(
+                e.message.contains("--grant-routing-extension"),
+                "{}",
+                e.message
+            );
+        }
+        for ok in [
+            json!({"model": "m", "prompt": "x"}),
+            json!({"model": "m", "prompt": "x", "kvrouter": null}),
+        ] {
+            assert_eq!(plain(ok).unwrap().router, RouterExt::default());
+        }
+        // The overlap-header grant alone does not grant the extension.
+        let header_only = Grants {
+            routing_extension: false,
+            overlap_header: true,
+        };
+        let body = json!({"model": "m", "prompt": "x", "kvrouter": {"pin": "1"}}).to_string();
+        let e = parse(Endpoint::Completions, body.as_bytes(), header_only).unwrap_err();
+        assert_eq!(e.status, 403);
+        let r = parse(Endpoint::Completions, body.as_bytes(), GRANTED).unwrap();
+        assert_eq!(r.router.pin.map(|p| p.worker_id), Some(1));
+    }
+
     /// What goes to the engine besides the prompt: the fields read, then the rest.
     fn fields(r: &ClientRequest) -> Value {
         let mut all = r.rest.clone();
@@ -343,11 +406,11 @@ mod tests {
     }
 
     fn completions(v: Value) -> Result<ClientRequest, ApiError> {
-        parse(Endpoint::Completions, v.to_string().as_bytes())
+        parse(Endpoint::Completions, v.to_string().as_bytes(), GRANTED)
     }
 
     fn chat(v: Value) -> Result<ClientRequest, ApiError> {
-        parse(Endpoint::Chat, v.to_string().as_bytes())
+        parse(Endpoint::Chat, v.to_string().as_bytes(), GRANTED)
     }
 
     fn param_of(r: Result<ClientRequest, ApiError>) -> Option<String> {
@@ -416,9 +479,9 @@ mod tests {
         );
         let r = completions(json!({"model": "m", "prompt": "x", "kvrouter": {"pin": "a:b"}}));
         assert_eq!(param_of(r).as_deref(), Some("kvrouter.pin"));
-        let r = parse(Endpoint::Completions, b"{\"model\": ");
+        let r = parse(Endpoint::Completions, b"{\"model\": ", GRANTED);
         assert!(r.unwrap_err().message.contains("not valid JSON"));
-        let r = parse(Endpoint::Completions, b"[1]");
+        let r = parse(Endpoint::Completions, b"[1]", GRANTED);
         assert!(r.unwrap_err().message.contains("object"));
         let r = chat(json!({"model": "m", "messages": [{"content": "x"}]}));
         assert_eq!(param_of(r).as_deref(), Some("messages[0].role"));
@@ -524,7 +587,7 @@ mod tests {
     }
 
     fn allocated(endpoint: Endpoint, body: &[u8]) -> u64 {
-        let (r, bytes) = kvrouter_testkit::allocated_during(|| parse(endpoint, body));
+        let (r, bytes) = kvrouter_testkit::allocated_during(|| parse(endpoint, body, GRANTED));
         drop(r);
         bytes
     }
@@ -609,7 +672,7 @@ mod tests {
         }
         // Nesting past serde_json's depth limit is refused, not followed.
         let deep = repeat(r#"{"model":"m","prompt":"x","junk":"#, "[", 100_000, "");
-        assert!(parse(Endpoint::Completions, &deep).is_err());
+        assert!(parse(Endpoint::Completions, &deep, GRANTED).is_err());
         assert!(allocated(Endpoint::Completions, &deep) <= 64 * deep.len() as u64);
     }
 

@@ -39,11 +39,20 @@ pub fn read_chunk(data: &str) -> Result<Chunk, String> {
     Ok(Chunk::Answer { value, has_output })
 }
 
+/// Drops the engine's count of cached prompt tokens (`usage.prompt_tokens_details`): like
+/// the overlap header, it tells a caller whether a prompt, maybe another tenant's, is cached.
+fn hide_cache_details(usage: &mut Value) {
+    if let Some(u) = usage.as_object_mut() {
+        u.remove("prompt_tokens_details");
+    }
+}
+
 /// Turns engine chunks into the chunks the client asked for.
 #[derive(Debug)]
 pub struct ChunkShaper {
     chat: bool,
     include_usage: bool,
+    hide_cache_details: bool,
     /// Chat choices that already sent their `role`.
     roles_sent: Vec<u64>,
 }
@@ -53,8 +62,15 @@ impl ChunkShaper {
         Self {
             chat,
             include_usage,
+            hide_cache_details: false,
             roles_sent: Vec::new(),
         }
+    }
+
+    /// Usage without the cached-token count (callers not granted overlap-header).
+    pub fn hiding_cache_details(mut self, hide: bool) -> Self {
+        self.hide_cache_details = hide;
+        self
     }
 
     /// The client's chunk, or `None` when nothing is left to send (a usage-only chunk
@@ -63,6 +79,11 @@ impl ChunkShaper {
         let obj = chunk.as_object_mut()?;
         if !self.include_usage {
             obj.remove("usage");
+        }
+        if self.hide_cache_details {
+            if let Some(u) = obj.get_mut("usage") {
+                hide_cache_details(u);
+            }
         }
         let no_choices = obj
             .get("choices")
@@ -120,9 +141,18 @@ pub struct Gathered {
     head: Map<String, Value>,
     choices: BTreeMap<u64, (String, Value)>,
     usage: Option<Value>,
+    hide_cache_details: bool,
 }
 
 impl Gathered {
+    /// Usage without the cached-token count (callers not granted overlap-header).
+    pub fn hiding_cache_details(hide: bool) -> Self {
+        Self {
+            hide_cache_details: hide,
+            ..Self::default()
+        }
+    }
+
     pub fn add(&mut self, chunk: &Value) {
         let Some(obj) = chunk.as_object() else { return };
         if self.head.is_empty() {
@@ -180,7 +210,11 @@ impl Gathered {
         };
         obj.insert("object".into(), object.into());
         obj.insert("choices".into(), choices.into());
-        obj.insert("usage".into(), self.usage.unwrap_or(Value::Null));
+        let mut usage = self.usage.unwrap_or(Value::Null);
+        if self.hide_cache_details {
+            hide_cache_details(&mut usage);
+        }
+        obj.insert("usage".into(), usage);
         Value::Object(obj)
     }
 }
@@ -238,6 +272,26 @@ mod tests {
         assert_eq!(last["choices"][0]["delta"], json!({}));
         assert_eq!(last["choices"][0]["finish_reason"], "length");
         assert!(last.get("usage").is_none(), "usage nobody asked for");
+    }
+
+    #[test]
+    fn the_cached_token_count_goes_only_to_granted_callers() {
+        let usage = json!({"prompt_tokens": 64, "completion_tokens": 2, "total_tokens": 66,
+                           "prompt_tokens_details": {"cached_tokens": 48}});
+        let chunk = json!({"id": "cmpl-7", "object": "text_completion", "created": 5,
+                           "model": "m", "choices": [{"index": 0, "text": "a",
+                           "finish_reason": "length"}], "usage": usage});
+        let plain = json!({"prompt_tokens": 64, "completion_tokens": 2, "total_tokens": 66});
+        for (hide, want) in [(true, &plain), (false, &usage)] {
+            let shaped = ChunkShaper::new(false, true)
+                .hiding_cache_details(hide)
+                .shape(chunk.clone())
+                .unwrap();
+            assert_eq!(&shaped["usage"], want);
+            let mut g = Gathered::hiding_cache_details(hide);
+            g.add(&chunk);
+            assert_eq!(&g.finish(true)["usage"], want);
+        }
     }
 
     #[test]

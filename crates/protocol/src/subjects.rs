@@ -10,6 +10,10 @@ use thiserror::Error;
 /// Queue group of the router endpoints: each request goes to one replica.
 pub const ROUTER_QUEUE_GROUP: &str = "kvrouter-replicas";
 
+/// Queue group of the replicas answering catch-ups on [`Subjects::sync_state`] (those
+/// already caught up).
+pub const SYNC_QUEUE_GROUP: &str = "kvrouter-sync";
+
 /// Queue group of the serving indexers' find_matches: each query goes to one of them.
 pub const INDEXER_QUEUE_GROUP: &str = "kvrouter-indexers";
 
@@ -146,7 +150,7 @@ impl Subjects {
         }
     }
 
-    /// `SyncStateRequest` → stream of `SyncBatch` (queue group of synced replicas).
+    /// `SyncStateRequest` → stream of `SyncBatch` (queue group [`SYNC_QUEUE_GROUP`]).
     pub fn sync_state(&self) -> String {
         format!("{}.router.sync_state", self.ns)
     }

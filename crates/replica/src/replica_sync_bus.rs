@@ -21,8 +21,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-/// Queue group of the catch-up responders (replicas already caught up).
-const SYNC_STATE_GROUP: &str = "kvrouter-sync";
 /// How long a catch-up stream may stay silent.
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -225,7 +223,10 @@ pub fn spawn_catch_up(shared: Arc<ReplicaShared>, subjects: Subjects) -> JoinHan
         shared.sync_caught_up.store(true, Ordering::Relaxed);
         let sub = match shared
             .bus
-            .queue_subscribe(&subjects.sync_state(), SYNC_STATE_GROUP)
+            .queue_subscribe(
+                &subjects.sync_state(),
+                kvrouter_protocol::subjects::SYNC_QUEUE_GROUP,
+            )
             .await
         {
             Ok(s) => s,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 /// nats-server with two nkey users: `asker` may only publish `svc.>` and read its own
 /// inbox; `server` answers on `svc.>` through `allow_responses` (streams included).
-fn server(dir: &Path, asker: &str, responder: &str) -> NatsServer {
+fn nkey_server(dir: &Path, asker: &str, responder: &str) -> NatsServer {
     let conf = format!(
         r#"authorization {{
   users = [
@@ -46,7 +46,7 @@ fn opts(server: &NatsServer, seed: &Path) -> NatsOptions {
 async fn an_nkey_user_reads_its_own_inbox_only_and_still_gets_answers() {
     let dir = tempfile::tempdir().unwrap();
     let (asker, responder) = (nkeys::KeyPair::new_user(), nkeys::KeyPair::new_user());
-    let nats = server(dir.path(), &asker.public_key(), &responder.public_key());
+    let nats = nkey_server(dir.path(), &asker.public_key(), &responder.public_key());
     let ask = Bus::connect(&opts(&nats, &seed_file(dir.path(), "a.nk", &asker)))
         .await
         .expect("the asker connects with its seed");
@@ -96,7 +96,7 @@ async fn an_nkey_user_reads_its_own_inbox_only_and_still_gets_answers() {
 async fn a_seed_the_server_does_not_know_is_refused_at_connect() {
     let dir = tempfile::tempdir().unwrap();
     let (asker, responder) = (nkeys::KeyPair::new_user(), nkeys::KeyPair::new_user());
-    let nats = server(dir.path(), &asker.public_key(), &responder.public_key());
+    let nats = nkey_server(dir.path(), &asker.public_key(), &responder.public_key());
     let stranger = nkeys::KeyPair::new_user();
     let seed = stranger.seed().unwrap();
     let mut o = opts(&nats, &seed_file(dir.path(), "x.nk", &stranger));

@@ -51,6 +51,9 @@ enum Command {
     Generate(cli::generate::GenerateArgs),
     /// Print every bus subject of a model's fleet (no NATS needed).
     Subjects(cli::subjects::SubjectsArgs),
+    /// Make one NATS identity per replica, frontend, bridge and peer router: nkey seeds, the
+    /// nats-server users they are confined by, and Kubernetes Secrets (no NATS needed).
+    Creds(cli::creds::CredsArgs),
 }
 
 /// The index's hash tables come from the system allocator (everything else from mimalloc).
@@ -91,6 +94,7 @@ fn main() -> std::process::ExitCode {
         Command::Route(args) => cli::block_on(cli::route::run(args)),
         Command::Generate(args) => cli::block_on(cli::generate::run(args)),
         Command::Subjects(args) => cli::subjects::run(args),
+        Command::Creds(args) => cli::creds::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -14,6 +14,7 @@ pub mod bench_hostile;
 pub mod bench_route;
 pub mod bridge;
 pub mod cost_args;
+pub mod creds;
 pub mod frontend;
 pub mod generate;
 pub mod hash;

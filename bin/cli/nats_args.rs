@@ -9,8 +9,8 @@ use std::path::PathBuf;
 pub struct NatsArgs {
     /// NATS server URL, or a comma-separated list. Credentials may be in the URL:
     /// nats://user:password@host:4222 or nats://token@host:4222, percent-encoded (%40 for @,
-    /// %3A for :, %20 for a space, %25 for %); giving them also with --nats-user, --nats-token
-    /// or --nats-creds is refused.
+    /// %3A for :, %20 for a space, %25 for %); giving them also with --nats-user, --nats-token,
+    /// --nats-creds or --nats-nkey-file is refused.
     #[arg(long = "nats", env = "KVROUTER_NATS", default_value = DEFAULT_NATS_URL, value_name = "URL")]
     pub url: String,
     /// NATS user (with --nats-password).
@@ -25,6 +25,16 @@ pub struct NatsArgs {
     /// NATS credentials file (.creds: user JWT and nkey seed).
     #[arg(long, env = "KVROUTER_NATS_CREDS", value_name = "FILE")]
     pub nats_creds: Option<PathBuf>,
+    /// File holding this process's NATS user nkey seed (one line, SU...; `kvrouter creds`
+    /// writes them). Its reply subjects become _INBOX.<public key>, so permissions can let it
+    /// read only its own replies. Not with the other authentication flags. Keep the file
+    /// readable by this process only (a warning says when every user may read it).
+    #[arg(long, env = "KVROUTER_NATS_NKEY_FILE", value_name = "FILE")]
+    pub nats_nkey_file: Option<PathBuf>,
+    /// Prefix of this process's reply subjects (default _INBOX, or _INBOX.<public key> with
+    /// an nkey or a .creds file), for permissions that confine each user's replies.
+    #[arg(long, env = "KVROUTER_NATS_INBOX_PREFIX", value_name = "SUBJECT")]
+    pub nats_inbox_prefix: Option<String>,
     /// PEM file with the CA certificate(s) that signed the server's certificate.
     #[arg(long, env = "KVROUTER_NATS_TLS_CA", value_name = "FILE")]
     pub nats_tls_ca: Option<PathBuf>,
@@ -62,6 +72,8 @@ impl NatsArgs {
             password: self.nats_password.clone(),
             token: self.nats_token.clone(),
             credentials_file: self.nats_creds.clone(),
+            nkey_file: self.nats_nkey_file.clone(),
+            inbox_prefix: self.nats_inbox_prefix.clone(),
             tls_ca_file: self.nats_tls_ca.clone(),
             tls_client_cert: self.nats_tls_cert.clone(),
             tls_client_key: self.nats_tls_key.clone(),

@@ -6,5 +6,6 @@ mod common;
 
 mod image;
 mod k8s_manifests;
+mod nats_creds;
 mod nats_permissions;
 mod nats_url_credentials;

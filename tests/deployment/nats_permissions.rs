@@ -1,9 +1,12 @@
-//! The shipped least-privilege NATS configuration (deploy/nats/least-privilege.conf) on a real
-//! nats-server: a fleet does its job with it, and no party can say what is not its to say.
+//! One NATS identity per role on a real nats-server: `kvrouter creds` (the real binary)
+//! writes the seeds and the users file, nats-server includes it, and a fleet does its job
+//! with one identity each, while no identity can say or read what is not its own.
 //!
-//! Absence is proven by order, not by waiting: NATS delivers one connection's messages in
-//! order, so when a permitted message published after a forged one arrives, the forged one
-//! would have arrived first had the server let it through.
+//! Refusals are proven two ways: the server's own "Permissions Violation" error to the
+//! offender (async-nats reports it), and, for publishes, by order rather than by waiting:
+//! NATS delivers one connection's messages in order, so when a permitted message published
+//! after a forged one arrives, the forged one would have arrived first had the server let it
+//! through.
 
 use crate::common;
 
@@ -15,52 +18,72 @@ use kvrouter_protocol::{
     Registration, Subjects, SyncBatch, Tier, WorkerKey, WorkerRole, WorkerSubject,
 };
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use uuid::Uuid;
 
-const REPLICA: (&str, &str) = ("kvrouter-replica", "replica-pw");
-const FRONTEND: (&str, &str) = ("kvrouter-frontend", "frontend-pw");
-const WORKER_10: (&str, &str) = ("worker-10", "worker-10-pw");
-const WORKER_11: (&str, &str) = ("worker-11", "worker-11-pw");
+/// Identities written by `kvrouter creds` into a temporary directory, for the example fleet
+/// of deploy/nats/least-privilege.conf: replicas a and b, frontend-0, bridges 10 and 11,
+/// peer-0.
+pub struct Creds {
+    pub dir: tempfile::TempDir,
+}
 
-/// nats-server started from the shipped file, its passwords defined ahead of it (the file
-/// reads them from variables it does not define).
-fn server() -> NatsServer {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let shipped = std::fs::read_to_string(repo_file("deploy/nats/least-privilege.conf"))
-        .expect("deploy/nats/least-privilege.conf");
-    let mut conf = String::new();
-    for (var, (_, password)) in [
-        ("KVROUTER_REPLICA_PASSWORD", REPLICA),
-        ("KVROUTER_FRONTEND_PASSWORD", FRONTEND),
-        ("KVROUTER_WORKER_10_PASSWORD", WORKER_10),
-        ("KVROUTER_WORKER_11_PASSWORD", WORKER_11),
-    ] {
-        conf += &format!("{var}: \"{password}\"\n");
+impl Creds {
+    pub fn generate() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let out = kvrouter()
+            .args(["creds", "--out"])
+            .arg(dir.path())
+            .args([
+                "--replica-ids",
+                "a,b",
+                "--worker-ids",
+                "10,11",
+                "--peers",
+                "1",
+            ])
+            .output()
+            .expect("kvrouter runs");
+        assert!(
+            out.status.success(),
+            "kvrouter creds: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self { dir }
     }
-    conf += &shipped;
-    let path = std::env::temp_dir().join(format!(
-        "kvrouter-least-privilege-{}-{}.conf",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::write(&path, conf).unwrap();
+
+    /// The seed file of `who` (`replica-a`, `frontend-0`, `bridge-10`, ...).
+    pub fn seed(&self, who: &str) -> PathBuf {
+        self.dir.path().join("seeds").join(format!("{who}.nk"))
+    }
+
+    pub fn seed_arg(&self, who: &str) -> String {
+        self.seed(who).to_str().unwrap().to_string()
+    }
+
+    pub fn public_key(&self, who: &str) -> String {
+        let seed = std::fs::read_to_string(self.seed(who)).unwrap();
+        nkeys::KeyPair::from_seed(seed.trim()).unwrap().public_key()
+    }
+}
+
+/// nats-server with a configuration that only includes the generated users file.
+fn server(creds: &Creds) -> NatsServer {
+    let conf = creds.dir.path().join("nats.conf");
+    std::fs::write(&conf, "include \"nats-users.conf\"\n").unwrap();
     let check = std::process::Command::new("nats-server")
         .args(["-t", "-c"])
-        .arg(&path)
+        .arg(&conf)
         .output()
         .expect("nats-server on PATH (scripts/test.sh installs it)");
     assert!(
         check.status.success(),
-        "nats-server refuses the shipped configuration: {}",
+        "nats-server refuses the generated users: {}",
         String::from_utf8_lossy(&check.stderr)
     );
-    NatsServer::start_with_args(&["-c", path.to_str().unwrap()])
-}
-
-fn url(nats: &NatsServer, (user, password): (&str, &str)) -> String {
-    format!("nats://{user}:{password}@127.0.0.1:{}", nats.port)
+    NatsServer::start_with_args(&["-c", conf.to_str().unwrap()])
 }
 
 fn e2e_model_subjects() -> ModelSubjects {
@@ -99,20 +122,33 @@ fn events(worker_id: u64) -> KvEventBatch {
     }
 }
 
+fn sync_batch(replica_id: &str) -> SyncBatch {
+    SyncBatch {
+        replica_id: replica_id.into(),
+        model: E2E_MODEL.into(),
+        changes: Vec::new(),
+        instance_id: Uuid::new_v4(),
+        seq: 1,
+    }
+}
+
+/// A party on the bus with one identity, through kvrouter's bus (as the processes are).
 struct Party {
     rt: tokio::runtime::Runtime,
     bus: Bus,
 }
 
 impl Party {
-    fn connect(nats: &NatsServer, creds: (&str, &str)) -> Self {
+    fn connect(nats: &NatsServer, creds: &Creds, who: &str) -> Self {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
+        let mut opts = NatsOptions::new(nats.url());
+        opts.nkey_file = Some(creds.seed(who));
         let bus = rt
-            .block_on(Bus::connect(&NatsOptions::new(url(nats, creds))))
-            .unwrap_or_else(|e| panic!("{} connects: {e}", creds.0));
+            .block_on(Bus::connect(&opts))
+            .unwrap_or_else(|e| panic!("{who} connects: {e}"));
         Self { rt, bus }
     }
 
@@ -129,6 +165,15 @@ impl Party {
             }
             self.bus.flush().await.unwrap();
             subs
+        })
+    }
+
+    /// A queue subscription in `group`, in place on the server when it returns.
+    fn queue_subscribe(&self, subject: &str, group: &str) -> Subscription {
+        self.rt.block_on(async {
+            let sub = self.bus.queue_subscribe(subject, group).await.unwrap();
+            self.bus.flush().await.unwrap();
+            sub
         })
     }
 
@@ -173,6 +218,89 @@ impl Party {
     }
 }
 
+/// A party speaking NATS with async-nats directly (no kvrouter code between), collecting the
+/// server's errors to it.
+struct Raw {
+    rt: tokio::runtime::Runtime,
+    client: async_nats::Client,
+    errors: Arc<Mutex<Vec<String>>>,
+    /// Subscriptions kept open (a dropped one unsubscribes).
+    subs: Vec<async_nats::Subscriber>,
+}
+
+impl Raw {
+    fn connect(nats: &NatsServer, creds: &Creds, who: &str) -> Self {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let seed = std::fs::read_to_string(creds.seed(who)).unwrap();
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let seen = errors.clone();
+        let client = rt
+            .block_on(
+                async_nats::ConnectOptions::with_nkey(seed.trim().to_string())
+                    .custom_inbox_prefix(format!("_INBOX.{}", creds.public_key(who)))
+                    .event_callback(move |event| {
+                        let seen = seen.clone();
+                        async move {
+                            if let async_nats::Event::ServerError(e) = event {
+                                seen.lock().unwrap().push(e.to_string());
+                            }
+                        }
+                    })
+                    .connect(nats.url()),
+            )
+            .unwrap_or_else(|e| panic!("{who} connects: {e}"));
+        Self {
+            rt,
+            client,
+            errors,
+            subs: Vec::new(),
+        }
+    }
+
+    fn subscribe(&mut self, subject: &str, queue: Option<&str>) {
+        let sub = self.rt.block_on(async {
+            let sub = match queue {
+                None => self.client.subscribe(subject.to_string()).await,
+                Some(q) => {
+                    self.client
+                        .queue_subscribe(subject.to_string(), q.to_string())
+                        .await
+                }
+            };
+            self.client.flush().await.unwrap();
+            sub.unwrap()
+        });
+        self.subs.push(sub);
+    }
+
+    fn publish(&self, subject: &str, bytes: Vec<u8>) {
+        self.rt.block_on(async {
+            self.client
+                .publish(subject.to_string(), bytes.into())
+                .await
+                .unwrap();
+            self.client.flush().await.unwrap();
+        });
+    }
+
+    /// Waits (up to 5 s) for the server's permissions violation naming `what` (`Publish to
+    /// "S"` or `Subscription to "S"`).
+    fn refused(&self, what: &str) -> bool {
+        let want = format!("Permissions Violation for {what}");
+        wait_until(Duration::from_secs(5), || {
+            self.errors
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|e| e.contains(&want))
+        })
+    }
+
+    fn errors(&self) -> Vec<String> {
+        self.errors.lock().unwrap().clone()
+    }
+}
+
 /// Every subject a worker may publish on, its own and the model-wide legacy ones.
 fn worker_subjects(s: &ModelSubjects) -> Vec<String> {
     WorkerSubject::PUBLISHED
@@ -183,71 +311,101 @@ fn worker_subjects(s: &ModelSubjects) -> Vec<String> {
 }
 
 #[test]
-fn a_fleet_routes_and_generates_with_least_privilege_credentials() {
-    let nats = server();
-    let admin = free_port();
-    let (user, password) = REPLICA;
-    let replica = serve(
-        &nats,
-        "r1",
-        admin,
-        &["--nats-user", user, "--nats-password", password],
-    );
+fn a_fleet_routes_syncs_and_generates_with_one_identity_each() {
+    let creds = Creds::generate();
+    let nats = server(&creds);
+    let (admin_a, admin_b) = (free_port(), free_port());
+    let replicas: Vec<Proc> = [("a", admin_a), ("b", admin_b)]
+        .into_iter()
+        .map(|(id, admin)| {
+            let seed = creds.seed_arg(&format!("replica-{id}"));
+            serve(
+                &nats,
+                id,
+                admin,
+                &["--replica-sync", "--nats-nkey-file", &seed],
+            )
+        })
+        .collect();
     let mut workers = Vec::new();
-    for (id, (user, password)) in [(10u64, WORKER_10), (11, WORKER_11)] {
-        let id = id.to_string();
+    for id in ["10", "11"] {
+        let seed = creds.seed_arg(&format!("bridge-{id}"));
         workers.push(mocker_with(
             &nats,
-            user,
+            &format!("worker-{id}"),
             &[
                 "--model",
                 E2E_MODEL,
                 "--workers",
                 "1",
                 "--worker-id-start",
-                &id,
+                id,
                 "--block-size",
                 "16",
                 "--speedup",
                 "100",
-                "--nats-user",
-                user,
-                "--nats-password",
-                password,
+                "--nats-nkey-file",
+                &seed,
             ],
         ));
     }
-    assert!(ready(admin), "the replica never became ready");
-    assert!(
-        wait_until(Duration::from_secs(10), || metric_sum(
-            admin,
-            "kvrouter_workers"
-        ) == 2.0),
-        "both workers registered on their own subjects: {}",
-        metrics(admin)
-    );
+    for admin in [admin_a, admin_b] {
+        assert!(ready(admin), "a replica never became ready");
+        assert!(
+            wait_until(Duration::from_secs(10), || {
+                metric_sum(admin, "kvrouter_workers") == 2.0
+                    && metric_sum(admin, "kvrouter_replica_sync_peers") == 1.0
+            }),
+            "both workers registered on their own subjects and the peer's sync batches \
+             arrive on its own: {}",
+            metrics(admin)
+        );
+    }
+    let frontend = creds.seed_arg("frontend-0");
     let tokens = e2e_tokens(7, 4)
         .iter()
         .map(|t| t.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let frontend = url(&nats, FRONTEND);
+    // A booked route: whichever replica makes it, the other learns of it by replica sync.
+    let out = kvrouter()
+        .args(["route", "--nats", &nats.url(), "--model", E2E_MODEL])
+        .args(["--tokens", &tokens, "--request-id", "booked"])
+        .args(["--nats-nkey-file", &frontend])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "route with the frontend's identity: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for admin in [admin_a, admin_b] {
+        assert!(
+            wait_until(Duration::from_secs(10), || metric_sum(
+                admin,
+                "kvrouter_worker_active_requests"
+            ) == 1.0),
+            "both replicas count the booked request: {}",
+            metrics(admin)
+        );
+    }
     let generate = || {
         let out = kvrouter()
-            .args(["generate", "--nats", &frontend, "--model", E2E_MODEL])
+            .args(["generate", "--nats", &nats.url(), "--model", E2E_MODEL])
             .args(["--tokens", &tokens, "--max-tokens", "2"])
+            .args(["--nats-nkey-file", &frontend])
             .output()
             .unwrap();
         assert!(
             out.status.success(),
-            "generate with the frontend's credentials: {}",
+            "generate with the frontend's identity: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
     let first = generate();
     assert_eq!(first["output_tokens"], 2, "{first}");
-    // The worker's KV events (on its own subject) reached the replica's index: the same
+    // The worker's KV events (on its own subject) reached the replicas' indexes: the same
     // prompt is routed to the same worker, its 4 blocks cached.
     assert!(
         wait_until(Duration::from_secs(10), || {
@@ -256,22 +414,123 @@ fn a_fleet_routes_and_generates_with_least_privilege_credentials() {
         }),
         "the index never learned the first request's blocks"
     );
-    assert_eq!(
-        metric_sum(admin, "kvrouter_misattributed_messages_total"),
-        0.0
-    );
+    for admin in [admin_a, admin_b] {
+        assert_eq!(
+            metric_sum(admin, "kvrouter_misattributed_messages_total"),
+            0.0,
+            "{}",
+            metrics(admin)
+        );
+    }
     drop(workers);
-    drop(replica);
+    drop(replicas);
+}
+
+#[test]
+fn a_frontend_reads_only_its_own_replies_and_cannot_answer_routes_or_sync() {
+    let creds = Creds::generate();
+    let nats = server(&creds);
+    let s = Subjects::new("kvrouter").unwrap();
+    let replica_a = creds.public_key("replica-a");
+    let mut frontend = Raw::connect(&nats, &creds, "frontend-0");
+    for (subject, queue) in [
+        ("_INBOX.>".to_string(), None),
+        (format!("_INBOX.{replica_a}.>"), None),
+        (s.route(), None),
+        (
+            s.route(),
+            Some(kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP),
+        ),
+        (s.sync_all(), None),
+        (s.free("a"), None),
+    ] {
+        frontend.subscribe(&subject, queue);
+        assert!(
+            frontend.refused(&format!("Subscription to \"{subject}\"")),
+            "the frontend may subscribe {subject} {queue:?}: {:?}",
+            frontend.errors()
+        );
+    }
+    // Its own inbox is its to read.
+    let own = format!("_INBOX.{}.x", creds.public_key("frontend-0"));
+    frontend.subscribe(&own, None);
+    // Publishing a sync batch, as a replica or on the shared legacy subject, is refused too.
+    let observer = Party::connect(&nats, &creds, "replica-b");
+    let mut subs = observer.subscribe_all([s.sync_all(), s.legacy_sync(), s.abandon()]);
+    for subject in [s.sync_of("a"), s.legacy_sync()] {
+        frontend.publish(&subject, encode(&sync_batch("a")).unwrap());
+        assert!(
+            frontend.refused(&format!("Publish to \"{subject}\"")),
+            "{:?}",
+            frontend.errors()
+        );
+    }
+    // What a frontend may do, published last: an abandon.
+    let abandon = kvrouter_protocol::Abandon {
+        model: E2E_MODEL.into(),
+        request_id: "x".into(),
+        call_id: 1,
+        kept_by: None,
+    };
+    frontend.publish(&s.abandon(), encode(&abandon).unwrap());
+    let abandons = subs.get_mut(&s.abandon()).unwrap();
+    assert_eq!(
+        observer.subjects_until(abandons, &s.abandon()),
+        vec![s.abandon()]
+    );
+    observer.assert_quiet(&mut subs, "a frontend");
+    assert!(
+        !frontend.errors().iter().any(|e| e.contains(&own)),
+        "its own inbox: {:?}",
+        frontend.errors()
+    );
+}
+
+#[test]
+fn a_replica_syncs_only_as_itself() {
+    let creds = Creds::generate();
+    let nats = server(&creds);
+    let s = Subjects::new("kvrouter").unwrap();
+    let observer = Party::connect(&nats, &creds, "replica-b");
+    let mut subs = observer.subscribe_all([s.sync_all(), s.legacy_sync()]);
+    let mut a = Raw::connect(&nats, &creds, "replica-a");
+    // As b, on b's subject and on the shared one.
+    for subject in [s.sync_of("b"), s.legacy_sync()] {
+        a.publish(&subject, encode(&sync_batch("b")).unwrap());
+        assert!(a.refused(&format!("Publish to \"{subject}\"")), "{subject}");
+    }
+    // Nor may it read b's lease updates or replies.
+    for subject in [
+        s.free("b"),
+        format!("_INBOX.{}.>", creds.public_key("replica-b")),
+    ] {
+        a.subscribe(&subject, None);
+        assert!(
+            a.refused(&format!("Subscription to \"{subject}\"")),
+            "{subject}"
+        );
+    }
+    // Then as itself: allowed, and alone on the observer's subscription.
+    let own = s.sync_of("a");
+    a.publish(&own, encode(&sync_batch("a")).unwrap());
+    let sync = subs.get_mut(&s.sync_all()).unwrap();
+    assert_eq!(observer.subjects_until(sync, &own), vec![own.clone()]);
+    observer.assert_quiet(&mut subs, "replica a");
 }
 
 #[test]
 fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
-    let nats = server();
+    let creds = Creds::generate();
+    let nats = server(&creds);
     let s = e2e_model_subjects();
-    let observer = Party::connect(&nats, REPLICA);
-    let sync = Subjects::new("kvrouter").unwrap().sync();
-    let mut subs = observer.subscribe_all(worker_subjects(&s).into_iter().chain([sync.clone()]));
-    let w10 = Party::connect(&nats, WORKER_10);
+    let router = Subjects::new("kvrouter").unwrap();
+    let observer = Party::connect(&nats, &creds, "replica-a");
+    let mut subs = observer.subscribe_all(
+        worker_subjects(&s)
+            .into_iter()
+            .chain([router.sync_all(), router.legacy_sync()]),
+    );
+    let w10 = Party::connect(&nats, &creds, "bridge-10");
     // As worker 11, on worker 11's subjects and on the model-wide ones.
     w10.publish(&s.register(11), encode(&fresh_registration(11)).unwrap());
     w10.publish(&s.kv_events(11), encode(&events(11)).unwrap());
@@ -279,14 +538,9 @@ fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
         w10.publish(&s.legacy(legacy).unwrap(), encode(&events(11)).unwrap());
     }
     // As a replica: a forged sync batch would add load to every peer's view.
-    let forged_sync = SyncBatch {
-        replica_id: "forged".into(),
-        model: E2E_MODEL.into(),
-        changes: Vec::new(),
-        instance_id: uuid::Uuid::nil(),
-        seq: 0,
-    };
-    w10.publish(&sync, encode(&forged_sync).unwrap());
+    for subject in [router.sync_of("a"), router.legacy_sync()] {
+        w10.publish(&subject, encode(&sync_batch("a")).unwrap());
+    }
     // Then as itself: allowed, and it arrives on every subscription it was published to.
     let own = s.deregister(10);
     let bye = Deregistration {
@@ -306,16 +560,29 @@ fn a_worker_cannot_speak_for_another_worker_nor_for_the_router() {
         assert_eq!(observer.subjects_until(sub, &own), vec![own.clone()]);
     }
     observer.assert_quiet(&mut subs, "worker 10");
+    // Nor may it serve another worker's state or generate subjects.
+    let mut raw = Raw::connect(&nats, &creds, "bridge-10");
+    for subject in [s.state(11), s.generate(11)] {
+        raw.subscribe(&subject, None);
+        assert!(
+            raw.refused(&format!("Subscription to \"{subject}\"")),
+            "{subject}"
+        );
+    }
 }
 
 #[test]
 fn a_frontend_cannot_publish_kv_events_or_registrations() {
-    let nats = server();
+    let creds = Creds::generate();
+    let nats = server(&creds);
     let s = e2e_model_subjects();
-    let observer = Party::connect(&nats, REPLICA);
+    let observer = Party::connect(&nats, &creds, "replica-a");
     let route = Subjects::new("kvrouter").unwrap().route();
-    let mut subs = observer.subscribe_all(worker_subjects(&s).into_iter().chain([route.clone()]));
-    let frontend = Party::connect(&nats, FRONTEND);
+    let mut subs = observer.subscribe_all(worker_subjects(&s));
+    // A replica answers routes only in the replicas' queue group.
+    let group = kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP;
+    subs.insert(route.clone(), observer.queue_subscribe(&route, group));
+    let frontend = Party::connect(&nats, &creds, "frontend-0");
     frontend.publish(&s.kv_events(10), encode(&events(10)).unwrap());
     frontend.publish(
         &s.legacy(WorkerSubject::KvEvents).unwrap(),

@@ -155,7 +155,8 @@ impl Bus {
         self.send(reply, None, Bytes::new()).await
     }
 
-    /// A fresh, unique reply subject (`_INBOX.<unique>`).
+    /// A fresh, unique reply subject (`_INBOX.<unique>`; on NATS under the connection's
+    /// reply prefix, see [`NatsOptions::reply_prefix`](crate::NatsOptions::reply_prefix)).
     pub fn new_inbox(&self) -> String {
         match self {
             Bus::Nats(n) => n.new_inbox(),

@@ -19,6 +19,7 @@
 //!   `max_payload`, 1 MiB by default; the same default for the in-process bus) is rejected with
 //!   [`BusError::PayloadTooLarge`]; callers chunk.
 //! - **Request/reply**: [`Bus::request`] publishes with a fresh `_INBOX.<unique>` reply subject
+//!   (on NATS with an nkey `_INBOX.<public key>.<unique>`, see [`NatsOptions`])
 //!   and returns the first reply. It fails with [`BusError::NoResponders`] when nobody is
 //!   subscribed to the subject (NATS reports this with a status-503 message) and with
 //!   [`BusError::Timeout`] when nobody answers in time. A reply with an empty payload is

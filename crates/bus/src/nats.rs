@@ -70,6 +70,24 @@ impl NatsBus {
                 ))
             })?;
         }
+        let mut public_key = None;
+        if let Some(path) = &opts.nkey_file {
+            let key = crate::options::read_nkey(path)
+                .map_err(|why| fail(format!("the nkey file {}: {why}", path.display())))?;
+            if crate::options::world_readable(path) {
+                tracing::warn!(
+                    file = %path.display(),
+                    "the NATS nkey seed file is readable by every user of this host; make it \
+                     readable by this process only (chmod 600, or defaultMode 0400 on a \
+                     Kubernetes Secret volume)"
+                );
+            }
+            public_key = Some(key.public_key);
+            co = co.nkey(key.seed);
+        }
+        if let Some(prefix) = opts.reply_prefix()? {
+            co = co.custom_inbox_prefix(prefix);
+        }
         if let (Some(user), Some(password)) = (&opts.user, &opts.password) {
             co = co.user_and_password(user.clone(), password.clone());
         }
@@ -115,13 +133,13 @@ impl NatsBus {
         let client = co.connect(addrs).await.map_err(|e| {
             let hint = match e.kind() {
                 ConnectErrorKind::AuthorizationViolation => {
-                    "the server rejected the credentials; check the NATS user/password, token or \
-                     credentials file"
+                    "the server rejected the credentials; check the NATS user/password, token, \
+                     credentials file or nkey file (is its public key in the server's users?)"
                         .to_string()
                 }
                 ConnectErrorKind::Authentication => {
                     "could not sign the server's nonce; is the credentials file a valid .creds \
-                     file?"
+                     file, or the nkey file a user seed?"
                         .to_string()
                 }
                 ConnectErrorKind::TimedOut => format!(
@@ -146,7 +164,14 @@ impl NatsBus {
                 fail(format!("{e} ({hint})"))
             }
         })?;
-        tracing::info!(url = %shown, max_payload = client.max_payload(), "connected to NATS");
+        match &public_key {
+            Some(user) => {
+                tracing::info!(url = %shown, max_payload = client.max_payload(), nkey = %user, "connected to NATS")
+            }
+            None => {
+                tracing::info!(url = %shown, max_payload = client.max_payload(), "connected to NATS")
+            }
+        }
         Ok(NatsBus {
             client,
             url: shown,

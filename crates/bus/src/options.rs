@@ -7,13 +7,17 @@ use crate::BusError;
 
 /// Connection options for [`Bus::connect`](crate::Bus::connect).
 ///
-/// Authentication is at most one of: `user` + `password`, `token`, `credentials_file`, or
-/// credentials in the URL: `nats://user:password@host:4222` or `nats://token@host:4222`, with
+/// Authentication is at most one of: `user` + `password`, `token`, `credentials_file`,
+/// `nkey_file`, or credentials in the URL: `nats://user:password@host:4222` or `nats://token@host:4222`, with
 /// special characters percent-encoded (`%40` for `@`, `%3A` for `:`, `%20` for a space, `%25` for
 /// `%`). Several URLs may carry credentials only if they carry the same ones; they are taken out
 /// of the URLs and sent like the fields above. TLS is used when the server
 /// asks for it or when `tls_required` is set; `tls_ca_file` adds a root certificate and
 /// `tls_client_cert` + `tls_client_key` present a client certificate (mutual TLS).
+///
+/// Reply subjects: with an nkey (in `nkey_file` or a `.creds` file) the client's inboxes are
+/// `_INBOX.<its public key>.<unique>`, so NATS permissions can let each user read only its
+/// own replies (`_INBOX.<public key>.>`); `inbox_prefix` sets another prefix.
 #[derive(Clone, PartialEq, Eq)]
 pub struct NatsOptions {
     /// One server URL or a comma-separated list (`nats://a:4222,nats://b:4222`).
@@ -23,6 +27,12 @@ pub struct NatsOptions {
     pub token: Option<String>,
     /// A NATS `.creds` file (user JWT + nkey seed).
     pub credentials_file: Option<PathBuf>,
+    /// A file holding a user nkey seed (`SU...`, surrounding whitespace ignored): the client
+    /// proves it holds the key; nats-server knows the user by its public key.
+    pub nkey_file: Option<PathBuf>,
+    /// The prefix of this client's reply subjects (`_INBOX.<unique>` by default,
+    /// `_INBOX.<public key>` with an nkey); a valid subject without wildcards.
+    pub inbox_prefix: Option<String>,
     /// A PEM file with the CA certificate(s) that signed the server's certificate.
     pub tls_ca_file: Option<PathBuf>,
     /// A PEM client certificate, for servers that verify clients (requires `tls_client_key`).
@@ -48,6 +58,8 @@ impl Default for NatsOptions {
             password: None,
             token: None,
             credentials_file: None,
+            nkey_file: None,
+            inbox_prefix: None,
             tls_ca_file: None,
             tls_client_cert: None,
             tls_client_key: None,
@@ -68,6 +80,8 @@ impl std::fmt::Debug for NatsOptions {
             .field("password", &hide(&self.password))
             .field("token", &hide(&self.token))
             .field("credentials_file", &self.credentials_file)
+            .field("nkey_file", &self.nkey_file)
+            .field("inbox_prefix", &self.inbox_prefix)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_client_cert", &self.tls_client_cert)
             .field("tls_client_key", &self.tls_client_key)
@@ -163,6 +177,7 @@ impl NatsOptions {
             self.user.as_ref().map(|_| "user/password"),
             self.token.as_ref().map(|_| "token"),
             self.credentials_file.as_ref().map(|_| "credentials file"),
+            self.nkey_file.as_ref().map(|_| "nkey file"),
         ]
         .into_iter()
         .flatten()
@@ -191,8 +206,9 @@ impl NatsOptions {
             }
             _ => {}
         }
-        let files: [(&str, Option<&PathBuf>); 4] = [
+        let files: [(&str, Option<&PathBuf>); 5] = [
             ("credentials file", self.credentials_file.as_ref()),
+            ("nkey file", self.nkey_file.as_ref()),
             ("TLS CA file", self.tls_ca_file.as_ref()),
             ("TLS client certificate", self.tls_client_cert.as_ref()),
             ("TLS client key", self.tls_client_key.as_ref()),
@@ -204,11 +220,125 @@ impl NatsOptions {
                 }
             }
         }
+        if let Some(path) = &self.nkey_file {
+            if let Err(why) = read_nkey(path) {
+                return fail(format!("the nkey file {}: {why}", path.display()));
+            }
+        }
+        if let Some(prefix) = &self.inbox_prefix {
+            if let Err(e) = crate::subject::validate_publish(prefix) {
+                return fail(format!("the inbox prefix is not a valid subject: {e}"));
+            }
+        }
         if self.connect_timeout.is_zero() {
             return fail("connect_timeout is zero; use a few seconds".into());
         }
         Ok(())
     }
+
+    /// The prefix of this client's reply subjects: `inbox_prefix`, else `_INBOX.<public
+    /// key>` when it authenticates with an nkey (`nkey_file`, or the seed in a `.creds`
+    /// file), else `None` (async-nats' `_INBOX`). Errors as [`NatsOptions::validate`].
+    pub fn reply_prefix(&self) -> Result<Option<String>, BusError> {
+        if let Some(p) = &self.inbox_prefix {
+            return Ok(Some(p.clone()));
+        }
+        let fail = |what: &str, path: &Path, why: String| {
+            BusError::Connect(format!(
+                "cannot connect to '{}': the {what} {}: {why}",
+                self.redacted_url(),
+                path.display()
+            ))
+        };
+        if let Some(path) = &self.nkey_file {
+            let key = read_nkey(path).map_err(|why| fail("nkey file", path, why))?;
+            return Ok(Some(format!("_INBOX.{}", key.public_key)));
+        }
+        if let Some(path) = &self.credentials_file {
+            // async-nats reads the file itself and says what is wrong with it; a seed this
+            // cannot find leaves the default inbox.
+            if let Ok(text) = std::fs::read_to_string(path) {
+                if let Some(key) = text.lines().find_map(|l| parse_user_seed(l).ok()) {
+                    return Ok(Some(format!("_INBOX.{}", key.public_key)));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A user nkey: its seed (secret: never shown, not even in Debug) and its public key.
+#[derive(Clone)]
+pub(crate) struct UserNkey {
+    pub(crate) seed: String,
+    pub(crate) public_key: String,
+}
+
+impl std::fmt::Debug for UserNkey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UserNkey({}, seed ***)", self.public_key)
+    }
+}
+
+/// The largest nkey file read: a seed is 58 characters; anything much longer is not one.
+const MAX_NKEY_FILE_BYTES: u64 = 4096;
+
+/// Reads and checks the user nkey seed in `path`. Errors say what is wrong without the seed.
+pub(crate) fn read_nkey(path: &Path) -> Result<UserNkey, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot be read ({e})"))?;
+    if !meta.is_file() {
+        return Err("is not a regular file".into());
+    }
+    if meta.len() > MAX_NKEY_FILE_BYTES {
+        return Err(format!(
+            "is {} bytes; an nkey seed file holds one line of 58 characters",
+            meta.len()
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot be read ({e})"))?;
+    parse_user_seed(&text)
+}
+
+/// Whether `path` may be read by every user of the host (a seed file should not be).
+pub(crate) fn world_readable(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o004 != 0)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        false
+    }
+}
+
+/// Parses a user nkey seed (`SU` and 56 more base32 characters), whitespace around it
+/// ignored.
+pub(crate) fn parse_user_seed(text: &str) -> Result<UserNkey, String> {
+    let seed = text.trim();
+    if seed.is_empty() {
+        return Err("is empty; it should hold a user nkey seed (SU...)".into());
+    }
+    if !seed.starts_with("SU") {
+        let what = match seed.get(..2) {
+            Some("SA") => "an account seed",
+            Some("SO") => "an operator seed",
+            Some("SN") => "a server seed",
+            _ if seed.starts_with('U') => "a public key",
+            _ => "no nkey seed",
+        };
+        return Err(format!(
+            "holds {what}, not a user nkey seed (one line starting with SU, as `kvrouter \
+             creds` writes)"
+        ));
+    }
+    let pair = nkeys::KeyPair::from_seed(seed)
+        .map_err(|_| "holds a malformed user nkey seed (bad length or checksum)".to_string())?;
+    Ok(UserNkey {
+        seed: seed.to_string(),
+        public_key: pair.public_key(),
+    })
 }
 
 fn check_file(path: &Path) -> Result<(), String> {
@@ -364,6 +494,102 @@ mod tests {
             m.contains("/nonexistent/cert.pem") && m.contains("cannot be read"),
             "{m}"
         );
+    }
+
+    /// A user seed in a fresh file of `mode`; the file and its seed and public key.
+    fn seed_file(mode: u32) -> (tempfile::NamedTempFile, String, String) {
+        let pair = nkeys::KeyPair::new_user();
+        let seed = pair.seed().unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), format!("  {seed}\n\n")).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        (file, seed, pair.public_key())
+    }
+
+    #[test]
+    fn an_nkey_file_is_checked_and_names_the_inbox() {
+        let (file, seed, public) = seed_file(0o600);
+        let mut o = NatsOptions::new("nats://h:1");
+        o.nkey_file = Some(file.path().into());
+        assert!(o.validate().is_ok());
+        assert_eq!(o.reply_prefix().unwrap(), Some(format!("_INBOX.{public}")));
+        assert!(!world_readable(file.path()));
+        // Another auth method beside it is refused, like any two.
+        o.token = Some("t".into());
+        let m = err(&o);
+        assert!(m.contains("token and nkey file"), "{m}");
+        o.token = None;
+        // An explicit prefix wins.
+        o.inbox_prefix = Some("_INBOX.frontend".into());
+        assert_eq!(
+            o.reply_prefix().unwrap().as_deref(),
+            Some("_INBOX.frontend")
+        );
+        o.inbox_prefix = Some("_INBOX.*".into());
+        assert!(err(&o).contains("inbox prefix"));
+        o.inbox_prefix = None;
+        // Debug shows the file, never the seed.
+        assert!(!format!("{o:?}").contains(&seed));
+        let (loose, _, _) = seed_file(0o644);
+        assert!(cfg!(not(unix)) || world_readable(loose.path()));
+    }
+
+    #[test]
+    fn a_bad_nkey_file_is_refused_without_echoing_it() {
+        let pair = nkeys::KeyPair::new_user();
+        let seed = pair.seed().unwrap();
+        let account = nkeys::KeyPair::new_account().seed().unwrap();
+        let public = pair.public_key();
+        // One character changed: the checksum no longer holds.
+        let mut broken = seed.clone();
+        broken.replace_range(10..11, if &seed[10..11] == "A" { "B" } else { "A" });
+        let cases = [
+            ("", "is empty"),
+            (account.as_str(), "an account seed"),
+            (public.as_str(), "a public key"),
+            (broken.as_str(), "malformed"),
+            ("hunter2", "no nkey seed"),
+        ];
+        for (content, want) in cases {
+            let file = tempfile::NamedTempFile::new().unwrap();
+            std::fs::write(file.path(), content).unwrap();
+            let mut o = NatsOptions::new("nats://h:1");
+            o.nkey_file = Some(file.path().into());
+            let m = err(&o);
+            assert!(m.contains(want), "{content:?}: {m}");
+            assert!(content.is_empty() || !m.contains(content), "{m}");
+            assert!(o.reply_prefix().is_err());
+        }
+        let mut o = NatsOptions::new("nats://h:1");
+        o.nkey_file = Some("/nonexistent/seed.nk".into());
+        assert!(err(&o).contains("/nonexistent/seed.nk"));
+        let big = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(big.path(), "S".repeat(10_000)).unwrap();
+        o.nkey_file = Some(big.path().into());
+        assert!(err(&o).contains("10000 bytes"));
+    }
+
+    #[test]
+    fn a_creds_file_seed_names_the_inbox_too() {
+        let pair = nkeys::KeyPair::new_user();
+        let creds = format!(
+            "-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QifQ.e30.sig\n------END NATS USER JWT------\n\n\
+             -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+            pair.seed().unwrap()
+        );
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), creds).unwrap();
+        let mut o = NatsOptions::new("nats://h:1");
+        o.credentials_file = Some(file.path().into());
+        assert_eq!(
+            o.reply_prefix().unwrap(),
+            Some(format!("_INBOX.{}", pair.public_key()))
+        );
+        assert_eq!(NatsOptions::new("nats://h:1").reply_prefix().unwrap(), None);
     }
 
     #[test]

@@ -10,6 +10,10 @@ use thiserror::Error;
 /// Queue group of the router endpoints: each request goes to one replica.
 pub const ROUTER_QUEUE_GROUP: &str = "kvrouter-replicas";
 
+/// Queue group of the replicas answering catch-ups on [`Subjects::sync_state`] (those
+/// already caught up).
+pub const SYNC_QUEUE_GROUP: &str = "kvrouter-sync";
+
 /// Queue group of the serving indexers' find_matches: each query goes to one of them.
 pub const INDEXER_QUEUE_GROUP: &str = "kvrouter-indexers";
 
@@ -115,12 +119,38 @@ impl Subjects {
         format!("{}.router.abandon", self.ns)
     }
 
-    /// `SyncBatch`, published by every replica with `--replica-sync` to all the others.
-    pub fn sync(&self) -> String {
+    /// `SyncBatch`es of replica `replica_id` (`--replica-sync`), to all the others: only that
+    /// replica's credentials may publish here, so a batch's origin is known.
+    pub fn sync_of(&self, replica_id: &str) -> String {
+        format!("{}.router.sync.{replica_id}", self.ns)
+    }
+
+    /// Every replica's [`Subjects::sync_of`]: what synced replicas subscribe to.
+    pub fn sync_all(&self) -> String {
+        format!("{}.router.sync.*", self.ns)
+    }
+
+    /// The subject every replica of the previous release published its `SyncBatch`es on,
+    /// one for all (no permission can tell them apart). Read for one release, for rolling
+    /// upgrades; nobody publishes here any more.
+    pub fn legacy_sync(&self) -> String {
         format!("{}.router.sync", self.ns)
     }
 
-    /// `SyncStateRequest` → stream of `SyncBatch` (queue group of synced replicas).
+    /// Where a sync batch came from, by its subject: `Some(Some(id))` on replica `id`'s own
+    /// subject, `Some(None)` on the shared legacy one, `None` for any other subject.
+    pub fn sync_sender<'a>(&self, subject: &'a str) -> Option<Option<&'a str>> {
+        let rest = subject
+            .strip_prefix(&self.ns)?
+            .strip_prefix(".router.sync")?;
+        match rest.strip_prefix('.') {
+            None if rest.is_empty() => Some(None),
+            Some(id) if !id.is_empty() && !id.contains('.') => Some(Some(id)),
+            _ => None,
+        }
+    }
+
+    /// `SyncStateRequest` → stream of `SyncBatch` (queue group [`SYNC_QUEUE_GROUP`]).
     pub fn sync_state(&self) -> String {
         format!("{}.router.sync_state", self.ns)
     }
@@ -324,8 +354,8 @@ impl ModelSubjects {
 }
 
 /// Every subject a fleet of `model` uses, as `(name, subject)`; `*` stands for a worker id or
-/// a replica id. The `legacy_*` ones are the model-wide subjects replicas still accept from
-/// workers of the previous release.
+/// a replica id. The `legacy_*` ones are the shared subjects replicas still read from
+/// replicas and workers of the previous release.
 pub fn fleet_subjects(
     namespace: &str,
     model: &str,
@@ -342,7 +372,7 @@ pub fn fleet_subjects(
         ("free", s.free("*")),
         ("add_output_block", s.add_output_block("*")),
         ("abandon", s.abandon()),
-        ("sync", s.sync()),
+        ("sync", s.sync_of("*")),
         ("sync_state", s.sync_state()),
         ("sync_own", s.sync_own("*")),
         ("who_is_there", m.who_is_there()),
@@ -354,6 +384,7 @@ pub fn fleet_subjects(
     for what in W::PUBLISHED.into_iter().chain([W::Generate, W::State]) {
         out.push((what.token(), m.every_worker(what)));
     }
+    out.push(("legacy_sync", s.legacy_sync()));
     for (name, what) in [
         ("legacy_register", W::Register),
         ("legacy_heartbeat", W::Heartbeat),
@@ -417,6 +448,26 @@ mod tests {
         assert_eq!(subjects.len(), list.len());
         assert!(list.iter().all(|(_, s)| s.starts_with("ns1.")));
         assert!(list.iter().any(|(n, _)| n.contains("route")));
+    }
+
+    #[test]
+    fn each_replica_syncs_on_its_own_subject() {
+        let s = Subjects::new("ns.a").unwrap();
+        assert_eq!(s.sync_of("r1"), "ns.a.router.sync.r1");
+        assert_eq!(s.sync_all(), "ns.a.router.sync.*");
+        assert_eq!(s.legacy_sync(), "ns.a.router.sync");
+        assert_eq!(s.sync_sender(&s.sync_of("r1")), Some(Some("r1")));
+        assert_eq!(s.sync_sender(&s.legacy_sync()), Some(None));
+        for other in [
+            "ns.a.router.sync_state",
+            "ns.a.router.sync.",
+            "ns.a.router.sync.r1.x",
+            "ns.b.router.sync.r1",
+            "ns.a.router.replica.r1.sync_state",
+            "ns.a.router.syncr1",
+        ] {
+            assert_eq!(s.sync_sender(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -111,7 +111,7 @@ async fn start_model(
         resync_rx = Some(rx);
         let publisher = replica_sync_bus::spawn_publisher(
             bus.clone(),
-            subjects.sync(),
+            subjects.sync_of(replica_id),
             replica_id.to_string(),
             name.to_string(),
         );
@@ -520,8 +520,14 @@ impl Replica {
             vec![watch_bus(shared.clone()), watch_stalls(shared.clone())],
         );
         if config.sync.is_some() {
-            let sub = subscribe(&bus, subjects.sync(), None).await?;
-            back.push(replica_sync_bus::spawn_peer_listener(shared.clone(), sub));
+            let peers = subscribe(&bus, subjects.sync_all(), None).await?;
+            let legacy = subscribe(&bus, subjects.legacy_sync(), None).await?;
+            back.push(replica_sync_bus::spawn_peer_listener(
+                shared.clone(),
+                subjects.clone(),
+                peers,
+                legacy,
+            ));
             let own = subscribe(&bus, subjects.sync_own(&replica_id), None).await?;
             back.push(replica_sync_bus::spawn_own_state_responder(
                 shared.clone(),

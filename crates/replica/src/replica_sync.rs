@@ -21,13 +21,26 @@
 //! snapshot is in. `tests/replica_sync_model.rs` checks all of it against a reference model
 //! with lost, duplicated and interleaved batches.
 //!
+//! Origins. Each replica publishes on its own subject (`NS.router.sync.<id>`), which NATS
+//! permissions let only its credentials use; [`SyncOrigins`] drops a batch naming another
+//! replica than its subject, and every change a peer sends must be to one of its own requests
+//! (`"{peer}:..."`, [`retain_own`]), so a peer can neither free nor add the receiver's or a
+//! third replica's requests. Batches on the previous release's shared subject are accepted
+//! for one release, unsequenced (their sequence numbers and instance ids are ignored, so they
+//! can make no genuine batch look stale and drop nobody's requests), and not at all for a
+//! replica heard on its own subject. A catch-up snapshot (any caught-up peer answers) is
+//! provisional beyond its answerer: every origin in it is fetched from itself afterwards
+//! ([`ReplicaSync::on_snapshot`]), and origins that never answer expire with the lease. A
+//! jump of more than [`MAX_SEQ_JUMP`] in a peer's numbers is not taken as its new baseline:
+//! the peer is fetched instead, and its own answer sets the baseline.
+//!
 //! Peers are live while their batches keep coming (an idle replica sends an empty one every
 //! [`HEARTBEAT`]); one silent for [`PEER_LEASE`] is gone, and its sequences with it: nobody
 //! is left to free them, and the workers' own load reports cover what is still running.
 
-use kvrouter_protocol::{SeqChange, SequenceHash, WorkerKey};
+use kvrouter_protocol::{SeqChange, SequenceHash, SyncBatch, WorkerKey};
 use kvrouter_scheduler::Scheduler;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
@@ -50,6 +63,102 @@ pub const MAX_SYNC_ID_BYTES: usize = kvrouter_protocol::limits::MAX_REPLICA_ID_B
     + 1
     + kvrouter_protocol::limits::MAX_REQUEST_ID_BYTES
     + "/prefill".len();
+
+/// A peer's sequence number this far past the last one heard from its instance is not
+/// believed: a replica numbers its batches one by one, and one silent for [`PEER_LEASE`] is
+/// forgotten, so a genuine gap stays far below it. The peer is fetched instead
+/// ([`SeqCheck::Unheard`]); its own answer sets the baseline.
+pub const MAX_SEQ_JUMP: u64 = 1 << 20;
+/// Stale batches in a row from one peer before its baseline is doubted: NATS never
+/// redelivers, so genuine duplicates come one at a time at most; a run means the baseline was
+/// set by a batch that was not the peer's. The peer is fetched and its answer sets the
+/// baseline.
+pub const MAX_STALE_RUN: u32 = 16;
+/// Replica ids remembered as publishing on their own sync subjects (for refusing legacy
+/// batches in their name); more are not remembered.
+const MAX_UPGRADED_PEERS: usize = 4096;
+/// Origins of a catch-up snapshot asked for their own requests afterwards, at most.
+pub const MAX_SNAPSHOT_FETCHES: usize = 1024;
+
+/// Why a sync batch was refused before it reached a scheduler.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OriginRefusal {
+    /// On replica `subject`'s own subject, but naming another replica.
+    Misattributed { subject: String, claimed: String },
+    /// On the previous release's shared subject, naming a replica that publishes on its own
+    /// subject (it never uses the shared one).
+    LegacyFromUpgraded { claimed: String },
+}
+
+impl std::fmt::Display for OriginRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Misattributed { subject, claimed } => write!(
+                f,
+                "a sync batch on replica {subject:?}'s subject names replica {claimed:?}"
+            ),
+            Self::LegacyFromUpgraded { claimed } => write!(
+                f,
+                "a sync batch on the shared legacy subject names replica {claimed:?}, which \
+                 publishes on its own subject"
+            ),
+        }
+    }
+}
+
+/// Checks where peers' sync batches come from (one per replica, before the batches reach
+/// the models' schedulers).
+#[derive(Default)]
+pub struct SyncOrigins {
+    /// Replicas heard on their own subjects.
+    upgraded: FxHashSet<String>,
+}
+
+impl SyncOrigins {
+    /// A batch that arrived on replica `sender`'s own subject (`Some`) or on the shared
+    /// legacy one (`None`). Refused if it names another replica than its subject, or (legacy)
+    /// a replica heard on its own subject; otherwise its changes to requests the named replica
+    /// did not route are dropped (returned: how many) and a legacy batch is made unsequenced.
+    pub fn check(
+        &mut self,
+        sender: Option<&str>,
+        batch: &mut SyncBatch,
+    ) -> Result<usize, OriginRefusal> {
+        match sender {
+            Some(subject) if subject != batch.replica_id => {
+                return Err(OriginRefusal::Misattributed {
+                    subject: subject.to_string(),
+                    claimed: batch.replica_id.clone(),
+                })
+            }
+            Some(subject) => {
+                if self.upgraded.len() < MAX_UPGRADED_PEERS && !self.upgraded.contains(subject) {
+                    self.upgraded.insert(subject.to_string());
+                }
+            }
+            None if self.upgraded.contains(&batch.replica_id) => {
+                return Err(OriginRefusal::LegacyFromUpgraded {
+                    claimed: batch.replica_id.clone(),
+                })
+            }
+            None => {
+                // Anyone allowed on the shared subject may write any number and instance:
+                // neither may make a peer's genuine batches stale nor drop its requests.
+                batch.seq = 0;
+                batch.instance_id = Uuid::nil();
+            }
+        }
+        Ok(retain_own(&batch.replica_id, &mut batch.changes))
+    }
+}
+
+/// Keeps only `peer`'s changes to its own requests (global ids `"{peer}:..."`); returns how
+/// many were dropped.
+pub fn retain_own(peer: &str, changes: &mut Vec<SeqChange>) -> usize {
+    let before = changes.len();
+    changes.retain(|c| ReplicaSync::is_from(change_id(c), peer));
+    before - changes.len()
+}
 
 /// What a change holds in memory, about: its id, its sequence hashes and a fixed overhead.
 pub fn change_bytes(change: &SeqChange) -> usize {
@@ -109,6 +218,15 @@ pub struct ReplicaSync {
     dropped: u64,
     /// Peer changes refused for ids over [`MAX_SYNC_ID_BYTES`].
     refused: u64,
+    /// Peer changes dropped for naming requests the peer did not route.
+    foreign: u64,
+    /// Peer sequence numbers not believed (more than [`MAX_SEQ_JUMP`] ahead, or a baseline
+    /// [`MAX_STALE_RUN`] batches in a row are stale against).
+    jumps: u64,
+    /// Stale batches in a row, per peer.
+    stale_runs: FxHashMap<String, u32>,
+    /// Peers whose baseline their next answer replaces, whatever it says.
+    suspect: FxHashSet<String>,
     /// Live peers and when each was last heard from.
     peers: FxHashMap<String, Instant>,
     /// Origins of catch-up snapshot entries not heard from themselves yet (e.g. crashed
@@ -132,10 +250,14 @@ pub struct ReplicaSync {
 /// How a peer's sequenced batch follows the last one heard from it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum SeqCheck {
-    /// The next one, the first of an instance, or an unsequenced (version-4) batch.
+    /// The next one, the first of an instance, or an unsequenced (version-4 or legacy
+    /// subject) batch.
     InOrder,
     /// The first heard from this instance, past its first batch: what came before is not
-    /// known here (fetch its requests, as after a loss).
+    /// known here (fetch its requests, as after a loss). Also a number more than
+    /// [`MAX_SEQ_JUMP`] ahead of the last (not believed, nor taken as the baseline) and the
+    /// [`MAX_STALE_RUN`]th stale batch in a row: the peer's requests are fetched instead, and
+    /// its answer sets the baseline.
     Unheard,
     /// Heard already (a duplicate): ignore it.
     Stale,
@@ -156,6 +278,10 @@ impl ReplicaSync {
             buffer: catch_up.then(Held::default),
             dropped: 0,
             refused: 0,
+            foreign: 0,
+            jumps: 0,
+            stale_runs: FxHashMap::default(),
+            suspect: FxHashSet::default(),
             peers: FxHashMap::default(),
             unconfirmed: FxHashMap::default(),
             last_sent: None,
@@ -175,9 +301,24 @@ impl ReplicaSync {
         match self.seqs.get_mut(from) {
             Some((inst, last)) if *inst == instance => {
                 if seq <= *last {
-                    return SeqCheck::Stale;
+                    // NATS does not redeliver: a run of stale batches means the baseline
+                    // is not the peer's (see MAX_STALE_RUN).
+                    let run = self.stale_runs.entry(from.to_string()).or_insert(0);
+                    *run += 1;
+                    if *run < MAX_STALE_RUN {
+                        return SeqCheck::Stale;
+                    }
+                    *run = 0;
+                    self.jumps += 1;
+                    self.suspect.insert(from.to_string());
+                    return SeqCheck::Unheard;
                 }
                 let missed = seq - *last - 1;
+                if missed >= MAX_SEQ_JUMP {
+                    self.jumps += 1;
+                    return SeqCheck::Unheard;
+                }
+                self.stale_runs.remove(from);
                 *last = seq;
                 if missed == 0 {
                     SeqCheck::InOrder
@@ -187,6 +328,7 @@ impl ReplicaSync {
             }
             known => {
                 let restarted = known.is_some();
+                self.stale_runs.remove(from);
                 self.seqs.insert(from.to_string(), (instance, seq));
                 match (restarted, seq > 1) {
                     (true, unheard) => SeqCheck::Restarted { unheard },
@@ -236,6 +378,14 @@ impl ReplicaSync {
         let mut covered = 0;
         if let Some((answer_seq, answer)) = answer {
             covered = answer_seq;
+            // The peer's own word on what it published: a baseline far ahead of it was not
+            // the peer's (see MAX_SEQ_JUMP); one behind it is covered by the answer.
+            let suspect = self.suspect.remove(peer);
+            if let Some((_, last)) = self.seqs.get_mut(peer) {
+                if suspect || *last < covered || *last > covered.saturating_add(MAX_SEQ_JUMP) {
+                    *last = covered;
+                }
+            }
             let theirs: Vec<SeqChange> = answer
                 .into_iter()
                 .filter(|c| within_limits(c) && Self::is_from(change_id(c), peer))
@@ -376,8 +526,10 @@ impl ReplicaSync {
         let before = changes.len();
         changes.retain(within_limits);
         self.refused += (before - changes.len()) as u64;
+        self.foreign += retain_own(from, &mut changes) as u64;
         if let Some(buf) = self.resyncing.get_mut(from) {
-            let seq = self.seqs.get(from).map_or(0, |&(_, seq)| seq);
+            // Unsequenced (legacy): applied after the answer, in order, whatever it covers.
+            let seq = self.seqs.get(from).map_or(u64::MAX, |&(_, seq)| seq);
             let changes = changes.into_iter().map(|c| (seq, c)).collect();
             self.dropped += buf.extend(changes, |(_, c)| change_bytes(c));
             return (Vec::new(), new);
@@ -407,6 +559,8 @@ impl ReplicaSync {
         }
         for id in &gone {
             self.seqs.remove(id);
+            self.stale_runs.remove(id);
+            self.suspect.remove(id);
             self.resyncing.remove(id);
             self.deferred.retain(|p| p != id);
         }
@@ -449,6 +603,12 @@ impl ReplicaSync {
     ///
     /// The origins of its requests that are no live peer are remembered from `now`: if they
     /// stay silent for the lease, their requests are dropped like a lost peer's.
+    ///
+    /// The snapshot is any caught-up peer's word about everybody: every origin in it (the
+    /// first [`MAX_SNAPSHOT_FETCHES`]) is then asked for its own requests
+    /// ([`Self::take_fetches`]), whose answer frees what the snapshot claimed and the origin
+    /// does not hold. An origin that does not answer keeps the snapshot's entries until it
+    /// is heard from (a live peer heard mid-sequence is fetched anyway) or the lease expires.
     pub fn on_snapshot(
         &mut self,
         snapshot: Vec<SeqChange>,
@@ -469,15 +629,28 @@ impl ReplicaSync {
                         }
                     }
                 }
+                let mut origins: Vec<&str> = Vec::new();
                 for c in &out {
                     if let Some((origin, _)) = change_id(c).split_once(':') {
                         if !self.peers.contains_key(origin) {
                             self.unconfirmed.entry(origin.to_string()).or_insert(now);
                         }
+                        if origins.last() != Some(&origin) && !origins.contains(&origin) {
+                            origins.push(origin);
+                        }
                     }
                 }
+                // Whoever answered vouches only for itself: each origin is asked for its own.
+                let origins: Vec<String> = origins
+                    .into_iter()
+                    .take(MAX_SNAPSHOT_FETCHES)
+                    .map(str::to_string)
+                    .collect();
                 out.extend(buf.changes);
-                for peer in std::mem::take(&mut self.deferred) {
+                for peer in std::mem::take(&mut self.deferred)
+                    .into_iter()
+                    .chain(origins)
+                {
                     self.start_resync(&peer);
                 }
                 out
@@ -493,6 +666,16 @@ impl ReplicaSync {
     /// Peer changes refused for an id over [`MAX_SYNC_ID_BYTES`].
     pub fn refused(&self) -> u64 {
         self.refused
+    }
+
+    /// Peer changes dropped for naming a request the peer did not route.
+    pub fn foreign(&self) -> u64 {
+        self.foreign
+    }
+
+    /// Peer sequence numbers not believed (more than [`MAX_SEQ_JUMP`] ahead of the last).
+    pub fn jumps(&self) -> u64 {
+        self.jumps
     }
 }
 
@@ -799,6 +982,183 @@ mod tests {
         s.on_snapshot(Vec::new(), now, |_| false);
         assert_eq!(s.take_fetches(), vec!["r2".to_string()]);
         assert_eq!(s.resyncing(), 1);
+    }
+
+    fn batch(replica_id: &str, changes: Vec<SeqChange>) -> SyncBatch {
+        SyncBatch {
+            replica_id: replica_id.into(),
+            model: "m".into(),
+            changes,
+            instance_id: Uuid::from_u128(7),
+            seq: 5,
+        }
+    }
+
+    fn free(id: &str) -> SeqChange {
+        SeqChange::Free {
+            request_id: id.into(),
+        }
+    }
+
+    #[test]
+    fn a_batch_must_come_from_the_replica_its_subject_names() {
+        let mut o = SyncOrigins::default();
+        // On r2's own subject, in r2's name: accepted, sequence and instance kept.
+        let mut ok = batch("r2", vec![add("r2:a")]);
+        assert_eq!(o.check(Some("r2"), &mut ok), Ok(0));
+        assert_eq!((ok.seq, ok.instance_id), (5, Uuid::from_u128(7)));
+        // On r2's subject in r3's name: refused whole.
+        let mut forged = batch("r3", vec![add("r3:a")]);
+        assert_eq!(
+            o.check(Some("r2"), &mut forged),
+            Err(OriginRefusal::Misattributed {
+                subject: "r2".into(),
+                claimed: "r3".into()
+            })
+        );
+        // r2 may not speak of r1's or r3's requests, nor of ids without an origin.
+        let mut mixed = batch(
+            "r2",
+            vec![
+                free("r1:x"),
+                add("r2:b"),
+                free("r3:y"),
+                free("r2"),
+                free("r22:z"),
+            ],
+        );
+        assert_eq!(o.check(Some("r2"), &mut mixed), Ok(4));
+        assert_eq!(mixed.changes, vec![add("r2:b")]);
+    }
+
+    #[test]
+    fn the_legacy_subject_is_heard_unsequenced_and_never_for_an_upgraded_replica() {
+        let mut o = SyncOrigins::default();
+        let mut old = batch("old", vec![add("old:a"), free("r2:a")]);
+        assert_eq!(o.check(None, &mut old), Ok(1));
+        assert_eq!(old.changes, vec![add("old:a")]);
+        assert_eq!((old.seq, old.instance_id), (0, Uuid::nil()), "unsequenced");
+        // r2 published on its own subject: a legacy batch in its name is not r2's.
+        o.check(Some("r2"), &mut batch("r2", Vec::new())).unwrap();
+        assert_eq!(
+            o.check(None, &mut batch("r2", Vec::new())),
+            Err(OriginRefusal::LegacyFromUpgraded {
+                claimed: "r2".into()
+            })
+        );
+        // Unsequenced, a legacy batch naming a new instance drops nothing, stales nothing.
+        let mut s = ReplicaSync::new("r1", false);
+        let inst = Uuid::from_u128(1);
+        assert_eq!(s.check_seq("old", inst, 1), SeqCheck::InOrder);
+        let mut forged = batch("old", Vec::new());
+        forged.seq = u64::MAX;
+        o.check(None, &mut forged).unwrap();
+        assert_eq!(
+            s.check_seq("old", forged.instance_id, forged.seq),
+            SeqCheck::InOrder,
+            "no restart, no baseline"
+        );
+        assert_eq!(s.check_seq("old", inst, 2), SeqCheck::InOrder);
+    }
+
+    #[test]
+    fn a_peer_batch_applies_only_the_peers_own_requests() {
+        let mut s = ReplicaSync::new("r1", false);
+        let now = Instant::now();
+        let (apply, _) = s.on_peer_batch(
+            "r2",
+            vec![free("r1:mine"), add("r2:a"), add("r3:b"), free("r2:a")],
+            now,
+        );
+        assert_eq!(apply, vec![add("r2:a"), free("r2:a")]);
+        assert_eq!(s.foreign(), 2);
+    }
+
+    #[test]
+    fn a_huge_sequence_jump_is_not_believed_and_the_peers_answer_sets_the_baseline() {
+        let mut s = ReplicaSync::new("r1", false);
+        let now = Instant::now();
+        let inst = Uuid::from_u128(3);
+        assert_eq!(s.check_seq("r2", inst, 1), SeqCheck::InOrder);
+        assert_eq!(s.check_seq("r2", inst, 2), SeqCheck::InOrder);
+        // Forged far ahead: the peer is fetched, its changes held, the baseline unmoved.
+        assert_eq!(
+            s.check_seq("r2", inst, 2 + MAX_SEQ_JUMP + 1),
+            SeqCheck::Unheard
+        );
+        assert_eq!(s.jumps(), 1);
+        s.start_resync("r2");
+        assert_eq!(s.take_fetches(), vec!["r2".to_string()]);
+        assert!(s
+            .on_peer_batch("r2", vec![add("r2:forged")], now)
+            .0
+            .is_empty());
+        // The genuine next batch is still in order.
+        assert_eq!(s.check_seq("r2", inst, 3), SeqCheck::InOrder);
+        s.on_peer_batch("r2", vec![add("r2:real")], now);
+        // r2 answers having published 2: batch 3 (after it) applies, the forged one (held
+        // under the baseline, 2) does not.
+        let out = s.on_resync("r2", Some((2, vec![add("r2:old")])), Vec::new());
+        assert_eq!(
+            out,
+            vec![
+                add("r2:old"),
+                SeqChange::Output {
+                    request_id: "r2:old".into(),
+                    output_blocks: 0
+                },
+                add("r2:real")
+            ]
+        );
+        assert_eq!(s.check_seq("r2", inst, 4), SeqCheck::InOrder);
+        // A baseline far ahead of what the peer says it published (a forged first batch)
+        // is reset by its answer, so its genuine batches are not stale for good.
+        let mut s = ReplicaSync::new("r1", false);
+        assert_eq!(s.check_seq("r3", inst, u64::MAX - 5), SeqCheck::Unheard);
+        s.start_resync("r3");
+        s.on_resync("r3", Some((10, Vec::new())), Vec::new());
+        assert_eq!(s.check_seq("r3", inst, 11), SeqCheck::InOrder);
+        // Without an answer nothing is reset (nobody vouched for anything), but a run of
+        // stale batches is doubted: the peer is fetched again and its answer believed.
+        let mut s = ReplicaSync::new("r1", false);
+        s.check_seq("r3", inst, 1000);
+        s.start_resync("r3");
+        s.on_resync("r3", None, Vec::new());
+        for seq in 11..10 + u64::from(MAX_STALE_RUN) {
+            assert_eq!(s.check_seq("r3", inst, seq), SeqCheck::Stale);
+        }
+        let doubted = 10 + u64::from(MAX_STALE_RUN);
+        assert_eq!(s.check_seq("r3", inst, doubted), SeqCheck::Unheard);
+        s.start_resync("r3");
+        s.on_resync("r3", Some((doubted, Vec::new())), Vec::new());
+        assert_eq!(s.check_seq("r3", inst, doubted + 1), SeqCheck::InOrder);
+        // A genuine duplicate now and then stays just stale.
+        assert_eq!(s.check_seq("r3", inst, doubted + 1), SeqCheck::Stale);
+        assert_eq!(s.check_seq("r3", inst, doubted + 2), SeqCheck::InOrder);
+    }
+
+    #[test]
+    fn a_snapshot_is_checked_with_each_origin() {
+        let mut s = ReplicaSync::new("r3", true);
+        let t0 = Instant::now();
+        // Any caught-up peer answers; it claims requests of r1 and r2 (and of r1 again).
+        let snapshot = vec![add("r1:x"), add("r2:y"), add("r1:z"), add("r3:gone")];
+        let out = s.on_snapshot(snapshot, t0, |_| false);
+        assert_eq!(out, vec![add("r1:x"), add("r2:y"), add("r1:z")]);
+        assert_eq!(s.take_fetches(), vec!["r1".to_string(), "r2".to_string()]);
+        // r1 holds only x: z, which the snapshot claimed, goes.
+        let out = s.on_resync(
+            "r1",
+            Some((4, vec![add("r1:x")])),
+            vec!["r1:x".into(), "r1:z".into()],
+        );
+        assert_eq!(out[0], free("r1:z"));
+        // r2 does not answer (gone, or never was): its entries wait for the lease.
+        assert!(s.on_resync("r2", None, vec!["r2:y".into()]).is_empty());
+        assert_eq!(
+            s.expire_peers(t0 + PEER_LEASE),
+            vec!["r1".to_string(), "r2".to_string()]
+        );
     }
 
     #[test]

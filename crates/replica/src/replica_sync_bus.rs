@@ -1,10 +1,11 @@
-//! Replica sync on the bus: publishing this replica's active-sequence changes (numbered, so
-//! peers notice a lost batch), applying the peers', the catch-up snapshot a joining replica
+//! Replica sync on the bus: publishing this replica's active-sequence changes on its own
+//! subject (numbered, so peers notice a lost batch), applying the peers' (once their subject
+//! vouches for their origin, see [`SyncOrigins`]), the catch-up snapshot a joining replica
 //! asks a peer for, and a peer's own requests fetched again after a lost batch.
 
-use crate::replica_sync::MAX_CATCH_UP_BYTES;
+use crate::metrics::SubjectLabels;
+use crate::replica_sync::{SyncOrigins, MAX_CATCH_UP_BYTES};
 use crate::scheduler_actor::SchedulerMsg;
-use crate::serve::forward;
 use crate::state::ReplicaShared;
 use bytes::Bytes;
 use kvrouter_bus::{Bus, BusError, Subscription};
@@ -15,13 +16,11 @@ use kvrouter_protocol::{
 use ractor::ActorRef;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-/// Queue group of the catch-up responders (replicas already caught up).
-const SYNC_STATE_GROUP: &str = "kvrouter-sync";
 /// How long a catch-up stream may stay silent.
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -102,21 +101,105 @@ fn chunks(changes: Vec<SeqChange>, max_payload: usize) -> Vec<Vec<SeqChange>> {
     out
 }
 
-/// Hands every peer batch to its model's scheduler actor (through its [`PeerInbox`](crate::scheduler_actor::PeerInbox)).
-pub fn spawn_peer_listener(shared: Arc<ReplicaShared>, sub: Subscription) -> JoinHandle<()> {
-    let metrics = shared.metrics.clone();
-    forward(sub, metrics, "sync", move |batch: SyncBatch| {
-        if batch.replica_id == shared.replica_id {
-            return;
+/// How often the listener may warn about refused sync batches.
+const REFUSAL_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Hands every peer batch to its model's scheduler actor (through its
+/// [`PeerInbox`](crate::scheduler_actor::PeerInbox)), once [`SyncOrigins`] accepts where it
+/// came from: `own` is the subscription to every replica's own sync subject, `legacy` to the
+/// previous release's shared one. Refused batches and changes are counted in
+/// `kvrouter_misattributed_messages_total{subject="sync"|"sync_change"}` and logged at most
+/// every 10 s.
+pub fn spawn_peer_listener(
+    shared: Arc<ReplicaShared>,
+    subjects: Subjects,
+    own: Subscription,
+    legacy: Subscription,
+) -> JoinHandle<()> {
+    let origins = Arc::new(parking_lot::Mutex::new(SyncOrigins::default()));
+    let tasks = [own, legacy].map(|sub| {
+        let listener = PeerListener {
+            shared: shared.clone(),
+            subjects: subjects.clone(),
+            origins: origins.clone(),
+            last_warn: None,
+        };
+        tokio::spawn(listener.run(sub))
+    });
+    tokio::spawn(async move {
+        for t in tasks {
+            let _ = t.await;
         }
-        if let Some(m) = shared.models.get(&batch.model) {
-            if let Some(inbox) = &m.peer_inbox {
-                if inbox.push(batch) {
-                    let _ = m.scheduler.send_message(SchedulerMsg::PeerBatches);
+    })
+}
+
+struct PeerListener {
+    shared: Arc<ReplicaShared>,
+    subjects: Subjects,
+    origins: Arc<parking_lot::Mutex<SyncOrigins>>,
+    last_warn: Option<Instant>,
+}
+
+impl PeerListener {
+    async fn run(mut self, mut sub: Subscription) {
+        while let Some(msg) = sub.next().await {
+            let Some(sender) = self.subjects.sync_sender(&msg.subject) else {
+                continue;
+            };
+            let mut batch = match decode::<SyncBatch>(&msg.payload) {
+                Ok(b) => b,
+                Err(e) => {
+                    self.shared.metrics.undecodable("sync");
+                    if self.warn_now() {
+                        tracing::warn!(subject = %msg.subject, error = %e, "undecodable replica-sync batch dropped");
+                    }
+                    continue;
+                }
+            };
+            let checked = self.origins.lock().check(sender, &mut batch);
+            match checked {
+                Ok(0) => {}
+                Ok(foreign) => {
+                    let m = &self.shared.metrics;
+                    m.misattributed
+                        .get_or_create(&SubjectLabels {
+                            subject: "sync_change",
+                        })
+                        .inc_by(foreign as u64);
+                    if self.warn_now() {
+                        tracing::warn!(subject = %msg.subject, peer = %batch.replica_id, foreign, "replica-sync changes to requests the peer did not route dropped (a replica speaking for another's requests: check the bus credentials)");
+                    }
+                }
+                Err(refusal) => {
+                    self.shared.metrics.misattributed("sync");
+                    if self.warn_now() {
+                        tracing::warn!(subject = %msg.subject, %refusal, "replica-sync batch dropped (a replica speaking for another: check the bus credentials)");
+                    }
+                    continue;
+                }
+            }
+            if batch.replica_id == self.shared.replica_id {
+                continue; // our own, echoed
+            }
+            if let Some(m) = self.shared.models.get(&batch.model) {
+                if let Some(inbox) = &m.peer_inbox {
+                    if inbox.push(batch) {
+                        let _ = m.scheduler.send_message(SchedulerMsg::PeerBatches);
+                    }
                 }
             }
         }
-    })
+    }
+
+    fn warn_now(&mut self) -> bool {
+        let due = self
+            .last_warn
+            .is_none_or(|t| t.elapsed() >= REFUSAL_WARN_EVERY);
+        if due {
+            self.last_warn = Some(Instant::now());
+        }
+        due
+    }
 }
 
 /// Once every model's ranks are synced, asks a peer for the active sequences it knows, then
@@ -140,7 +223,10 @@ pub fn spawn_catch_up(shared: Arc<ReplicaShared>, subjects: Subjects) -> JoinHan
         shared.sync_caught_up.store(true, Ordering::Relaxed);
         let sub = match shared
             .bus
-            .queue_subscribe(&subjects.sync_state(), SYNC_STATE_GROUP)
+            .queue_subscribe(
+                &subjects.sync_state(),
+                kvrouter_protocol::subjects::SYNC_QUEUE_GROUP,
+            )
             .await
         {
             Ok(s) => s,
@@ -215,7 +301,7 @@ pub fn spawn_resync(
                 replica_id: replica_id.clone(),
                 model: model.clone(),
             };
-            let answer = match fetch_changes(&bus, &subjects.sync_own(&peer), &req).await {
+            let answer = match fetch_changes(&bus, &subjects.sync_own(&peer), &peer, &req).await {
                 Ok(changes) => Some(changes),
                 Err(e) => {
                     tracing::warn!(model, peer, reason = %e, "cannot fetch a peer's active sequences again; its later changes still apply");
@@ -232,6 +318,7 @@ pub fn spawn_resync(
 async fn fetch_changes(
     bus: &Bus,
     subject: &str,
+    peer: &str,
     req: &SyncStateRequest,
 ) -> Result<(u64, Vec<SeqChange>), String> {
     let payload = encode(req).map_err(|e| e.to_string())?;
@@ -249,6 +336,13 @@ async fn fetch_changes(
             ));
         }
         let batch = decode::<SyncBatch>(&bytes).map_err(|e| e.to_string())?;
+        if batch.replica_id != peer {
+            return Err(format!(
+                "the answer came from replica {:?}, not the one asked (check the bus credentials: \
+                 only a replica's own may read its subjects)",
+                batch.replica_id
+            ));
+        }
         covered = covered.max(batch.seq);
         out.extend(batch.changes);
     }

@@ -2,3 +2,4 @@
 
 mod bounded;
 mod conformance;
+mod nkey;

@@ -733,7 +733,7 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     .await;
     // Learn a's instance and sequence from one of its (idle) heartbeats...
     let subjects = Subjects::new("kvrouter").unwrap();
-    let mut sync = bus.subscribe(&subjects.sync()).await.unwrap();
+    let mut sync = bus.subscribe(&subjects.sync_of(&a_id)).await.unwrap();
     let last = loop {
         let msg = tokio::time::timeout(Duration::from_secs(3), sync.next())
             .await
@@ -760,7 +760,7 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     };
     let publish = |batch: SyncBatch| {
         let bus = bus.clone();
-        let subject = subjects.sync();
+        let subject = subjects.sync_of(&a_id);
         async move {
             bus.publish(&subject, Bytes::from(encode(&batch).unwrap()))
                 .await
@@ -774,6 +774,102 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
     publish(forged(last.seq + 4, Vec::new())).await;
     eventually("b fetched a's requests and dropped the ghost", || {
         active(&b) == 6 && gauge_sum(&b, "kvrouter_replica_sync_batches_lost_total") >= 2
+    })
+    .await;
+    for r in [a, b] {
+        r.shutdown().await;
+    }
+    fleet.shutdown().await.unwrap();
+}
+
+/// Where a sync batch may come from: one on another replica's subject, one freeing another
+/// replica's requests, and one on the previous release's shared subject in an upgraded
+/// replica's name are dropped and counted; a previous-release replica's batches on the shared
+/// subject still apply, unsequenced (a huge number from it makes nothing stale).
+#[tokio::test(start_paused = true)]
+async fn sync_batches_count_only_from_their_own_subject_and_for_their_own_requests() {
+    let bus = Bus::local();
+    let fleet = MockerFleet::start(bus.clone(), fleet_config(2, 1, 256))
+        .await
+        .unwrap();
+    let (a, b) = (synced(&bus).await, synced(&bus).await);
+    let (a_id, b_id) = (a.shared().replica_id.clone(), b.shared().replica_id.clone());
+    let client = KvRouterClient::new(bus.clone(), "kvrouter").unwrap();
+    // Route until b holds a request of its own (the queue group picks the replica).
+    let mut b_routed = None;
+    let mut routed = 0;
+    while b_routed.is_none() {
+        assert!(routed < 64, "b never got a route");
+        let id = format!("q{routed}");
+        let req = booked_request(&id, shared_prefix_prompt(routed, routed, 2));
+        let decision = client.route(&req).await.unwrap();
+        routed += 1;
+        if decision.replica_id == b_id {
+            b_routed = Some(format!("{b_id}:{id}"));
+        }
+    }
+    let b_routed = b_routed.unwrap();
+    let routed = i64::from(routed);
+    let active = |r: &Replica| gauge_sum(r, "kvrouter_worker_active_requests");
+    eventually("both see every request", || {
+        active(&a) == routed && active(&b) == routed
+    })
+    .await;
+    let subjects = Subjects::new("kvrouter").unwrap();
+    let batch = |replica_id: &str, changes: Vec<SeqChange>| SyncBatch {
+        replica_id: replica_id.into(),
+        model: MODEL.into(),
+        changes,
+        instance_id: uuid::Uuid::new_v4(),
+        seq: 1,
+    };
+    let free = |id: &str| SeqChange::Free {
+        request_id: id.into(),
+    };
+    let add = |id: &str| SeqChange::Add {
+        request_id: id.into(),
+        key: WorkerKey::new(10, 0),
+        sequence_hashes: vec![SequenceHash(77)],
+        prefill_tokens: 16,
+        output_blocks: 0,
+    };
+    let publish = |subject: String, batch: SyncBatch| {
+        let bus = bus.clone();
+        async move {
+            bus.publish(&subject, Bytes::from(encode(&batch).unwrap()))
+                .await
+                .unwrap()
+        }
+    };
+    let counted = |r: &Replica, subject: &str| {
+        gauge_sum(
+            r,
+            &format!("kvrouter_misattributed_messages_total{{subject=\"{subject}\"}}"),
+        )
+    };
+    // On a's subject in b's name (and in a's name, freeing b's request: a may speak only of
+    // its own requests).
+    publish(subjects.sync_of(&a_id), batch(&b_id, vec![free(&b_routed)])).await;
+    publish(subjects.sync_of(&a_id), batch(&a_id, vec![free(&b_routed)])).await;
+    // On the shared legacy subject in a's name (a publishes on its own subject), with a new
+    // instance that would otherwise drop every request of a's.
+    publish(subjects.legacy_sync(), batch(&a_id, Vec::new())).await;
+    eventually("b counted all three", || {
+        counted(&b, "sync") == 2 && counted(&b, "sync_change") == 1
+    })
+    .await;
+    assert_eq!(
+        active(&b),
+        routed,
+        "nothing of b's was freed, nothing of a's dropped"
+    );
+    // A previous-release replica on the shared subject is still heard, whatever its numbers.
+    let mut old = batch("old", vec![add("old:x")]);
+    old.seq = u64::MAX - 1;
+    publish(subjects.legacy_sync(), old).await;
+    publish(subjects.legacy_sync(), batch("old", vec![add("old:y")])).await;
+    eventually("both of old's batches apply", || {
+        active(&a) == routed + 2 && active(&b) == routed + 2
     })
     .await;
     for r in [a, b] {

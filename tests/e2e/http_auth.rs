@@ -118,7 +118,7 @@ fn bearer(token: &str) -> Caller<'_> {
     }
 }
 
-fn route_body(seed: u32) -> Value {
+fn routed_prompt(seed: u32) -> Value {
     json!({ "model": MODEL, "tokens": tokens(seed, 2) })
 }
 
@@ -166,7 +166,7 @@ fn bearer_tokens_open_only_the_doors_their_scopes_name() {
     assert_eq!(call(&anyone, "GET", admin, "/metrics", None).status, 200);
 
     // No token, a wrong one: 401 with the challenge, nothing routed.
-    let none = call(&anyone, "POST", api, "/v1/route", Some(&route_body(1)));
+    let none = call(&anyone, "POST", api, "/v1/route", Some(&routed_prompt(1)));
     assert_eq!(
         none.error(),
         (401, "unauthenticated".into()),
@@ -190,7 +190,7 @@ fn bearer_tokens_open_only_the_doors_their_scopes_name() {
     // A route-only token routes and lists workers; it may not end the request or read the
     // index.
     let route_only = bearer(ROUTE_ONLY);
-    let r = call(&route_only, "POST", api, "/v1/route", Some(&route_body(1)));
+    let r = call(&route_only, "POST", api, "/v1/route", Some(&routed_prompt(1)));
     assert_eq!(r.status, 200, "{}", r.body);
     let id = r.json()["request_id"].as_str().expect("an id").to_string();
     assert_eq!(
@@ -210,7 +210,7 @@ fn bearer_tokens_open_only_the_doors_their_scopes_name() {
     let page = call(&debug, "GET", admin, &rank_page(), None);
     assert_eq!(page.status, 200, "{}", page.body);
     assert!(page.json()["blocks"].is_array(), "{}", page.body);
-    let p = call(&debug, "POST", api, "/v1/route", Some(&route_body(2)));
+    let p = call(&debug, "POST", api, "/v1/route", Some(&routed_prompt(2)));
     assert_eq!(p.error(), (403, "forbidden".into()));
     assert_eq!(call(&anyone, "GET", admin, &rank_page(), None).status, 401);
 
@@ -252,7 +252,9 @@ fn bad_credentials_stop_the_start_with_a_clear_error() {
     let scope = write("scope", &format!("{ROUTE_ONLY} route,admin\n"));
     // Refused before any connection: no nats-server needed.
     let base = ["serve", "--nats", "nats://127.0.0.1:1", "--model", MODEL];
-    let cases: [(&[&str], &[(&str, &str)], &str); 9] = [
+    // (flags, environment, what stderr says)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 9] = [
         (&["--http-tokens-file", &empty], &[], "holds no token"),
         (
             &["--http-tokens-file", &short],
@@ -419,7 +421,7 @@ fn mtls_refuses_clients_without_a_certificate_and_certificates_stand_for_their_s
     }
 
     // The peer's certificate stands for route and lease.
-    let r = call(&peer, "POST", admin, "/v1/route", Some(&route_body(1)));
+    let r = call(&peer, "POST", admin, "/v1/route", Some(&routed_prompt(1)));
     assert_eq!(r.status, 200, "{}", r.body);
     let id = r.json()["request_id"].as_str().expect("an id").to_string();
     let f = call(
@@ -441,7 +443,7 @@ fn mtls_refuses_clients_without_a_certificate_and_certificates_stand_for_their_s
         ..peer
     };
     assert_eq!(call(&oncall, "GET", admin, &rank_page(), None).status, 200);
-    let p = call(&oncall, "POST", admin, "/v1/route", Some(&route_body(2)));
+    let p = call(&oncall, "POST", admin, "/v1/route", Some(&routed_prompt(2)));
     assert_eq!(p.error(), (403, "forbidden".into()));
 
     let metrics = call(&oncall, "GET", admin, "/metrics", None).body;

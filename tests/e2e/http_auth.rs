@@ -190,7 +190,13 @@ fn bearer_tokens_open_only_the_doors_their_scopes_name() {
     // A route-only token routes and lists workers; it may not end the request or read the
     // index.
     let route_only = bearer(ROUTE_ONLY);
-    let r = call(&route_only, "POST", api, "/v1/route", Some(&routed_prompt(1)));
+    let r = call(
+        &route_only,
+        "POST",
+        api,
+        "/v1/route",
+        Some(&routed_prompt(1)),
+    );
     assert_eq!(r.status, 200, "{}", r.body);
     let id = r.json()["request_id"].as_str().expect("an id").to_string();
     assert_eq!(

@@ -100,7 +100,7 @@ pub struct HttpStats {
     pub tls_failed: AtomicU64,
     /// Whether calls are authenticated, and the calls refused, by [`Refusal::index`].
     pub auth: bool,
-    pub auth_refused: [AtomicU64; 4],
+    pub auth_refused: [AtomicU64; Refusal::REASONS.len()],
 }
 
 impl HttpStats {

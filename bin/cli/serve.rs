@@ -18,6 +18,8 @@ pub struct ServeArgs {
     nats: NatsArgs,
     #[command(flatten)]
     http: super::http_args::HttpArgs,
+    #[command(flatten)]
+    http_auth: super::http_args::HttpAuthArgs,
     /// Model to serve (repeat, or comma-separate in the environment variable).
     #[arg(
         long = "model",
@@ -227,7 +229,10 @@ impl ServeArgs {
             index_shards: self.index_shards,
             drain_timeout: secs("drain-timeout-secs", self.drain_timeout_secs)?,
             admin_addr: self.admin_addr,
-            http_limits: self.http.limits()?,
+            http_limits: kvrouter_admin::HttpLimits {
+                auth: self.http_auth.auth(&self.http)?,
+                ..self.http.limits()?
+            },
             http_addr: self.http_addr,
             index,
             sync: self
@@ -254,6 +259,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     renamed_env::log_warnings();
     let mut config = args.config()?;
     config.validate()?;
+    let doors: Vec<SocketAddr> = config
+        .admin_addr
+        .into_iter()
+        .chain(config.http_addr)
+        .collect();
+    super::http_args::log_doors(&config.http_limits.auth, &args.http, &doors);
     let mut life = Lifecycle::install("serve", config.drain_timeout)?;
     // The replica drains in-flight requests for what is left once the final bus work is
     // set aside, so the whole shutdown fits --drain-timeout-secs.

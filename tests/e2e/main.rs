@@ -8,6 +8,7 @@ mod bridge;
 mod disagg;
 mod emulate;
 mod frontend;
+mod http_auth;
 mod indexer;
 mod leases;
 mod lifecycle;

@@ -6,6 +6,8 @@
 //! bridge's admin port, the mocker's emulated engine) serves through [`HttpServer`], so a
 //! slow or half-open client costs a connection slot for a bounded time and nothing more.
 
+use crate::auth::{HttpAuth, Refusal, VerifiedClientCert};
+use crate::tls::ServerTls;
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -21,11 +23,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Sleep;
 
-/// The bounds on one listener's connections.
+/// The bounds on one listener's connections, and who may connect (TLS) and call (tokens).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HttpLimits {
     /// From a request head's first byte to its end.
@@ -39,6 +41,13 @@ pub struct HttpLimits {
     pub max_connections: usize,
     /// Largest request head (request line and headers); a longer one is answered 431.
     pub max_header_bytes: usize,
+    /// HTTPS (and mTLS) instead of plain HTTP. The handshake must end within
+    /// `header_timeout`, and holds a connection slot meanwhile.
+    pub tls: Option<ServerTls>,
+    /// Who may call what: checked by the admin endpoint ([`crate::serve`]) on its API,
+    /// debug and (on request) metrics paths, and by any handler that asks
+    /// ([`HttpAuth::check`]). Open by default.
+    pub auth: HttpAuth,
 }
 
 impl Default for HttpLimits {
@@ -49,6 +58,8 @@ impl Default for HttpLimits {
             idle_timeout: Duration::from_secs(60),
             max_connections: 4096,
             max_header_bytes: 64 << 10,
+            tls: None,
+            auth: HttpAuth::open(),
         }
     }
 }
@@ -80,8 +91,32 @@ pub struct HttpStats {
     pub open: AtomicUsize,
     /// Connections refused at the cap.
     pub refused: AtomicU64,
-    /// Connections closed because a client was too slow (head, idle or stalled write).
+    /// Connections closed because a client was too slow (head, idle, stalled write or TLS
+    /// handshake).
     pub timed_out: AtomicU64,
+    /// Whether the listener serves TLS, and its failed handshakes (no or a bad client
+    /// certificate, not TLS at all ...).
+    pub tls: bool,
+    pub tls_failed: AtomicU64,
+    /// Whether calls are authenticated, and the calls refused, by [`Refusal::index`].
+    pub auth: bool,
+    pub auth_refused: [AtomicU64; Refusal::REASONS.len()],
+}
+
+impl HttpStats {
+    /// The counts of a listener served within `limits`.
+    pub fn for_limits(limits: &HttpLimits) -> Self {
+        Self {
+            tls: limits.tls.is_some(),
+            auth: !limits.auth.is_open(),
+            ..Self::default()
+        }
+    }
+
+    /// Counts a refused call.
+    pub fn refused_call(&self, why: Refusal) {
+        self.auth_refused[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// The connection counts of `listeners` (each named by its address) as OpenMetrics
@@ -130,6 +165,37 @@ pub fn append_http_stats(
                 "{prefix}_http_{name}{suffix}{{listener=\"{addr}\"}} {}",
                 value(stats)
             );
+        }
+    }
+    let tls: Vec<_> = listeners.iter().filter(|(_, s)| s.tls).collect();
+    if !tls.is_empty() {
+        let name = format!("{prefix}_http_tls_handshakes_failed");
+        let _ = writeln!(
+            text,
+            "# HELP {name} TLS handshakes that failed (no or an unverified client certificate, not TLS, ...)."
+        );
+        let _ = writeln!(text, "# TYPE {name} counter");
+        for (addr, stats) in tls {
+            let n = stats.tls_failed.load(Ordering::Relaxed);
+            let _ = writeln!(text, "{name}_total{{listener=\"{addr}\"}} {n}");
+        }
+    }
+    let auth: Vec<_> = listeners.iter().filter(|(_, s)| s.auth).collect();
+    if !auth.is_empty() {
+        let name = format!("{prefix}_http_auth_refused");
+        let _ = writeln!(
+            text,
+            "# HELP {name} Calls refused for their credentials (401 missing, malformed or invalid_token; 403 insufficient_scope)."
+        );
+        let _ = writeln!(text, "# TYPE {name} counter");
+        for (addr, stats) in auth {
+            for (reason, n) in Refusal::REASONS.iter().zip(&stats.auth_refused) {
+                let n = n.load(Ordering::Relaxed);
+                let _ = writeln!(
+                    text,
+                    "{name}_total{{listener=\"{addr}\",reason=\"{reason}\"}} {n}"
+                );
+            }
         }
     }
     text.push_str(&tail);
@@ -273,7 +339,9 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
-    /// Serves `listener`; `handle` answers each request (`name` is for logs).
+    /// Serves `listener`; `handle` answers each request (`name` is for logs). A request
+    /// that came over a connection with a verified client certificate carries
+    /// [`VerifiedClientCert`] in its extensions.
     pub fn start<H, F, B>(
         listener: TcpListener,
         limits: HttpLimits,
@@ -286,8 +354,26 @@ impl HttpServer {
         B: Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
+        let stats = Arc::new(HttpStats::for_limits(&limits));
+        Self::start_with_stats(listener, limits, name, stats, handle)
+    }
+
+    /// [`HttpServer::start`] counting into `stats`, which the handler may hold too (to count
+    /// the calls it refuses, [`HttpStats::refused_call`]).
+    pub fn start_with_stats<H, F, B>(
+        listener: TcpListener,
+        limits: HttpLimits,
+        name: &'static str,
+        stats: Arc<HttpStats>,
+        handle: H,
+    ) -> io::Result<Self>
+    where
+        H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = Response<B>> + Send + 'static,
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let addr = listener.local_addr()?;
-        let stats = Arc::new(HttpStats::default());
         let connections = Arc::new(Mutex::new(JoinSet::new()));
         let accept = tokio::spawn(accept_loop(
             listener,
@@ -384,8 +470,8 @@ async fn accept_loop<H, F, B>(
         last: Mutex::new(None),
     };
     loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
             Err(e) => {
                 // Out of file descriptors, typically: wait for some to close.
                 if warn.due() {
@@ -404,8 +490,11 @@ async fn accept_loop<H, F, B>(
                     "connection cap reached: refusing new connections (503)"
                 );
             }
-            // Best effort and never waiting: the socket buffer takes it or it is dropped.
-            let _ = stream.try_write(REFUSED);
+            // Best effort and never waiting: the socket buffer takes it or it is dropped. A
+            // TLS client could not read it.
+            if limits.tls.is_none() {
+                let _ = stream.try_write(REFUSED);
+            }
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -421,27 +510,75 @@ async fn accept_loop<H, F, B>(
             let _open = OnDrop(|| {
                 stats.open.fetch_sub(1, Ordering::Relaxed);
             });
-            let busy = Arc::new(InFlight::default());
-            let io = Guarded::new(stream, busy.clone(), &limits, stats.clone());
-            let service = hyper::service::service_fn(move |req| {
-                let guard = Busy::enter(&busy);
-                let answer = handle(req);
-                async move {
-                    let res = answer.await;
-                    Ok::<_, std::convert::Infallible>(res.map(|body| Tracked {
-                        body,
-                        _guard: guard,
-                    }))
+            let Some(tls) = limits.tls.clone() else {
+                return serve_connection(stream, false, &limits, name, handle, stats.clone()).await;
+            };
+            // A slow handshake is a slow request head: the same bound, the same slot.
+            let handshake = tls.acceptor().accept(stream);
+            match tokio::time::timeout(limits.header_timeout, handshake).await {
+                Ok(Ok(s)) => {
+                    let cert = s
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .is_some_and(|c| !c.is_empty());
+                    serve_connection(s, cert, &limits, name, handle, stats.clone()).await
                 }
-            });
-            let served = hyper::server::conn::http1::Builder::new()
-                .max_buf_size(limits.max_header_bytes.max(8192))
-                .serve_connection(TokioIo::new(io), service)
-                .await;
-            if let Err(e) = served {
-                tracing::debug!(listener = name, error = %e, "connection ended with an error");
+                Ok(Err(e)) => {
+                    stats.tls_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(listener = name, %peer, error = %e, "TLS handshake failed");
+                }
+                Err(_) => {
+                    stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(
+                        listener = name,
+                        %peer,
+                        timeout = ?limits.header_timeout,
+                        "TLS handshake did not end in time"
+                    );
+                }
             }
         });
+    }
+}
+
+/// Serves HTTP/1 on one accepted (and, with TLS, handshaken) connection.
+async fn serve_connection<S, H, F, B>(
+    stream: S,
+    client_cert: bool,
+    limits: &HttpLimits,
+    name: &'static str,
+    handle: H,
+    stats: Arc<HttpStats>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let busy = Arc::new(InFlight::default());
+    let io = Guarded::new(stream, busy.clone(), limits, stats);
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        if client_cert {
+            req.extensions_mut().insert(VerifiedClientCert);
+        }
+        let guard = Busy::enter(&busy);
+        let answer = handle(req);
+        async move {
+            let res = answer.await;
+            Ok::<_, std::convert::Infallible>(res.map(|body| Tracked {
+                body,
+                _guard: guard,
+            }))
+        }
+    });
+    let served = hyper::server::conn::http1::Builder::new()
+        .max_buf_size(limits.max_header_bytes.max(8192))
+        .serve_connection(TokioIo::new(io), service)
+        .await;
+    if let Err(e) = served {
+        tracing::debug!(listener = name, error = %e, "connection ended with an error");
     }
 }
 
@@ -520,8 +657,8 @@ enum Phase {
 
 /// The client's socket, with the read and write deadlines of [`HttpLimits`]: a deadline
 /// passed is an `io::ErrorKind::TimedOut` error, on which hyper closes the connection.
-struct Guarded {
-    stream: TcpStream,
+struct Guarded<S> {
+    stream: S,
     busy: Arc<InFlight>,
     phase: Phase,
     header_timeout: Duration,
@@ -532,13 +669,8 @@ struct Guarded {
     timed_out: bool,
 }
 
-impl Guarded {
-    fn new(
-        stream: TcpStream,
-        busy: Arc<InFlight>,
-        limits: &HttpLimits,
-        stats: Arc<HttpStats>,
-    ) -> Self {
+impl<S> Guarded<S> {
+    fn new(stream: S, busy: Arc<InFlight>, limits: &HttpLimits, stats: Arc<HttpStats>) -> Self {
         Self {
             stream,
             busy,
@@ -565,7 +697,7 @@ impl Guarded {
     }
 }
 
-impl AsyncRead for Guarded {
+impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -613,12 +745,12 @@ impl AsyncRead for Guarded {
     }
 }
 
-impl Guarded {
+impl<S: Unpin> Guarded<S> {
     /// Runs the write deadline around one write-side poll.
     fn write_side<T>(
         &mut self,
         cx: &mut Context<'_>,
-        poll: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<T>>,
+        poll: impl FnOnce(Pin<&mut S>, &mut Context<'_>) -> Poll<io::Result<T>>,
     ) -> Poll<io::Result<T>> {
         match poll(Pin::new(&mut self.stream), cx) {
             Poll::Ready(r) => {
@@ -639,7 +771,7 @@ impl Guarded {
     }
 }
 
-impl AsyncWrite for Guarded {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -682,6 +814,7 @@ mod tests {
             idle_timeout: Duration::from_millis(600),
             max_connections: 4,
             max_header_bytes: 4096,
+            ..HttpLimits::default()
         }
     }
 
@@ -886,5 +1019,166 @@ mod tests {
             zero.validate().unwrap_err(),
             "the HTTP idle timeout must be above zero"
         );
+    }
+
+    mod tls {
+        use super::*;
+        use crate::tls::{ServerTls, TlsFiles};
+        use kvrouter_testkit::TestCerts;
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        /// An mTLS server whose handler says whether the request came with a verified client
+        /// certificate.
+        async fn server(certs: &TestCerts) -> HttpServer {
+            let tls = ServerTls::load(&TlsFiles {
+                cert: certs.server_cert.clone(),
+                key: certs.server_key.clone(),
+                client_ca: Some(certs.ca.clone()),
+            })
+            .unwrap();
+            assert!(tls.requires_client_cert());
+            // A long idle timeout: only the header timeout (300 ms) can cut a handshake.
+            let limits = HttpLimits {
+                tls: Some(tls),
+                idle_timeout: Duration::from_secs(20),
+                ..limits()
+            };
+            HttpServer::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                limits,
+                "test",
+                |req| async move {
+                    let who = match req.extensions().get::<VerifiedClientCert>() {
+                        Some(_) => "verified",
+                        None => "anonymous",
+                    };
+                    Response::new(Full::new(Bytes::from(who)))
+                },
+            )
+            .await
+            .unwrap()
+        }
+
+        /// `GET /` over TLS trusting `certs.ca`, with a client certificate (cert, key) or
+        /// none: the answer, or the error that ended it.
+        async fn get(
+            addr: SocketAddr,
+            certs: &TestCerts,
+            client: Option<(&std::path::Path, &std::path::Path)>,
+        ) -> Result<String, String> {
+            let mut roots = rustls::RootCertStore::empty();
+            roots
+                .add(CertificateDer::from_pem_file(&certs.ca).unwrap())
+                .unwrap();
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let builder = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots);
+            let config = match client {
+                Some((cert, key)) => builder
+                    .with_client_auth_cert(
+                        vec![CertificateDer::from_pem_file(cert).unwrap()],
+                        PrivateKeyDer::from_pem_file(key).unwrap(),
+                    )
+                    .unwrap(),
+                None => builder.with_no_client_auth(),
+            };
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+            let name = ServerName::try_from("localhost").unwrap();
+            let mut s = connector
+                .connect(name, tcp)
+                .await
+                .map_err(|e| e.to_string())?;
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            s.read_to_end(&mut out).await.map_err(|e| e.to_string())?;
+            Ok(String::from_utf8_lossy(&out).to_string())
+        }
+
+        #[tokio::test]
+        async fn mtls_admits_only_clients_with_a_certificate_from_the_ca() {
+            let dir = tempfile::tempdir().unwrap();
+            let certs = TestCerts::generate(dir.path()).unwrap();
+            let srv = server(&certs).await;
+            let ok = get(
+                srv.addr,
+                &certs,
+                Some((&certs.client_cert, &certs.client_key)),
+            )
+            .await
+            .unwrap();
+            assert!(
+                ok.starts_with("HTTP/1.1 200") && ok.ends_with("verified"),
+                "{ok}"
+            );
+            // No certificate, or one from another CA: no answer (TLS 1.3 tells the client
+            // after its handshake, on its first read).
+            let none = get(srv.addr, &certs, None).await;
+            assert!(none.is_err(), "{none:?}");
+            let stranger = get(
+                srv.addr,
+                &certs,
+                Some((&certs.stranger_cert, &certs.stranger_key)),
+            )
+            .await;
+            assert!(stranger.is_err(), "{stranger:?}");
+            // Plain HTTP on the TLS port: refused too.
+            let plain = blocking(move || {
+                let mut s = connect(srv.addr);
+                let _ = s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+                read_to_close(s)
+            })
+            .await;
+            assert!(!plain.contains("200"), "{plain}");
+            let failed = srv.stats.tls_failed.load(Ordering::Relaxed);
+            assert_eq!(failed, 3, "each failed handshake is counted");
+            let text = append_http_stats(
+                "# EOF\n".into(),
+                "kvrouter",
+                &[(srv.addr, srv.stats.clone())],
+            );
+            assert!(
+                text.contains(&format!(
+                    "kvrouter_http_tls_handshakes_failed_total{{listener=\"{}\"}} 3",
+                    srv.addr
+                )),
+                "{text}"
+            );
+        }
+
+        #[tokio::test]
+        async fn a_handshake_that_never_ends_is_cut_at_the_header_timeout() {
+            let dir = tempfile::tempdir().unwrap();
+            let certs = TestCerts::generate(dir.path()).unwrap();
+            let srv = server(&certs).await;
+            let addr = srv.addr;
+            let (silent, partial, took) = blocking(move || {
+                let started = Instant::now();
+                let silent = connect(addr);
+                let mut partial = connect(addr);
+                // The first bytes of a ClientHello, then nothing.
+                partial
+                    .write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01])
+                    .unwrap();
+                let out = (read_to_close(silent), read_to_close(partial));
+                (out.0, out.1, started.elapsed())
+            })
+            .await;
+            assert_eq!((silent.as_str(), partial.as_str()), ("", ""));
+            // The header timeout (300 ms) cut them, not the idle timeout (20 s).
+            assert!(took < Duration::from_secs(10), "{took:?}");
+            assert_eq!(srv.stats.timed_out.load(Ordering::Relaxed), 2);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while srv.stats.open.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(srv.stats.open.load(Ordering::Relaxed), 0, "slots freed");
+        }
     }
 }

@@ -3,8 +3,18 @@
 //! (OpenMetrics text), whatever `/debug/...` pages the process offers, and its JSON API
 //! under `/v1/` (any method; the body is read here, within [`AdminView::max_body_bytes`],
 //! before the view sees it).
+//!
+//! With credentials configured ([`HttpLimits::auth`]), a call to `/v1/...` needs the scope
+//! the view names for it ([`AdminView::api_scope`]), `/debug/...` the `debug` scope, and
+//! `/metrics` the `metrics` scope when the operator guards it; `/healthz` and `/readyz` stay
+//! open (probes). The check comes before the body is read.
 
+pub mod auth;
 mod http_server;
+pub mod tls;
+
+pub use auth::{HttpAuth, Refusal, Scope, Scopes};
+pub use tls::{ServerTls, TlsFiles};
 
 pub use http_server::{
     append_http_stats, read_body, BodyBudget, BodyError, BudgetHold, HttpLimits, HttpServer,
@@ -90,9 +100,18 @@ pub trait AdminView: Send + Sync + 'static {
     }
 
     /// A JSON API request (a path under [`API_PREFIX`]); `None` when there is no such
-    /// endpoint (answered 404).
+    /// endpoint (answered 404). Asked only for paths [`AdminView::api_scope`] names a scope
+    /// for.
     fn api(self: Arc<Self>, req: ApiRequest) -> Option<ApiPage> {
         let _ = req;
+        None
+    }
+
+    /// The scope a caller needs for an API path; `None` when the path is no endpoint (a
+    /// known caller gets 404, and [`AdminView::api`] is not asked). A view that serves an
+    /// API names a scope for each of its paths.
+    fn api_scope(&self, path: &str) -> Option<Scope> {
+        let _ = path;
         None
     }
 
@@ -153,11 +172,34 @@ fn respond_api(r: ApiResponse) -> Response<Full<Bytes>> {
     resp
 }
 
+/// The typed JSON answer to a refused call, counted and logged (never with the token).
+fn refuse(stats: &HttpStats, why: Refusal, path: &str) -> ApiResponse {
+    stats.refused_call(why);
+    tracing::debug!(
+        path,
+        reason = why.reason(),
+        "HTTP call refused for its credentials"
+    );
+    ApiResponse::error(why.status(), why.kind(), &why.message(path))
+        .with_header("www-authenticate", why.www_authenticate())
+}
+
 async fn handle_api(
     view: Arc<dyn AdminView>,
     req: Request<Incoming>,
     body_timeout: Duration,
+    auth: &HttpAuth,
+    stats: &HttpStats,
 ) -> ApiResponse {
+    let path = req.uri().path();
+    let need = view.api_scope(path);
+    if let Err(why) = auth.check(&req, need) {
+        return refuse(stats, why, path);
+    }
+    if need.is_none() {
+        let what = format!("{} {path}", req.method());
+        return ApiResponse::error(404, "invalid_request", &format!("no such endpoint: {what}"));
+    }
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
@@ -188,9 +230,24 @@ async fn handle(
     view: Arc<dyn AdminView>,
     req: Request<Incoming>,
     body_timeout: Duration,
+    auth: HttpAuth,
+    stats: Arc<HttpStats>,
 ) -> Response<Full<Bytes>> {
-    if req.uri().path().starts_with(API_PREFIX) {
-        return respond_api(handle_api(view, req, body_timeout).await);
+    let path = req.uri().path();
+    if path.starts_with(API_PREFIX) {
+        return respond_api(handle_api(view, req, body_timeout, &auth, &stats).await);
+    }
+    let need = if path.starts_with("/debug/") {
+        Some(Scope::Debug)
+    } else if path == "/metrics" && auth.guards_metrics() {
+        Some(Scope::Metrics)
+    } else {
+        None
+    };
+    if let Some(scope) = need {
+        if let Err(why) = auth.check(&req, Some(scope)) {
+            return respond_api(refuse(&stats, why, path));
+        }
     }
     if let Some(page) = req.uri().path().strip_prefix("/debug/") {
         let query = req.uri().query().unwrap_or("").to_string();
@@ -251,10 +308,19 @@ pub async fn serve(
     view: Arc<dyn AdminView>,
 ) -> std::io::Result<(SocketAddr, Arc<HttpStats>, JoinHandle<()>)> {
     let body_timeout = limits.body_timeout;
-    let server = HttpServer::bind(addr, limits, "admin", move |req| {
-        handle(view.clone(), req, body_timeout)
-    })
-    .await?;
+    let auth = limits.auth.clone();
+    let stats = Arc::new(HttpStats::for_limits(&limits));
+    let counts = stats.clone();
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let server = HttpServer::start_with_stats(listener, limits, "admin", stats, move |req| {
+        handle(
+            view.clone(),
+            req,
+            body_timeout,
+            auth.clone(),
+            counts.clone(),
+        )
+    })?;
     Ok((
         server.addr,
         server.stats.clone(),
@@ -289,11 +355,23 @@ mod tests {
                     });
                     ApiResponse::json(200, body.to_string())
                 })),
-                "/v1/busy" => Some(Box::pin(async {
+                "/v1/busy" | "/v1/lease" => Some(Box::pin(async {
                     ApiResponse::error(503, "overloaded", "busy").with_header("retry-after", "1")
                 })),
                 _ => None,
             }
+        }
+
+        fn api_scope(&self, path: &str) -> Option<Scope> {
+            match path {
+                "/v1/echo" | "/v1/busy" => Some(Scope::Route),
+                "/v1/lease" => Some(Scope::Lease),
+                _ => None,
+            }
+        }
+
+        fn debug(self: Arc<Self>, path: String, _query: String) -> Option<DebugPage> {
+            (path == "page").then(|| Box::pin(async { (200u16, "{\"page\":1}".to_string()) }) as _)
         }
 
         fn max_body_bytes(&self) -> usize {
@@ -401,6 +479,129 @@ mod tests {
             .expect("the connection is closed with the listener")
             .unwrap();
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    }
+
+    const ROUTE: &str = "route-token-0123456789";
+    const OPS: &str = "ops-token-abcdefghijkl";
+
+    fn get_with(path: &str, token: Option<&str>) -> String {
+        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n")
+    }
+
+    fn post_with(path: &str, token: &str, body: &str) -> String {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    #[tokio::test]
+    async fn tokens_guard_the_api_debug_pages_and_metrics_on_request() {
+        let tokens =
+            auth::parse_tokens_file(&format!("{ROUTE} route\n{OPS} debug,metrics\n"), "tokens")
+                .unwrap();
+        let limits = HttpLimits {
+            auth: HttpAuth::new(tokens, Scopes::NONE, true).unwrap(),
+            ..HttpLimits::default()
+        };
+        let (addr, stats, task) = serve("127.0.0.1:0".parse().unwrap(), limits, Arc::new(Echo))
+            .await
+            .unwrap();
+
+        // No token: 401 with the challenge, a typed error, before the body is read (a body
+        // over the limit is not even looked at).
+        let none = call(addr, post("/v1/echo", &"x".repeat(100))).await;
+        assert!(none.starts_with("HTTP/1.1 401"), "{none}");
+        assert!(
+            none.contains(r#"www-authenticate: Bearer realm="kvrouter""#),
+            "{none}"
+        );
+        assert!(
+            none.contains(r#"{"error":{"kind":"unauthenticated","message":"/v1/echo needs an `Authorization: Bearer TOKEN` header"}}"#),
+            "{none}"
+        );
+        let wrong = call(addr, post_with("/v1/echo", &format!("{ROUTE}x"), "{}")).await;
+        assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+        assert!(wrong.contains(r#"error="invalid_token""#), "{wrong}");
+        assert!(!wrong.contains(ROUTE), "the token is never echoed: {wrong}");
+
+        // The route token: its endpoints, nothing else.
+        let ok = call(addr, post_with("/v1/echo", ROUTE, "{}")).await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        let lease = call(addr, post_with("/v1/lease", ROUTE, "{}")).await;
+        assert!(lease.starts_with("HTTP/1.1 403"), "{lease}");
+        assert!(lease.contains(r#""kind":"forbidden""#), "{lease}");
+        assert!(
+            lease.contains(r#"error="insufficient_scope", scope="lease""#),
+            "{lease}"
+        );
+        for page in ["/debug/page", "/debug/none", "/metrics"] {
+            let r = call(addr, get_with(page, Some(ROUTE))).await;
+            assert!(r.starts_with("HTTP/1.1 403"), "{page}: {r}");
+        }
+        // A known caller sees a 404 for a path that is no endpoint; a stranger does not.
+        let nope = call(addr, post_with("/v1/nope", ROUTE, "")).await;
+        assert!(nope.starts_with("HTTP/1.1 404"), "{nope}");
+        let nope = call(addr, post("/v1/nope", "")).await;
+        assert!(nope.starts_with("HTTP/1.1 401"), "{nope}");
+
+        // The ops token: debug pages and metrics.
+        let page = call(addr, get_with("/debug/page", Some(OPS))).await;
+        assert!(page.starts_with("HTTP/1.1 200") && page.ends_with(r#"{"page":1}"#));
+        let metrics = call(addr, get_with("/metrics", Some(OPS))).await;
+        assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+        assert!(call(addr, get_with("/debug/page", None))
+            .await
+            .starts_with("HTTP/1.1 401"));
+
+        // Probes stay open.
+        for open in ["/healthz", "/readyz"] {
+            let r = call(addr, get_with(open, None)).await;
+            assert!(r.starts_with("HTTP/1.1 200"), "{open}: {r}");
+        }
+
+        // Counted by reason.
+        let text = append_http_stats("# EOF\n".into(), "kvrouter", &[(addr, stats)]);
+        for (reason, n) in [
+            ("missing", 3),
+            ("malformed", 0),
+            ("invalid_token", 1),
+            ("insufficient_scope", 4),
+        ] {
+            let line = format!(
+                "kvrouter_http_auth_refused_total{{listener=\"{addr}\",reason=\"{reason}\"}} {n}\n"
+            );
+            assert!(text.contains(&line), "{line} in {text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn without_credentials_every_door_is_open_and_uncounted() {
+        let (addr, stats, task) = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            HttpLimits::default(),
+            Arc::new(Echo),
+        )
+        .await
+        .unwrap();
+        for (req, status) in [
+            (get_with("/debug/page", None), "200"),
+            (post("/v1/lease", ""), "503"),
+            (get_with("/metrics", None), "200"),
+            (get_with("/v1/echo", Some("whatever")), "200"),
+        ] {
+            let r = call(addr, req.clone()).await;
+            assert!(r.starts_with(&format!("HTTP/1.1 {status}")), "{req}: {r}");
+        }
+        let text = append_http_stats("# EOF\n".into(), "kvrouter", &[(addr, stats)]);
+        assert!(
+            !text.contains("auth_refused") && !text.contains("tls_"),
+            "{text}"
+        );
+        task.abort();
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! Admin HTTP (`/healthz`, `/readyz`, `/metrics`, `/debug/rank`, and the JSON API under
-//! `/v1/`): what a replica shows on the shared admin endpoint.
+//! `/v1/`): what a replica shows on the shared admin endpoint. With `--http-tokens-file` or
+//! `--http-token`, the API and `/debug/rank` (it shows cached block hashes) need a bearer
+//! token with the right scope; the admin endpoint checks it (`HttpLimits::auth`).
 
 use crate::http_api;
 use crate::state::ReplicaShared;
-use kvrouter_admin::{query_param, AdminView, ApiPage, ApiRequest, DebugPage};
+use kvrouter_admin::{query_param, AdminView, ApiPage, ApiRequest, DebugPage, Scope};
 use kvrouter_protocol::{KvEventData, WorkerKey};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,6 +25,11 @@ impl AdminView for ReplicaShared {
     /// The JSON API for peer routers (see [`http_api`]).
     fn api(self: Arc<Self>, req: ApiRequest) -> Option<ApiPage> {
         http_api::handle(self, req)
+    }
+
+    /// `route` for routing and the worker list, `lease` for acting on routed requests.
+    fn api_scope(&self, path: &str) -> Option<Scope> {
+        http_api::scope(path)
     }
 
     /// A route body with the longest prompt accepted fits.

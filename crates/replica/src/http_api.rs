@@ -13,7 +13,9 @@ use crate::state::{ModelShared, ReplicaShared};
 use bytes::Bytes;
 use errors::ApiError;
 use json::{RouteAnswer, RouteBody, UpdateBody, WorkersAnswer};
-use kvrouter_admin::{percent_decode, query_param, ApiPage, ApiRequest, ApiResponse, Method};
+use kvrouter_admin::{
+    percent_decode, query_param, ApiPage, ApiRequest, ApiResponse, Method, Scope,
+};
 use kvrouter_bus::BusError;
 use kvrouter_protocol::limits::{check_len, check_model, MAX_REPLICA_ID_BYTES};
 use kvrouter_protocol::{
@@ -71,6 +73,21 @@ impl Call {
             _ => Method::POST,
         }
     }
+
+    /// What a caller's credentials must allow (docs/operations.md, "Who may call the HTTP
+    /// doors"): routing and reading the fleet, or acting on routed requests.
+    fn scope(&self) -> Scope {
+        match self {
+            Self::Route | Self::Workers => Scope::Route,
+            Self::Update(..) => Scope::Lease,
+        }
+    }
+}
+
+/// The scope an API path needs; `None` for a path that is no endpoint. Checked by the
+/// admin endpoint before the body is read.
+pub fn scope(path: &str) -> Option<Scope> {
+    Call::of(path).map(|c| c.scope())
 }
 
 /// The answer to one API request; `None` for a path that is no endpoint.
@@ -335,6 +352,19 @@ mod tests {
         }
         assert_eq!(Call::Workers.method(), Method::GET);
         assert_eq!(Call::Route.method(), Method::POST);
+    }
+
+    #[test]
+    fn each_endpoint_needs_its_scope() {
+        assert_eq!(scope("/v1/route"), Some(Scope::Route));
+        assert_eq!(scope("/v1/workers"), Some(Scope::Route));
+        for action in ["prefill_done", "free", "output_block"] {
+            assert_eq!(
+                scope(&format!("/v1/requests/r-1/{action}")),
+                Some(Scope::Lease)
+            );
+        }
+        assert_eq!(scope("/v1/requests/r-1/done"), None);
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The test kit: what tests and `kvrouter bench chaos` need to drive real processes. A real
 //! nats-server on a loopback port ([`NatsServer`]), child processes stopped by PID
-//! ([`Proc`]), free ports, blocking HTTP probes, Prometheus text sums, and a counting global
-//! allocator for tests that bound what a decoder allocates ([`CountingAlloc`]). Blocking on
-//! purpose: tests call it from plain threads, async callers from `spawn_blocking`.
+//! ([`Proc`]), free ports, blocking HTTP probes, Prometheus text sums, throwaway certificates
+//! for TLS tests ([`TestCerts`]), and a counting global allocator for tests that bound what a
+//! decoder allocates ([`CountingAlloc`]). Blocking on purpose: tests call it from plain
+//! threads, async callers from `spawn_blocking`.
 //!
 //! Nothing here knows kvrouter's command line; the suites that start `kvrouter` build the
 //! command themselves (the binary's path is only known to the package that owns it).
@@ -13,6 +14,7 @@ mod metrics;
 mod nats;
 mod ports;
 mod proc;
+mod tls;
 
 pub use alloc::{allocated_bytes, allocated_during, CountingAlloc};
 pub use http::{dechunk, http_get, http_post};
@@ -20,6 +22,7 @@ pub use metrics::metric_sum_in;
 pub use nats::{NatsError, NatsServer};
 pub use ports::{free_port, free_ports};
 pub use proc::Proc;
+pub use tls::TestCerts;
 
 use std::time::{Duration, Instant};
 

@@ -9,8 +9,8 @@
 
 use crate::common::*;
 use crate::k8s_manifests::{
-    all_containers, both, container, container_port, host_port, image_name, image_tag,
-    list, pod_labels, pod_spec, short, text, Manifests, POD_NAME, SETUP,
+    all_containers, container, container_port, every, host_port, image_name, image_tag, list,
+    pod_labels, pod_spec, short, text, Manifests, POD_NAME, SETUP,
 };
 use kvrouter_bus::{Bus, BusError, NatsOptions};
 use serde_json::{json, Value};
@@ -37,6 +37,8 @@ const USERS_KEY: &str = "nats-users.conf";
 const REPLICAS_SECRET: &str = "kvrouter-nats-replicas";
 const FRONTEND_SECRET: &str = "kvrouter-nats-frontend";
 const SEED_KEY: &str = "seed.nk";
+/// The servers' certificate for overlays/nats-tls (cert-manager's keys), made by the operator.
+const TLS_SECRET: &str = "nats-tls";
 
 /// The Secrets `kvrouter creds` writes, by name: which keys each holds (`None`: any key of
 /// the form `replica-<id>.nk`).
@@ -165,6 +167,8 @@ pub(crate) struct NatsLayout {
     pub(crate) script: String,
     pub(crate) config: PathBuf,
     pub(crate) users: PathBuf,
+    /// The CA of the servers' certificate, when the pod mounts one (overlays/nats-tls).
+    pub(crate) ca: Option<PathBuf>,
 }
 
 impl NatsLayout {
@@ -175,6 +179,7 @@ impl NatsLayout {
         let under = |p: &str| root.path().join(p.trim_start_matches('/'));
         let mut mounts: Vec<String> = Vec::new();
         let mut users_path = None;
+        let mut ca = None;
         for mount in list(c, "/volumeMounts") {
             let at = text(mount, "/mountPath");
             mounts.push(at.to_string());
@@ -195,6 +200,10 @@ impl NatsLayout {
                     std::fs::write(&path, u).unwrap();
                 }
                 users_path = Some(path);
+            } else if v.pointer("/secret/secretName") == Some(&json!(TLS_SECRET)) {
+                // A CA and a certificate for 127.0.0.1, as the Secret holds them.
+                make_tls(&under(at));
+                ca = Some(under(at).join("ca.crt"));
             }
         }
         // Longest first, so that a mount inside another moves as itself.
@@ -220,7 +229,9 @@ impl NatsLayout {
         for at in &mounts {
             for entry in std::fs::read_dir(under(at)).unwrap() {
                 let path = entry.unwrap().path();
-                if path.extension().is_some_and(|e| e == "conf") && Some(&path) != users_path.as_ref() {
+                if path.extension().is_some_and(|e| e == "conf")
+                    && Some(&path) != users_path.as_ref()
+                {
                     let conf = std::fs::read_to_string(&path).unwrap();
                     std::fs::write(&path, relocate(&conf)).unwrap();
                 }
@@ -236,6 +247,7 @@ impl NatsLayout {
             script: relocate(&original),
             config: under(config),
             users: users_path.expect("the nats container mounts the users Secret"),
+            ca,
             _root: root,
         }
     }
@@ -265,10 +277,84 @@ impl NatsLayout {
             .env("SERVER_NAME", "nats-0")
             .env(
                 "PATH",
-                format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()),
+                format!(
+                    "{}:{}",
+                    bin.display(),
+                    std::env::var("PATH").unwrap_or_default()
+                ),
             );
         cmd
     }
+}
+
+/// `ca.crt`, and `tls.crt` + `tls.key` signed by it for 127.0.0.1 (server and client auth,
+/// as overlays/nats-tls asks), made with openssl into `dir`.
+fn make_tls(dir: &Path) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap_or_else(|e| panic!("openssl: {e}"));
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test CA",
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:nats\nextendedKeyUsage=serverAuth,clientAuth\n",
+    )
+    .unwrap();
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        "-subj",
+        "/CN=nats",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "tls.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    ]);
 }
 
 fn which(program: &str) -> PathBuf {
@@ -280,8 +366,12 @@ fn which(program: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("{program} is not on PATH; {SETUP}"))
 }
 
-fn connect(port: u16, user: Option<(&str, &str)>) -> Result<Bus, BusError> {
+fn connect(port: u16, user: Option<(&str, &str)>, ca: Option<&Path>) -> Result<Bus, BusError> {
     let mut opts = NatsOptions::new(format!("nats://127.0.0.1:{port}"));
+    if let Some(ca) = ca {
+        opts.tls_ca_file = Some(ca.to_path_buf());
+        opts.tls_required = true;
+    }
     if let Some((u, p)) = user {
         opts.user = Some(u.into());
         opts.password = Some(p.into());
@@ -300,7 +390,7 @@ fn connect(port: u16, user: Option<(&str, &str)>) -> Result<Bus, BusError> {
 
 #[test]
 fn nats_starts_only_with_its_users_and_admits_no_one_else() {
-    for m in both() {
+    for m in every() {
         let dir = m.dir;
         let sts = m.get("StatefulSet", "nats");
 
@@ -308,16 +398,18 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
         // without it the pod does not start.
         let refs = secret_refs(sts);
         assert!(
-            refs.iter().any(|(who, name, key, optional)| who.starts_with("volume ")
-                && name == USERS_SECRET
-                && key.as_deref() == Some(USERS_KEY)
-                && !optional),
+            refs.iter()
+                .any(|(who, name, key, optional)| who.starts_with("volume ")
+                    && name == USERS_SECRET
+                    && key.as_deref() == Some(USERS_KEY)
+                    && !optional),
             "{dir}: NATS does not mount {USERS_SECRET}/{USERS_KEY} (required): {refs:?}"
         );
 
         // With it, the server starts, admits a user of the file and refuses anyone else.
         let layout = NatsLayout::new(m, Some(USERS_SAMPLE));
         let port = free_port();
+        let ca = layout.ca.as_deref();
         let mut cmd = layout.command(port);
         cmd.stderr(std::process::Stdio::null());
         let _nats = spawn_proc("nats (as its pod starts it)", cmd);
@@ -330,10 +422,10 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
             "{dir}: nats-server did not start with a users file"
         );
         assert!(
-            connect(port, Some(("probe", "probe-pw"))).is_ok(),
+            connect(port, Some(("probe", "probe-pw")), ca).is_ok(),
             "{dir}: a user of the included users file is refused"
         );
-        match connect(port, None) {
+        match connect(port, None, ca) {
             Err(BusError::Connect(msg)) => assert!(
                 msg.to_lowercase().contains("authoriz"),
                 "{dir}: an anonymous client refused for another reason: {msg}"
@@ -342,9 +434,20 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
             Ok(_) => panic!("{dir}: an anonymous client got in: the users file is not enforced"),
         }
         assert!(
-            connect(port, Some(("probe", "wrong"))).is_err(),
+            connect(port, Some(("probe", "wrong")), ca).is_err(),
             "{dir}: a wrong password got in"
         );
+        if ca.is_some() {
+            // With TLS on, a client that does not speak it is refused.
+            let mut plain = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            plain
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let mut info = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(&mut plain), &mut info)
+                .unwrap();
+            assert!(info.contains("\"tls_required\":true"), "{dir}: {info}");
+        }
 
         // Without users in it (an empty file, as a failed generation might leave), or without
         // the file, it refuses to start rather than run open.
@@ -375,7 +478,7 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
 
 #[test]
 fn the_nats_config_includes_the_users_file_and_nothing_grants_every_reply() {
-    for m in both() {
+    for m in every() {
         let dir = m.dir;
         let sts = m.get("StatefulSet", "nats");
         let c = container(sts, "nats");
@@ -400,8 +503,9 @@ fn the_nats_config_includes_the_users_file_and_nothing_grants_every_reply() {
             .filter_map(|l| l.strip_prefix("include "))
             .map(str::trim)
             .collect();
-        assert_eq!(includes.len(), 1, "{dir}: one include (the users file): {includes:?}");
-        // Resolved as nats-server does, relative to the config file's directory.
+        // Resolved as nats-server does, relative to the config file's directory: the users
+        // file from its Secret, once; anything else from this ConfigMap (TLS, say), where
+        // this test has read it.
         let script = shell_script(c);
         let config_path = script
             .split_whitespace()
@@ -409,15 +513,41 @@ fn the_nats_config_includes_the_users_file_and_nothing_grants_every_reply() {
             .nth(1)
             .expect("--config FILE");
         let config_dir = Path::new(config_path).parent().unwrap();
-        let included = normalize(&config_dir.join(includes[0]));
-        let mount = mount_of(c, included.to_str().unwrap());
-        let v = volume(sts, text(mount, "/name")).unwrap();
+        let mut users_includes = Vec::new();
+        for inc in &includes {
+            let path = normalize(&config_dir.join(inc));
+            let mount = mount_of(c, path.to_str().unwrap());
+            let v = volume(sts, text(mount, "/name")).unwrap();
+            if v.pointer("/secret/secretName") == Some(&json!(USERS_SECRET)) {
+                users_includes.push((path, mount, v));
+            } else {
+                assert_eq!(
+                    path.parent(),
+                    Some(config_dir),
+                    "{dir}: nats.conf includes {} from elsewhere than its ConfigMap",
+                    path.display()
+                );
+                let name = path.file_name().unwrap().to_str().unwrap();
+                let text_of = &m.data("nats-config")[name];
+                for l in text_of.lines().map(|l| l.split('#').next().unwrap().trim()) {
+                    for banned in [
+                        "authorization",
+                        "no_auth_user",
+                        "accounts",
+                        "users",
+                        "include",
+                    ] {
+                        assert!(!l.starts_with(banned), "{dir}: {name} sets `{l}`");
+                    }
+                }
+            }
+        }
         assert_eq!(
-            v.pointer("/secret/secretName"),
-            Some(&json!(USERS_SECRET)),
-            "{dir}: {} is not on the users Secret's volume",
-            included.display()
+            users_includes.len(),
+            1,
+            "{dir}: the users file, once: {includes:?}"
         );
+        let (included, mount, v) = users_includes.remove(0);
         let item = list(v, "/secret/items")
             .iter()
             .find(|i| i["key"] == USERS_KEY)
@@ -428,7 +558,10 @@ fn the_nats_config_includes_the_users_file_and_nothing_grants_every_reply() {
             "{dir}: nats.conf includes another file than the users Secret's"
         );
         // The start script checks that very file.
-        assert!(script.contains(included.to_str().unwrap()), "{dir}: {script}");
+        assert!(
+            script.contains(included.to_str().unwrap()),
+            "{dir}: {script}"
+        );
 
         // No configuration anywhere grants the reply wildcard (every inbox: route answers,
         // worker state, sync exports).
@@ -459,7 +592,7 @@ fn normalize(p: &Path) -> PathBuf {
 
 #[test]
 fn every_secret_referenced_is_one_kvrouter_creds_writes_or_optional() {
-    for m in both() {
+    for m in every() {
         for w in m.workloads() {
             for (who, name, key, optional) in secret_refs(w) {
                 let at = format!("{}: {} {who}", m.dir, short(w));
@@ -476,6 +609,13 @@ fn every_secret_referenced_is_one_kvrouter_creds_writes_or_optional() {
                                     || (key.starts_with("replica-") && key.ends_with(".nk")),
                                 "{at}: {name} has no key {key}"
                             ),
+                        }
+                    }
+                    // The servers' certificate (overlays/nats-tls): only NATS holds its key;
+                    // clients get the CA alone.
+                    None if name == TLS_SECRET => {
+                        if w["metadata"]["name"] != "nats" {
+                            assert_eq!(key.as_deref(), Some("ca.crt"), "{at}: more than the CA");
                         }
                     }
                     // Anything else (the Hub token) must not keep a pod from starting.
@@ -521,7 +661,9 @@ fn run_seed_init(
         script = script.replace(&format!("{at}/"), &format!("{}/", under(at).display()));
     }
     let mut cmd = Command::new("sh");
-    cmd.args(["-ec", &script]).env_clear().env("PATH", "/usr/bin:/bin");
+    cmd.args(["-ec", &script])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -575,13 +717,16 @@ fn field_ref<'a>(c: &'a Value, var: &str) -> &'a str {
 
 #[test]
 fn each_kvrouter_process_holds_only_its_own_seed() {
-    for m in both() {
+    for m in every() {
         let dir = m.dir;
         for (w, c, sub) in m.kvrouter_containers() {
             let who = format!("{dir}: {} ({sub})", short(w));
             let path = nkey_file(m, c);
             let mount = mount_of(c, &path);
-            assert_eq!(mount["readOnly"], true, "{who}: its seed's volume is writable");
+            assert_eq!(
+                mount["readOnly"], true,
+                "{who}: its seed's volume is writable"
+            );
             let v = volume(w, text(mount, "/name")).unwrap();
             // No kvrouter container mounts a volume with another role's or process's seed.
             for m2 in list(c, "/volumeMounts") {
@@ -609,7 +754,11 @@ fn each_kvrouter_process_holds_only_its_own_seed() {
                     // An emptyDir its init container fills with replica-<its id>.nk, where its
                     // id is KVROUTER_REPLICA_ID: the pod name.
                     assert!(v.get("emptyDir").is_some(), "{who}: {v}");
-                    assert_eq!(field_ref(c, "KVROUTER_REPLICA_ID"), "metadata.name", "{who}");
+                    assert_eq!(
+                        field_ref(c, "KVROUTER_REPLICA_ID"),
+                        "metadata.name",
+                        "{who}"
+                    );
                     let init = seed_writer(w, text(v, "/name"));
                     assert_eq!(field_ref(init, "POD_NAME"), "metadata.name", "{who}");
                     let other = "kvrouter-serve-1";
@@ -799,8 +948,11 @@ fn admitted(m: &Manifests, w: &Value, port: u16, src: &Source) -> bool {
     policies.iter().any(|p| {
         list(p, "/spec/ingress").iter().any(|rule| {
             let from_ok = rule.get("from").is_none()
-                || list(rule, "/from").iter().any(|peer| peer_admits(peer, src));
-            let port_ok = rule.get("ports").is_none() || list(rule, "/ports").iter().any(port_matches);
+                || list(rule, "/from")
+                    .iter()
+                    .any(|peer| peer_admits(peer, src));
+            let port_ok =
+                rule.get("ports").is_none() || list(rule, "/ports").iter().any(port_matches);
             from_ok && port_ok
         })
     })
@@ -829,7 +981,7 @@ fn prometheus(m: &Manifests) -> Source {
 
 #[test]
 fn every_workload_is_behind_a_default_deny_ingress_policy() {
-    for m in both() {
+    for m in every() {
         let dir = m.dir;
         let deny: Vec<&Value> = m
             .of_kind("NetworkPolicy")
@@ -851,20 +1003,29 @@ fn every_workload_is_behind_a_default_deny_ingress_policy() {
                 .filter(|p| !deny.contains(p))
                 .filter(|p| label_selector_picks(&p["spec"]["podSelector"], pod_labels(w)))
                 .count();
-            assert!(own > 0, "{dir}: no NetworkPolicy admits anything to {}", short(w));
+            assert!(
+                own > 0,
+                "{dir}: no NetworkPolicy admits anything to {}",
+                short(w)
+            );
             // A stranger in the namespace reaches nothing but the frontends' port.
             let stranger = Source::pod("a stranger pod", &json!({"app": "stranger"}));
             for c in all_containers(w) {
                 for p in list(c, "/ports") {
                     let port = p["containerPort"].as_u64().unwrap() as u16;
                     let open = admitted(m, w, port, &stranger);
-                    let public = w["metadata"]["name"] == "kvrouter-frontend" && p["name"] == "http";
+                    let public =
+                        w["metadata"]["name"] == "kvrouter-frontend" && p["name"] == "http";
                     assert_eq!(
                         open,
                         public,
                         "{dir}: {} port {port}: a stranger {}",
                         short(w),
-                        if open { "gets in" } else { "is kept out of a public port" }
+                        if open {
+                            "gets in"
+                        } else {
+                            "is kept out of a public port"
+                        }
                     );
                 }
             }
@@ -874,7 +1035,7 @@ fn every_workload_is_behind_a_default_deny_ingress_policy() {
 
 #[test]
 fn network_policies_admit_only_who_needs_each_port() {
-    for m in both() {
+    for m in every() {
         let dir = m.dir;
         let nats = m.workload("nats");
         let serve = m.workload("kvrouter-serve");
@@ -928,7 +1089,12 @@ fn network_policies_admit_only_who_needs_each_port() {
                 "NATS clients",
                 vec![short(serve), short(frontend), short(engine)],
             ),
-            (nats, port_named(nats, "cluster"), "NATS routes", vec![short(nats)]),
+            (
+                nats,
+                port_named(nats, "cluster"),
+                "NATS routes",
+                vec![short(nats)],
+            ),
             (nats, monitor, "NATS monitoring", vec![]),
             (
                 serve,
@@ -936,7 +1102,12 @@ fn network_policies_admit_only_who_needs_each_port() {
                 "replicas' JSON API",
                 vec![short(frontend), peer_ns.what.clone()],
             ),
-            (serve, port_named(serve, "admin"), "replicas' admin", vec![prom.what.clone()]),
+            (
+                serve,
+                port_named(serve, "admin"),
+                "replicas' admin",
+                vec![prom.what.clone()],
+            ),
             (
                 engine,
                 port_named(engine, "http"),
@@ -963,20 +1134,28 @@ fn network_policies_admit_only_who_needs_each_port() {
                     "{dir}: {what} ({} port {port}) from {}: {}",
                     short(w),
                     src.what,
-                    if want { "refused, but needed" } else { "admitted" }
+                    if want {
+                        "refused, but needed"
+                    } else {
+                        "admitted"
+                    }
                 );
             }
         }
         // The frontends' port is open to anyone (the ingress controller's users).
         for src in &all {
-            assert!(admitted(m, frontend, port_named(frontend, "http"), src), "{dir}: {src:?}");
+            assert!(
+                admitted(m, frontend, port_named(frontend, "http"), src),
+                "{dir}: {src:?}"
+            );
         }
         // Nothing declares the engine's ZMQ ports for others to find.
         for c in all_containers(engine) {
             for p in list(c, "/ports") {
                 let port = p["containerPort"].as_u64().unwrap() as u16;
                 assert!(
-                    !(events..events + dp).contains(&port) && !(replay..replay + dp).contains(&port),
+                    !(events..events + dp).contains(&port)
+                        && !(replay..replay + dp).contains(&port),
                     "{dir}: {} declares ZMQ port {port}",
                     short(engine)
                 );
@@ -1007,7 +1186,9 @@ fn workspace_version() -> String {
 fn pinned(image: &str) -> bool {
     if let Some((_, digest)) = image.split_once('@') {
         return digest.strip_prefix("sha256:").is_some_and(|h| {
-            h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
         });
     }
     let tag = image_tag(image);
@@ -1041,7 +1222,7 @@ fn pinned_is_a_digest_or_a_full_version() {
 #[test]
 fn every_image_is_pinned_and_kvrouter_is_this_version() {
     let version = workspace_version();
-    for m in both() {
+    for m in every() {
         for w in m.workloads() {
             for c in all_containers(w) {
                 let image = text(c, "/image");
@@ -1067,7 +1248,8 @@ fn every_image_is_pinned_and_kvrouter_is_this_version() {
     // The base pins every image in one place: its kustomization's `images:`, so the
     // manifests themselves name none with a tag.
     for f in ["nats.yaml", "serve.yaml", "frontend.yaml", "vllm.yaml"] {
-        let yaml = std::fs::read_to_string(repo_file(&format!("deploy/kubernetes/base/{f}"))).unwrap();
+        let yaml =
+            std::fs::read_to_string(repo_file(&format!("deploy/kubernetes/base/{f}"))).unwrap();
         for line in yaml.lines().map(str::trim) {
             if let Some(image) = line.strip_prefix("image:") {
                 let image = image.trim();
@@ -1083,7 +1265,7 @@ fn every_image_is_pinned_and_kvrouter_is_this_version() {
 #[test]
 fn pip_installs_pin_every_package() {
     let mut seen = 0;
-    for m in both() {
+    for m in every() {
         for w in m.workloads() {
             for c in all_containers(w) {
                 let script: String = list(c, "/command")
@@ -1110,7 +1292,10 @@ fn pip_installs_pin_every_package() {
                             continue;
                         }
                         if ["--target", "-t", "-c", "--constraint", "-r"].contains(&word) {
-                            assert!(!["-r", "-c", "--constraint"].contains(&word), "{who}: {word}");
+                            assert!(
+                                !["-r", "-c", "--constraint"].contains(&word),
+                                "{who}: {word}"
+                            );
                             skip_value = true;
                             continue;
                         }
@@ -1124,7 +1309,9 @@ fn pip_installs_pin_every_package() {
                         assert!(
                             !name.is_empty()
                                 && !version.is_empty()
-                                && version.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '.'),
+                                && version
+                                    .chars()
+                                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '.'),
                             "{who}: {spec}"
                         );
                         packages += 1;
@@ -1134,16 +1321,22 @@ fn pip_installs_pin_every_package() {
             }
         }
     }
-    assert!(seen > 0, "no pip install found: teach this test where it went");
+    assert!(
+        seen > 0,
+        "no pip install found: teach this test where it went"
+    );
 }
 
 fn commit(rev: &str) -> bool {
-    rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    rev.len() == 40
+        && rev
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 #[test]
 fn models_are_fetched_at_a_pinned_commit_the_engines_share() {
-    for m in both() {
+    for m in every() {
         let dir = m.dir;
         let (fw, fc) = m.kvrouter("frontend");
         let init = container(fw, "fetch-tokenizer");

@@ -105,18 +105,39 @@ pub(crate) fn render(dir: &'static str) -> Manifests {
     Manifests { dir, yaml, docs }
 }
 
+/// The base, then every overlay under deploy/kubernetes/overlays (by name), rendered once.
+pub(crate) fn every() -> &'static [Manifests] {
+    static M: OnceLock<Vec<Manifests>> = OnceLock::new();
+    M.get_or_init(|| {
+        let parent = Path::new(OVERLAY).parent().unwrap();
+        let mut dirs: Vec<String> = std::fs::read_dir(repo_file(parent.to_str().unwrap()))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("kustomization.yaml").is_file())
+            .map(|p| {
+                let name = p.file_name().unwrap().to_str().unwrap().to_string();
+                format!("{}/{name}", parent.display())
+            })
+            .collect();
+        dirs.sort();
+        assert!(
+            dirs.iter().any(|d| d == OVERLAY),
+            "{OVERLAY} is gone: {dirs:?}"
+        );
+        std::iter::once(BASE)
+            .chain(dirs.into_iter().map(|d| &*Box::leak(d.into_boxed_str())))
+            .map(render)
+            .collect()
+    })
+}
+
 pub(crate) fn base() -> &'static Manifests {
-    static M: OnceLock<Manifests> = OnceLock::new();
-    M.get_or_init(|| render(BASE))
+    &every()[0]
 }
 
+/// The example overlay (its own namespace, merged settings, another model).
 pub(crate) fn overlay() -> &'static Manifests {
-    static M: OnceLock<Manifests> = OnceLock::new();
-    M.get_or_init(|| render(OVERLAY))
-}
-
-pub(crate) fn both() -> [&'static Manifests; 2] {
-    [base(), overlay()]
+    every().iter().find(|m| m.dir == OVERLAY).unwrap()
 }
 
 pub(crate) fn text<'a>(v: &'a Value, ptr: &str) -> &'a str {
@@ -468,7 +489,7 @@ fn admin_probes_and_grace(w: &Value, c: &Value, env: &BTreeMap<String, String>, 
 
 #[test]
 fn base_and_overlay_validate_against_the_kubernetes_schemas() {
-    for m in both() {
+    for m in every() {
         let mut file = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut file, m.yaml.as_bytes()).unwrap();
         let path = file.path().to_str().unwrap().to_string();
@@ -506,7 +527,7 @@ fn base_and_overlay_validate_against_the_kubernetes_schemas() {
 
 #[test]
 fn serve_replicas_probe_the_admin_port_drain_in_time_and_keep_a_budget() {
-    for m in both() {
+    for m in every() {
         let (w, c) = m.kvrouter("serve");
         let who = format!("{}: {}", m.dir, short(w));
         // Stable pod names: the pod name is the replica id, which names its NATS user.
@@ -531,13 +552,19 @@ fn serve_replicas_probe_the_admin_port_drain_in_time_and_keep_a_budget() {
         );
         // Rolling updates replace one pod at a time, each once its successor is ready (a
         // StatefulSet cannot surge: the name is taken until the old pod is gone).
-        assert_eq!(w["spec"]["updateStrategy"]["type"], "RollingUpdate", "{who}");
+        assert_eq!(
+            w["spec"]["updateStrategy"]["type"], "RollingUpdate",
+            "{who}"
+        );
         let rolling = &w["spec"]["updateStrategy"]["rollingUpdate"];
         assert!(
             rolling["maxUnavailable"].is_null() || rolling["maxUnavailable"] == 1,
             "{who}: {rolling}"
         );
-        assert!(rolling["partition"].is_null(), "{who}: a partition leaves pods behind");
+        assert!(
+            rolling["partition"].is_null(),
+            "{who}: a partition leaves pods behind"
+        );
 
         // One PodDisruptionBudget, for these pods only, that lets a node drain one at a time.
         let labels = pod_labels(w);
@@ -581,7 +608,7 @@ fn serve_replicas_probe_the_admin_port_drain_in_time_and_keep_a_budget() {
 
 #[test]
 fn frontends_and_bridges_probe_the_ports_their_settings_open() {
-    for m in both() {
+    for m in every() {
         let (w, c) = m.kvrouter("frontend");
         let who = format!("{}: {}", m.dir, short(w));
         let env = m.env(c);
@@ -619,7 +646,7 @@ fn frontends_and_bridges_probe_the_ports_their_settings_open() {
 #[test]
 fn every_kvrouter_variable_is_a_flag_of_the_subcommand_that_reads_it() {
     let mut twins = BTreeMap::new();
-    for m in both() {
+    for m in every() {
         let mut read_by_kvrouter = BTreeSet::new();
         for (w, c, sub) in m.kvrouter_containers() {
             let who = format!("{}: {} container {}", m.dir, short(w), c["name"]);
@@ -658,7 +685,7 @@ fn every_kvrouter_variable_is_a_flag_of_the_subcommand_that_reads_it() {
 
 #[test]
 fn the_bridge_subscribes_where_vllm_publishes() {
-    for m in both() {
+    for m in every() {
         let (w, bridge) = m.kvrouter("bridge");
         let who = format!("{}: {}", m.dir, short(w));
         let env = m.env(bridge);
@@ -700,7 +727,10 @@ fn the_bridge_subscribes_where_vllm_publishes() {
         // publisher only for an endpoint with a wildcard and connects to any other, and the
         // bridge connects: the publisher stays on `*`, and no NetworkPolicy admits its port
         // (k8s_locked.rs checks that).
-        assert_eq!(replay_bind, "127.0.0.1", "{who}: vLLM's replay socket: {config}");
+        assert_eq!(
+            replay_bind, "127.0.0.1",
+            "{who}: vLLM's replay socket: {config}"
+        );
         assert_eq!(bind, "*", "{who}: vLLM would connect, not bind: {config}");
 
         let (host, port) = host_port(&env["KVROUTER_ZMQ_ENDPOINT"]);
@@ -755,7 +785,7 @@ fn the_bridge_subscribes_where_vllm_publishes() {
 
 #[test]
 fn replicas_frontends_and_bridges_share_one_fleet() {
-    for m in both() {
+    for m in every() {
         let serve = m.env(m.kvrouter("serve").1);
         let (fw, fc) = m.kvrouter("frontend");
         let frontend = m.env(fc);
@@ -919,7 +949,7 @@ fn the_overlay_moves_everything_into_its_namespace_and_merges_its_settings() {
 fn containers_run_as_non_root_with_least_privilege() {
     // vLLM, torch and triton write caches all over the file system.
     let writable_root = ["vllm"];
-    for m in both() {
+    for m in every() {
         for w in m.workloads() {
             let spec = pod_spec(w);
             let who = format!("{}: {}", m.dir, short(w));
@@ -966,7 +996,7 @@ fn containers_run_as_non_root_with_least_privilege() {
 
 #[test]
 fn objects_are_labelled_and_services_and_budgets_select_their_pods() {
-    for m in both() {
+    for m in every() {
         for d in m.docs.iter().filter(|d| d["kind"] != "Namespace") {
             let labels = &d["metadata"]["labels"];
             assert_eq!(
@@ -1063,7 +1093,7 @@ fn objects_are_labelled_and_services_and_budgets_select_their_pods() {
 
 #[test]
 fn nats_runs_a_three_node_cluster_of_core_nats() {
-    for m in both() {
+    for m in every() {
         let sts = m.get("StatefulSet", "nats");
         let dir = m.dir;
         let replicas = int(sts, "/spec/replicas");
@@ -1321,7 +1351,7 @@ fn prometheus_scrapes_every_kvrouter_pod_and_alerts_on_exported_metrics() {
         ["kvrouter"]
     );
     let ports = keep("__meta_kubernetes_pod_container_port_name");
-    for mm in both() {
+    for mm in every() {
         for (w, c, sub) in mm.kvrouter_containers() {
             // The port each serves /metrics on: the admin address, or the frontend's listener.
             let env = mm.env(c);

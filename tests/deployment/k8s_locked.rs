@@ -32,16 +32,17 @@ pub(crate) const USERS_SAMPLE: &str = r#"authorization {
 // ---------------------------------------------------------------------------------------------
 // The credentials interface of `kvrouter creds` (docs/operations.md, "Kubernetes")
 
-const USERS_SECRET: &str = "kvrouter-nats-users";
-const USERS_KEY: &str = "nats-users.conf";
-const REPLICAS_SECRET: &str = "kvrouter-nats-replicas";
-const FRONTEND_SECRET: &str = "kvrouter-nats-frontend";
-const SEED_KEY: &str = "seed.nk";
+pub(crate) const USERS_SECRET: &str = "kvrouter-nats-users";
+pub(crate) const USERS_KEY: &str = "nats-users.conf";
+pub(crate) const REPLICAS_SECRET: &str = "kvrouter-nats-replicas";
+pub(crate) const FRONTEND_SECRET: &str = "kvrouter-nats-frontend";
+pub(crate) const SEED_KEY: &str = "seed.nk";
 /// The servers' certificate for overlays/nats-tls (cert-manager's keys), made by the operator.
 const TLS_SECRET: &str = "nats-tls";
 
 /// The Secrets `kvrouter creds` writes, by name: which keys each holds (`None`: any key of
-/// the form `replica-<id>.nk`).
+/// the form `replica-<id>.nk`). Frontends beyond the first (`--frontends N`) are
+/// `kvrouter-nats-frontend-<i>`.
 fn creds_secret_keys(name: &str) -> Option<Option<&'static str>> {
     let numbered = |prefix: &str| {
         name.strip_prefix(prefix)
@@ -51,7 +52,10 @@ fn creds_secret_keys(name: &str) -> Option<Option<&'static str>> {
         USERS_SECRET => Some(Some(USERS_KEY)),
         REPLICAS_SECRET => Some(None),
         FRONTEND_SECRET => Some(Some(SEED_KEY)),
-        _ if numbered("kvrouter-nats-bridge-") || numbered("kvrouter-nats-peer-") => {
+        _ if numbered("kvrouter-nats-bridge-")
+            || numbered("kvrouter-nats-peer-")
+            || numbered("kvrouter-nats-frontend-") =>
+        {
             Some(Some(SEED_KEY))
         }
         _ => None,
@@ -252,6 +256,24 @@ impl NatsLayout {
         }
     }
 
+    /// Starts NATS as its pod does ([`NatsLayout::command`]) on a free port, waiting until it
+    /// listens; returns it (killed when dropped) and the client port.
+    pub(crate) fn start(&self) -> (Proc, u16) {
+        let port = free_port();
+        let mut cmd = self.command(port);
+        cmd.stderr(std::process::Stdio::null());
+        let nats = spawn_proc("nats (as its pod starts it)", cmd);
+        assert!(
+            wait_until(Duration::from_secs(10), || std::net::TcpStream::connect((
+                "127.0.0.1",
+                port
+            ))
+            .is_ok()),
+            "nats-server did not start from the rendered configuration"
+        );
+        (nats, port)
+    }
+
     /// Runs the pod's start script (a real nats-server behind it, its ports moved to free
     /// loopback ones so tests do not collide), with SERVER_NAME as the pod's env gives it.
     fn command(&self, port: u16) -> Command {
@@ -408,19 +430,8 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
 
         // With it, the server starts, admits a user of the file and refuses anyone else.
         let layout = NatsLayout::new(m, Some(USERS_SAMPLE));
-        let port = free_port();
         let ca = layout.ca.as_deref();
-        let mut cmd = layout.command(port);
-        cmd.stderr(std::process::Stdio::null());
-        let _nats = spawn_proc("nats (as its pod starts it)", cmd);
-        assert!(
-            wait_until(Duration::from_secs(10), || std::net::TcpStream::connect((
-                "127.0.0.1",
-                port
-            ))
-            .is_ok()),
-            "{dir}: nats-server did not start with a users file"
-        );
+        let (_nats, port) = layout.start();
         assert!(
             connect(port, Some(("probe", "probe-pw")), ca).is_ok(),
             "{dir}: a user of the included users file is refused"
@@ -454,18 +465,27 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
         for (what, users) in [("an empty users file", Some("")), ("no users file", None)] {
             let layout = NatsLayout::new(m, users);
             let port = free_port();
-            let out = layout.command(port).output().unwrap();
+            let log = tempfile::NamedTempFile::new().unwrap();
+            let mut child = layout
+                .command(port)
+                .stdout(std::process::Stdio::null())
+                .stderr(log.reopen().unwrap())
+                .spawn()
+                .unwrap();
+            let exited = wait_until(Duration::from_secs(10), || {
+                child.try_wait().unwrap().is_some()
+            });
+            let open = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+            if !exited {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let err = std::fs::read_to_string(log.path()).unwrap();
             assert!(
-                !out.status.success(),
-                "{dir}: NATS started with {what}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(
-                std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-                "{dir}: something listens with {what}"
+                exited && !child.wait().unwrap().success() && !open,
+                "{dir}: NATS started with {what} (listening: {open}): {err}"
             );
             if users.is_some() {
-                let err = String::from_utf8_lossy(&out.stderr);
                 assert!(
                     err.contains("refusing to start") && err.contains("kvrouter creds"),
                     "{dir}: with {what} the log should say why and what to do: {err}"

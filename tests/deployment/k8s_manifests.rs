@@ -11,7 +11,10 @@
 //! is on PATH), kubernetes-validate (with PyYAML) and nats-server; a missing tool fails a test.
 
 use crate::common;
-use crate::k8s_locked::{mount_of, shell_script, NatsLayout, USERS_SAMPLE};
+use crate::k8s_locked::{
+    mount_of, shell_script, NatsLayout, FRONTEND_SECRET, REPLICAS_SECRET, SEED_KEY, USERS_KEY,
+    USERS_SAMPLE, USERS_SECRET,
+};
 
 use common::*;
 use serde_json::Value;
@@ -1606,21 +1609,75 @@ pub(crate) fn port_in(line: &serde_json::Value, pointer: &str) -> u16 {
 }
 
 /// The base's replica, bridge and frontend started from their rendered settings (addresses
-/// moved to loopback), with an emulated vLLM engine as vllm.yaml starts it: every probe path
-/// answers, a completion goes through the frontend, the replica and the engine, and each
-/// process exits within its pod's grace period on SIGTERM.
+/// moved to loopback), each with its own `kvrouter creds` identity on NATS started from the
+/// rendered configuration, with an emulated vLLM engine as vllm.yaml starts it: every probe
+/// path answers, a completion goes through the frontend, the replica and the engine, and
+/// each process exits within its pod's grace period on SIGTERM.
 #[test]
 fn a_fleet_runs_from_the_rendered_settings() {
     let m = base();
-    let nats = NatsServer::start();
+    let (sw, sc) = m.kvrouter("serve");
+    let (bw, bc) = m.kvrouter("bridge");
+    let (fw, fc) = m.kvrouter("frontend");
+
+    // The credentials as the operator makes them (docs/operations.md, "Kubernetes"): the
+    // replica's id is its pod name, the bridge's worker id its pod index. NATS starts as its
+    // pod does, with the users file from the Secret; each process gets its own seed from its
+    // Secret, where KVROUTER_NATS_NKEY_FILE is moved to.
+    let replica_id = m.env(sc)["KVROUTER_REPLICA_ID"].clone();
+    let worker_id = m.env(bc)["KVROUTER_WORKER_ID"].clone();
+    let creds = tempfile::tempdir().unwrap();
+    let out = run(&[
+        "creds",
+        "--out",
+        creds.path().to_str().unwrap(),
+        "--namespace",
+        &m.env(sc)["KVROUTER_NAMESPACE"],
+        "--replica-ids",
+        &replica_id,
+        "--worker-ids",
+        &worker_id,
+    ]);
+    stdout_of(&out, "kvrouter creds");
+    let k8s = std::fs::read_to_string(creds.path().join("kubernetes.yaml")).unwrap();
+    let secret = |name: &str, key: &str| -> String {
+        let doc = yaml_docs(&k8s)
+            .into_iter()
+            .find(|d| d["kind"] == "Secret" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("kvrouter creds wrote no Secret {name}"));
+        text(
+            &doc,
+            &format!("/stringData/{}", key.replace('~', "~0").replace('/', "~1")),
+        )
+        .to_string()
+    };
+    let layout = NatsLayout::new(m, Some(&secret(USERS_SECRET, USERS_KEY)));
+    let (_nats, nats_port) = layout.start();
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let seed_file = |name: &str, content: String| -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let path = creds.path().join(format!("{name}.seed"));
+        std::fs::write(&path, content).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let serve_seed = seed_file(
+        "serve",
+        secret(REPLICAS_SECRET, &format!("replica-{replica_id}.nk")),
+    );
+    let bridge_seed = seed_file(
+        "bridge",
+        secret(&format!("kvrouter-nats-bridge-{worker_id}"), SEED_KEY),
+    );
+    let frontend_seed = seed_file("frontend", secret(FRONTEND_SECRET, SEED_KEY));
 
     // The replica.
-    let (sw, sc) = m.kvrouter("serve");
     let (admin, api) = (free_port(), free_port());
     let mut cmd = kvrouter_with_env(
         &m.env(sc),
         &[
-            ("KVROUTER_NATS", nats.url()),
+            ("KVROUTER_NATS", nats_url.clone()),
+            ("KVROUTER_NATS_NKEY_FILE", serve_seed),
             ("KVROUTER_ADMIN_ADDR", format!("127.0.0.1:{admin}")),
             ("KVROUTER_HTTP_ADDR", format!("127.0.0.1:{api}")),
         ],
@@ -1637,7 +1694,6 @@ fn a_fleet_runs_from_the_rendered_settings() {
     );
 
     // The engine, with the model, block size and ranks the bridge's settings give vLLM.
-    let (bw, bc) = m.kvrouter("bridge");
     let env = m.env(bc);
     let ports = free_ports(5);
     let (zmq, http) = (ports, ports + 4);
@@ -1671,7 +1727,8 @@ fn a_fleet_runs_from_the_rendered_settings() {
     let mut cmd = kvrouter_with_env(
         &env,
         &[
-            ("KVROUTER_NATS", nats.url()),
+            ("KVROUTER_NATS", nats_url.clone()),
+            ("KVROUTER_NATS_NKEY_FILE", bridge_seed),
             ("KVROUTER_ADMIN_ADDR", "127.0.0.1:0".to_string()),
             ("KVROUTER_BASE_URL", text(&at, "/base_url").to_string()),
             (
@@ -1714,14 +1771,14 @@ fn a_fleet_runs_from_the_rendered_settings() {
     );
 
     // The frontend, on the tokenizer its init container fetched.
-    let (fw, fc) = m.kvrouter("frontend");
     let scratch = tempfile::tempdir().unwrap();
     let volume = tempfile::tempdir().unwrap();
     let models = fetch_tokenizers(m, volume.path(), scratch.path());
     let mut cmd = kvrouter_with_env(
         &m.env(fc),
         &[
-            ("KVROUTER_NATS", nats.url()),
+            ("KVROUTER_NATS", nats_url.clone()),
+            ("KVROUTER_NATS_NKEY_FILE", frontend_seed),
             ("KVROUTER_LISTEN", "127.0.0.1:0".to_string()),
             ("KVROUTER_MODEL_DIRS", models),
         ],

@@ -170,7 +170,6 @@ pub(crate) struct NatsLayout {
     _root: tempfile::TempDir,
     pub(crate) script: String,
     pub(crate) config: PathBuf,
-    pub(crate) users: PathBuf,
     /// The CA of the servers' certificate, when the pod mounts one (overlays/nats-tls).
     pub(crate) ca: Option<PathBuf>,
 }
@@ -241,6 +240,11 @@ impl NatsLayout {
                 }
             }
         }
+        assert!(
+            users_path.is_some(),
+            "{}: the nats container does not mount the users Secret",
+            m.dir
+        );
         let original = shell_script(c);
         let config = original
             .split_whitespace()
@@ -250,7 +254,6 @@ impl NatsLayout {
         Self {
             script: relocate(&original),
             config: under(config),
-            users: users_path.expect("the nats container mounts the users Secret"),
             ca,
             _root: root,
         }
@@ -388,7 +391,7 @@ fn which(program: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("{program} is not on PATH; {SETUP}"))
 }
 
-fn connect(port: u16, user: Option<(&str, &str)>, ca: Option<&Path>) -> Result<Bus, BusError> {
+fn connect_as(port: u16, user: Option<(&str, &str)>, ca: Option<&Path>) -> Result<Bus, BusError> {
     let mut opts = NatsOptions::new(format!("nats://127.0.0.1:{port}"));
     if let Some(ca) = ca {
         opts.tls_ca_file = Some(ca.to_path_buf());
@@ -433,10 +436,10 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
         let ca = layout.ca.as_deref();
         let (_nats, port) = layout.start();
         assert!(
-            connect(port, Some(("probe", "probe-pw")), ca).is_ok(),
+            connect_as(port, Some(("probe", "probe-pw")), ca).is_ok(),
             "{dir}: a user of the included users file is refused"
         );
-        match connect(port, None, ca) {
+        match connect_as(port, None, ca) {
             Err(BusError::Connect(msg)) => assert!(
                 msg.to_lowercase().contains("authoriz"),
                 "{dir}: an anonymous client refused for another reason: {msg}"
@@ -445,11 +448,16 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
             Ok(_) => panic!("{dir}: an anonymous client got in: the users file is not enforced"),
         }
         assert!(
-            connect(port, Some(("probe", "wrong")), ca).is_err(),
+            connect_as(port, Some(("probe", "wrong")), ca).is_err(),
             "{dir}: a wrong password got in"
         );
         if ca.is_some() {
-            // With TLS on, a client that does not speak it is refused.
+            // With TLS on, the server demands it, and a client that does not trust its CA
+            // gets nowhere.
+            assert!(
+                connect_as(port, Some(("probe", "probe-pw")), None).is_err(),
+                "{dir}: a client without the CA got in"
+            );
             let mut plain = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
             plain
                 .set_read_timeout(Some(Duration::from_secs(5)))
@@ -491,7 +499,6 @@ fn nats_starts_only_with_its_users_and_admits_no_one_else() {
                     "{dir}: with {what} the log should say why and what to do: {err}"
                 );
             }
-            assert!(!layout.users.exists() || users.is_some());
         }
     }
 }

@@ -11,6 +11,10 @@
 //! is on PATH), kubernetes-validate (with PyYAML) and nats-server; a missing tool fails a test.
 
 use crate::common;
+use crate::k8s_locked::{
+    mount_of, shell_script, NatsLayout, FRONTEND_SECRET, REPLICAS_SECRET, SEED_KEY, USERS_KEY,
+    USERS_SAMPLE, USERS_SECRET,
+};
 
 use common::*;
 use serde_json::Value;
@@ -20,20 +24,23 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-const BASE: &str = "deploy/kubernetes/base";
-const OVERLAY: &str = "deploy/kubernetes/overlays/example";
+pub(crate) const BASE: &str = "deploy/kubernetes/base";
+pub(crate) const OVERLAY: &str = "deploy/kubernetes/overlays/example";
 
 /// The oldest Kubernetes the manifests claim (the frontend's preStop `sleep` action is on by
 /// default from 1.30); `None` is the newest kubernetes-validate knows.
 const K8S_VERSIONS: [Option<&str>; 2] = [Some("1.30.0"), None];
 
-const SETUP: &str = "run `. scripts/setup.sh` first (scripts/test.sh does)";
+/// The pod name the downward API gives in `Manifests::env` (a StatefulSet's first pod).
+pub(crate) const POD_NAME: &str = "kvrouter-serve-0";
+
+pub(crate) const SETUP: &str = "run `. scripts/setup.sh` first (scripts/test.sh does)";
 
 // ---------------------------------------------------------------------------------------------
 // Tools
 
 /// Runs a tool to completion; a tool that cannot be started fails the test with a hint.
-fn run_tool(program: &str, args: &[&str], stdin: Option<&str>, what: &str) -> Output {
+pub(crate) fn run_tool(program: &str, args: &[&str], stdin: Option<&str>, what: &str) -> Output {
     use std::io::Write;
     let mut child = Command::new(program)
         .args(args)
@@ -52,7 +59,7 @@ fn run_tool(program: &str, args: &[&str], stdin: Option<&str>, what: &str) -> Ou
     child.wait_with_output().expect("wait for the tool")
 }
 
-fn stdout_of(out: &Output, what: &str) -> String {
+pub(crate) fn stdout_of(out: &Output, what: &str) -> String {
     assert!(
         out.status.success(),
         "{what} failed ({}): {}{}",
@@ -64,7 +71,7 @@ fn stdout_of(out: &Output, what: &str) -> String {
 }
 
 /// Every document of a YAML stream as JSON (PyYAML, which kubernetes-validate brings).
-fn yaml_docs(yaml: &str) -> Vec<Value> {
+pub(crate) fn yaml_docs(yaml: &str) -> Vec<Value> {
     let script = "import sys, json, yaml\n\
                   print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d is not None]))";
     let out = run_tool("python3", &["-c", script], Some(yaml), "PyYAML");
@@ -78,7 +85,7 @@ fn yaml_docs(yaml: &str) -> Vec<Value> {
     }
 }
 
-fn yaml_doc(yaml: &str) -> Value {
+pub(crate) fn yaml_doc(yaml: &str) -> Value {
     let mut docs = yaml_docs(yaml);
     assert_eq!(docs.len(), 1, "one YAML document expected");
     docs.remove(0)
@@ -87,13 +94,13 @@ fn yaml_doc(yaml: &str) -> Value {
 // ---------------------------------------------------------------------------------------------
 // Rendered manifests
 
-struct Manifests {
-    dir: &'static str,
-    yaml: String,
-    docs: Vec<Value>,
+pub(crate) struct Manifests {
+    pub(crate) dir: &'static str,
+    pub(crate) yaml: String,
+    pub(crate) docs: Vec<Value>,
 }
 
-fn render(dir: &'static str) -> Manifests {
+pub(crate) fn render(dir: &'static str) -> Manifests {
     let out = run_tool("kubectl", &["kustomize", dir], None, "kubectl kustomize");
     let yaml = stdout_of(&out, &format!("kubectl kustomize {dir}"));
     let docs = yaml_docs(&yaml);
@@ -101,33 +108,54 @@ fn render(dir: &'static str) -> Manifests {
     Manifests { dir, yaml, docs }
 }
 
-fn base() -> &'static Manifests {
-    static M: OnceLock<Manifests> = OnceLock::new();
-    M.get_or_init(|| render(BASE))
+/// The base, then every overlay under deploy/kubernetes/overlays (by name), rendered once.
+pub(crate) fn every() -> &'static [Manifests] {
+    static M: OnceLock<Vec<Manifests>> = OnceLock::new();
+    M.get_or_init(|| {
+        let parent = Path::new(OVERLAY).parent().unwrap();
+        let mut dirs: Vec<String> = std::fs::read_dir(repo_file(parent.to_str().unwrap()))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("kustomization.yaml").is_file())
+            .map(|p| {
+                let name = p.file_name().unwrap().to_str().unwrap().to_string();
+                format!("{}/{name}", parent.display())
+            })
+            .collect();
+        dirs.sort();
+        assert!(
+            dirs.iter().any(|d| d == OVERLAY),
+            "{OVERLAY} is gone: {dirs:?}"
+        );
+        std::iter::once(BASE)
+            .chain(dirs.into_iter().map(|d| &*Box::leak(d.into_boxed_str())))
+            .map(render)
+            .collect()
+    })
 }
 
-fn overlay() -> &'static Manifests {
-    static M: OnceLock<Manifests> = OnceLock::new();
-    M.get_or_init(|| render(OVERLAY))
+pub(crate) fn base() -> &'static Manifests {
+    &every()[0]
 }
 
-fn both() -> [&'static Manifests; 2] {
-    [base(), overlay()]
+/// The example overlay (its own namespace, merged settings, another model).
+pub(crate) fn overlay() -> &'static Manifests {
+    every().iter().find(|m| m.dir == OVERLAY).unwrap()
 }
 
-fn text<'a>(v: &'a Value, ptr: &str) -> &'a str {
+pub(crate) fn text<'a>(v: &'a Value, ptr: &str) -> &'a str {
     v.pointer(ptr)
         .and_then(Value::as_str)
         .unwrap_or_else(|| panic!("no string at {ptr} in {}", short(v)))
 }
 
-fn int(v: &Value, ptr: &str) -> i64 {
+pub(crate) fn int(v: &Value, ptr: &str) -> i64 {
     v.pointer(ptr)
         .and_then(Value::as_i64)
         .unwrap_or_else(|| panic!("no integer at {ptr} in {}", short(v)))
 }
 
-fn list<'a>(v: &'a Value, ptr: &str) -> &'a [Value] {
+pub(crate) fn list<'a>(v: &'a Value, ptr: &str) -> &'a [Value] {
     v.pointer(ptr)
         .and_then(Value::as_array)
         .map(Vec::as_slice)
@@ -135,7 +163,7 @@ fn list<'a>(v: &'a Value, ptr: &str) -> &'a [Value] {
 }
 
 /// An object's kind and name, for messages.
-fn short(v: &Value) -> String {
+pub(crate) fn short(v: &Value) -> String {
     let kind = v.get("kind").and_then(Value::as_str).unwrap_or("?");
     let name = v
         .pointer("/metadata/name")
@@ -146,12 +174,12 @@ fn short(v: &Value) -> String {
 }
 
 impl Manifests {
-    fn of_kind<'a>(&'a self, kind: &str) -> impl Iterator<Item = &'a Value> + 'a {
+    pub(crate) fn of_kind<'a>(&'a self, kind: &str) -> impl Iterator<Item = &'a Value> + 'a {
         let kind = kind.to_string();
         self.docs.iter().filter(move |d| d["kind"] == kind.as_str())
     }
 
-    fn get(&self, kind: &str, name: &str) -> &Value {
+    pub(crate) fn get(&self, kind: &str, name: &str) -> &Value {
         self.of_kind(kind)
             .find(|d| d["metadata"]["name"] == name)
             .unwrap_or_else(|| {
@@ -161,7 +189,7 @@ impl Manifests {
     }
 
     /// A ConfigMap of the base's configMapGenerator, by its name before the content hash.
-    fn config_map(&self, name: &str) -> &Value {
+    pub(crate) fn config_map(&self, name: &str) -> &Value {
         let hashed = |n: &str| {
             n.strip_prefix(name)
                 .and_then(|rest| rest.strip_prefix('-'))
@@ -181,7 +209,7 @@ impl Manifests {
         cm
     }
 
-    fn data(&self, cm: &str) -> BTreeMap<String, String> {
+    pub(crate) fn data(&self, cm: &str) -> BTreeMap<String, String> {
         let cm = self.config_map(cm);
         cm["data"]
             .as_object()
@@ -192,20 +220,20 @@ impl Manifests {
     }
 
     /// Deployments and StatefulSets.
-    fn workloads(&self) -> impl Iterator<Item = &Value> {
+    pub(crate) fn workloads(&self) -> impl Iterator<Item = &Value> {
         self.docs
             .iter()
             .filter(|d| d["kind"] == "Deployment" || d["kind"] == "StatefulSet")
     }
 
-    fn workload(&self, name: &str) -> &Value {
+    pub(crate) fn workload(&self, name: &str) -> &Value {
         self.workloads()
             .find(|w| w["metadata"]["name"] == name)
             .unwrap_or_else(|| panic!("{}: no workload {name}", self.dir))
     }
 
     /// Every container of a workload's kvrouter image with its subcommand (`serve` ...).
-    fn kvrouter_containers(&self) -> Vec<(&Value, &Value, String)> {
+    pub(crate) fn kvrouter_containers(&self) -> Vec<(&Value, &Value, String)> {
         let mut out = Vec::new();
         for w in self.workloads() {
             for c in all_containers(w) {
@@ -223,7 +251,7 @@ impl Manifests {
     }
 
     /// The one kvrouter container running `sub`, with its workload.
-    fn kvrouter(&self, sub: &str) -> (&Value, &Value) {
+    pub(crate) fn kvrouter(&self, sub: &str) -> (&Value, &Value) {
         let found: Vec<_> = self
             .kvrouter_containers()
             .into_iter()
@@ -239,9 +267,10 @@ impl Manifests {
     }
 
     /// The environment a container starts with, as the kubelet builds it: its envFrom
-    /// ConfigMaps, then its env (ConfigMap keys resolved, downward-API fields as placeholders,
-    /// `$(VAR)` expanded); optional Secret references are left out.
-    fn env(&self, c: &Value) -> BTreeMap<String, String> {
+    /// ConfigMaps, then its env (ConfigMap keys resolved, downward-API fields as placeholders:
+    /// the pod name `POD_NAME`, index 0, IP 10.1.2.3; `$(VAR)` expanded); optional Secret
+    /// references are left out.
+    pub(crate) fn env(&self, c: &Value) -> BTreeMap<String, String> {
         let mut env = BTreeMap::new();
         for src in list(c, "/envFrom") {
             let name = src
@@ -262,7 +291,9 @@ impl Manifests {
                 text(cm, &format!("/data/{}", text(r, "/key"))).to_string()
             } else if let Some(f) = e.pointer("/valueFrom/fieldRef/fieldPath") {
                 match f.as_str() {
-                    Some("metadata.name") => "kvrouter-serve-5d8f7c9b6d-x2x4q".to_string(),
+                    // StatefulSet pods: the first one's name and index.
+                    Some("metadata.name") => POD_NAME.to_string(),
+                    Some("metadata.labels['apps.kubernetes.io/pod-index']") => "0".to_string(),
                     Some("status.podIP") => "10.1.2.3".to_string(),
                     other => panic!("{}: unexpected fieldRef {other:?}", short(c)),
                 }
@@ -279,7 +310,7 @@ impl Manifests {
 }
 
 /// `$(VAR)` references replaced by defined variables, as the kubelet expands env and args.
-fn expand(s: &str, env: &BTreeMap<String, String>) -> String {
+pub(crate) fn expand(s: &str, env: &BTreeMap<String, String>) -> String {
     let mut out = String::new();
     let mut rest = s;
     while let Some(i) = rest.find("$(") {
@@ -300,43 +331,43 @@ fn expand(s: &str, env: &BTreeMap<String, String>) -> String {
     out
 }
 
-fn pod_spec(w: &Value) -> &Value {
+pub(crate) fn pod_spec(w: &Value) -> &Value {
     w.pointer("/spec/template/spec")
         .unwrap_or_else(|| panic!("{} has no pod template", short(w)))
 }
 
-fn pod_labels(w: &Value) -> &Value {
+pub(crate) fn pod_labels(w: &Value) -> &Value {
     &w["spec"]["template"]["metadata"]["labels"]
 }
 
-fn all_containers(w: &Value) -> impl Iterator<Item = &Value> {
+pub(crate) fn all_containers(w: &Value) -> impl Iterator<Item = &Value> {
     let spec = pod_spec(w);
     list(spec, "/initContainers")
         .iter()
         .chain(list(spec, "/containers"))
 }
 
-fn container<'a>(w: &'a Value, name: &str) -> &'a Value {
+pub(crate) fn container<'a>(w: &'a Value, name: &str) -> &'a Value {
     all_containers(w)
         .find(|c| c["name"] == name)
         .unwrap_or_else(|| panic!("{}: no container {name}", short(w)))
 }
 
 /// `registry.example.com/kvrouter:0.1.0` → `kvrouter`.
-fn image_name(image: &str) -> &str {
+pub(crate) fn image_name(image: &str) -> &str {
     let path = image.split('@').next().unwrap_or(image);
     let last = path.rsplit('/').next().unwrap_or(path);
     last.split(':').next().unwrap_or(last)
 }
 
 /// `nats:2.11-alpine` → `2.11-alpine`.
-fn image_tag(image: &str) -> &str {
+pub(crate) fn image_tag(image: &str) -> &str {
     let last = image.rsplit('/').next().unwrap_or(image);
     last.split_once(':').map(|(_, t)| t).unwrap_or("latest")
 }
 
 /// The port of `HOST:PORT` or `scheme://HOST:PORT[/path]`.
-fn host_port(addr: &str) -> (String, u16) {
+pub(crate) fn host_port(addr: &str) -> (String, u16) {
     let rest = addr.split_once("://").map(|(_, r)| r).unwrap_or(addr);
     let rest = rest.split('/').next().unwrap_or(rest);
     let (host, port) = rest
@@ -350,7 +381,7 @@ fn host_port(addr: &str) -> (String, u16) {
 }
 
 /// A container port by name or number.
-fn container_port(c: &Value, port: &Value) -> u16 {
+pub(crate) fn container_port(c: &Value, port: &Value) -> u16 {
     if let Some(n) = port.as_u64() {
         return n as u16;
     }
@@ -375,7 +406,7 @@ fn http_probe(c: &Value, probe: &str) -> (String, u16) {
 }
 
 /// Whether a label selector (matchLabels, or a Service's plain map) picks these labels.
-fn selects(selector: &Value, labels: &Value) -> bool {
+pub(crate) fn selects(selector: &Value, labels: &Value) -> bool {
     let sel = selector.as_object().expect("a selector map");
     !sel.is_empty() && sel.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
@@ -461,7 +492,7 @@ fn admin_probes_and_grace(w: &Value, c: &Value, env: &BTreeMap<String, String>, 
 
 #[test]
 fn base_and_overlay_validate_against_the_kubernetes_schemas() {
-    for m in both() {
+    for m in every() {
         let mut file = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut file, m.yaml.as_bytes()).unwrap();
         let path = file.path().to_str().unwrap().to_string();
@@ -499,21 +530,43 @@ fn base_and_overlay_validate_against_the_kubernetes_schemas() {
 
 #[test]
 fn serve_replicas_probe_the_admin_port_drain_in_time_and_keep_a_budget() {
-    for m in both() {
+    for m in every() {
         let (w, c) = m.kvrouter("serve");
         let who = format!("{}: {}", m.dir, short(w));
-        assert_eq!(w["kind"], "Deployment", "{who}");
+        // Stable pod names: the pod name is the replica id, which names its NATS user.
+        assert_eq!(w["kind"], "StatefulSet", "{who}");
         assert_eq!(int(w, "/spec/replicas"), 3, "{who}: three replicas");
+        let replica_id = list(c, "/env")
+            .iter()
+            .find(|e| e["name"] == "KVROUTER_REPLICA_ID")
+            .unwrap_or_else(|| panic!("{who}: no KVROUTER_REPLICA_ID"));
+        assert_eq!(
+            replica_id.pointer("/valueFrom/fieldRef/fieldPath"),
+            Some(&Value::from("metadata.name")),
+            "{who}: the replica id is the pod name"
+        );
+        let svc = m.get("Service", text(w, "/spec/serviceName"));
+        assert!(selects(&svc["spec"]["selector"], pod_labels(w)), "{who}");
         let env = m.env(c);
         admin_probes_and_grace(w, c, &env, &who);
         assert!(
             c["lifecycle"].is_null(),
             "{who}: a preStop would eat the grace period"
         );
-        // Rolling updates never take a ready replica away before its successor is ready.
+        // Rolling updates replace one pod at a time, each once its successor is ready (a
+        // StatefulSet cannot surge: the name is taken until the old pod is gone).
         assert_eq!(
-            w["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0,
+            w["spec"]["updateStrategy"]["type"], "RollingUpdate",
             "{who}"
+        );
+        let rolling = &w["spec"]["updateStrategy"]["rollingUpdate"];
+        assert!(
+            rolling["maxUnavailable"].is_null() || rolling["maxUnavailable"] == 1,
+            "{who}: {rolling}"
+        );
+        assert!(
+            rolling["partition"].is_null(),
+            "{who}: a partition leaves pods behind"
         );
 
         // One PodDisruptionBudget, for these pods only, that lets a node drain one at a time.
@@ -558,7 +611,7 @@ fn serve_replicas_probe_the_admin_port_drain_in_time_and_keep_a_budget() {
 
 #[test]
 fn frontends_and_bridges_probe_the_ports_their_settings_open() {
-    for m in both() {
+    for m in every() {
         let (w, c) = m.kvrouter("frontend");
         let who = format!("{}: {}", m.dir, short(w));
         let env = m.env(c);
@@ -596,7 +649,7 @@ fn frontends_and_bridges_probe_the_ports_their_settings_open() {
 #[test]
 fn every_kvrouter_variable_is_a_flag_of_the_subcommand_that_reads_it() {
     let mut twins = BTreeMap::new();
-    for m in both() {
+    for m in every() {
         let mut read_by_kvrouter = BTreeSet::new();
         for (w, c, sub) in m.kvrouter_containers() {
             let who = format!("{}: {} container {}", m.dir, short(w), c["name"]);
@@ -635,7 +688,7 @@ fn every_kvrouter_variable_is_a_flag_of_the_subcommand_that_reads_it() {
 
 #[test]
 fn the_bridge_subscribes_where_vllm_publishes() {
-    for m in both() {
+    for m in every() {
         let (w, bridge) = m.kvrouter("bridge");
         let who = format!("{}: {}", m.dir, short(w));
         let env = m.env(bridge);
@@ -673,10 +726,15 @@ fn the_bridge_subscribes_where_vllm_publishes() {
         );
         let (bind, events) = host_port(text(&config, "/endpoint"));
         let (replay_bind, replay) = host_port(text(&config, "/replay_endpoint"));
-        assert!(
-            bind == "*" && replay_bind == "*",
-            "{who}: vLLM binds {config}"
+        // The replay socket (always bound by vLLM) listens on loopback only. vLLM binds its
+        // publisher only for an endpoint with a wildcard and connects to any other, and the
+        // bridge connects: the publisher stays on `*`, and no NetworkPolicy admits its port
+        // (k8s_locked.rs checks that).
+        assert_eq!(
+            replay_bind, "127.0.0.1",
+            "{who}: vLLM's replay socket: {config}"
         );
+        assert_eq!(bind, "*", "{who}: vLLM would connect, not bind: {config}");
 
         let (host, port) = host_port(&env["KVROUTER_ZMQ_ENDPOINT"]);
         assert!(env["KVROUTER_ZMQ_ENDPOINT"].starts_with("tcp://"), "{who}");
@@ -711,6 +769,18 @@ fn the_bridge_subscribes_where_vllm_publishes() {
             "{who}: the base URL is the pod IP (status.podIP)"
         );
         assert_eq!(port, vllm_port, "{who}: base URL port");
+        // The bridge reads vLLM's health and metrics over loopback, not through the pod IP
+        // (which NetworkPolicies govern).
+        for (key, path) in [
+            ("KVROUTER_HEALTH_URL", "/health"),
+            ("KVROUTER_METRICS_URL", "/metrics"),
+        ] {
+            assert_eq!(
+                env.get(key).map(String::as_str),
+                Some(format!("http://127.0.0.1:{vllm_port}{path}").as_str()),
+                "{who}: {key}"
+            );
+        }
         let (path, probe_port) = http_probe(engine, "readinessProbe");
         assert_eq!((path.as_str(), probe_port), ("/health", vllm_port), "{who}");
     }
@@ -718,7 +788,7 @@ fn the_bridge_subscribes_where_vllm_publishes() {
 
 #[test]
 fn replicas_frontends_and_bridges_share_one_fleet() {
-    for m in both() {
+    for m in every() {
         let serve = m.env(m.kvrouter("serve").1);
         let (fw, fc) = m.kvrouter("frontend");
         let frontend = m.env(fc);
@@ -823,11 +893,14 @@ fn the_overlay_moves_everything_into_its_namespace_and_merges_its_settings() {
     // Its images, replica counts and settings win; the base's other settings stay.
     for image in list(&kustomization, "/images") {
         let name = text(image, "/name");
-        let want = format!(
+        let mut want = format!(
             "{}:{}",
             image["newName"].as_str().unwrap_or(name),
             text(image, "/newTag")
         );
+        if let Some(digest) = image["digest"].as_str() {
+            want = format!("{want}@{digest}");
+        }
         for w in o.workloads() {
             for c in all_containers(w) {
                 let got = text(c, "/image");
@@ -879,7 +952,7 @@ fn the_overlay_moves_everything_into_its_namespace_and_merges_its_settings() {
 fn containers_run_as_non_root_with_least_privilege() {
     // vLLM, torch and triton write caches all over the file system.
     let writable_root = ["vllm"];
-    for m in both() {
+    for m in every() {
         for w in m.workloads() {
             let spec = pod_spec(w);
             let who = format!("{}: {}", m.dir, short(w));
@@ -926,7 +999,7 @@ fn containers_run_as_non_root_with_least_privilege() {
 
 #[test]
 fn objects_are_labelled_and_services_and_budgets_select_their_pods() {
-    for m in both() {
+    for m in every() {
         for d in m.docs.iter().filter(|d| d["kind"] != "Namespace") {
             let labels = &d["metadata"]["labels"];
             assert_eq!(
@@ -1023,7 +1096,7 @@ fn objects_are_labelled_and_services_and_budgets_select_their_pods() {
 
 #[test]
 fn nats_runs_a_three_node_cluster_of_core_nats() {
-    for m in both() {
+    for m in every() {
         let sts = m.get("StatefulSet", "nats");
         let dir = m.dir;
         let replicas = int(sts, "/spec/replicas");
@@ -1047,16 +1120,13 @@ fn nats_runs_a_three_node_cluster_of_core_nats() {
         );
 
         let conf = &m.data("nats-config")["nats.conf"];
-        let config_path = list(c, "/command")
-            .iter()
+        let start = shell_script(c);
+        let config_path = start
+            .split_whitespace()
             .skip_while(|a| *a != "--config")
             .nth(1)
-            .and_then(Value::as_str)
             .expect("nats-server --config FILE");
-        let mount = list(c, "/volumeMounts")
-            .iter()
-            .find(|v| config_path.starts_with(text(v, "/mountPath")))
-            .expect("the config file's volume");
+        let mount = mount_of(c, config_path);
         let vol = list(pod_spec(sts), "/volumes")
             .iter()
             .find(|v| v["name"] == mount["name"])
@@ -1096,10 +1166,32 @@ fn nats_runs_a_three_node_cluster_of_core_nats() {
                 .any(|l| l.starts_with("listen:") && l.ends_with(&format!(":{cluster_port}"))),
             "{dir}: cluster listen port"
         );
-        let (path, monitor) = http_probe(c, "readinessProbe");
+        // Monitoring on loopback only, the probes asking it from inside the pod.
+        let monitor = active
+            .iter()
+            .find_map(|l| l.strip_prefix("http:"))
+            .expect("a monitoring port")
+            .trim();
         assert!(
-            path == "/healthz" && active.contains(&format!("http: 0.0.0.0:{monitor}").as_str()),
-            "{dir}: probes on the monitoring port"
+            monitor.starts_with("127.0.0.1:"),
+            "{dir}: monitoring listens on {monitor}, not loopback"
+        );
+        for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+            let cmd: Vec<&str> = list(c, &format!("/{probe}/exec/command"))
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect();
+            assert!(
+                cmd.contains(&format!("http://{monitor}/healthz").as_str()),
+                "{dir}: {probe} {cmd:?} does not ask {monitor}/healthz"
+            );
+        }
+        assert!(
+            list(c, "/ports").iter().all(|p| {
+                let port = int(p, "/containerPort").to_string();
+                !monitor.ends_with(&format!(":{port}"))
+            }),
+            "{dir}: the monitoring port is declared as a container port"
         );
         // JetStream only if kvrouter uses it.
         let uses_jetstream = rust_sources()
@@ -1122,12 +1214,12 @@ fn nats_runs_a_three_node_cluster_of_core_nats() {
             "{dir}: {pre_stop:?}"
         );
 
-        // nats-server itself accepts the file.
-        let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(file.path(), conf).unwrap();
+        // nats-server itself accepts the file, laid out as the pod mounts it (with an
+        // authorization file of the shape `kvrouter creds` writes).
+        let layout = NatsLayout::new(m, Some(USERS_SAMPLE));
         let out = Command::new("nats-server")
             .args(["-t", "-c"])
-            .arg(file.path())
+            .arg(&layout.config)
             .env("SERVER_NAME", "nats-0")
             .output()
             .unwrap_or_else(|e| panic!("nats-server: {e}; {SETUP}"));
@@ -1262,7 +1354,7 @@ fn prometheus_scrapes_every_kvrouter_pod_and_alerts_on_exported_metrics() {
         ["kvrouter"]
     );
     let ports = keep("__meta_kubernetes_pod_container_port_name");
-    for mm in both() {
+    for mm in every() {
         for (w, c, sub) in mm.kvrouter_containers() {
             // The port each serves /metrics on: the admin address, or the frontend's listener.
             let env = mm.env(c);
@@ -1379,7 +1471,7 @@ fn prometheus_scrapes_every_kvrouter_pod_and_alerts_on_exported_metrics() {
 // The kvrouter containers, started from their rendered settings
 
 /// `kvrouter` with exactly the container's `KVROUTER_*` environment plus `overrides`.
-fn kvrouter_with_env(
+pub(crate) fn kvrouter_with_env(
     env: &BTreeMap<String, String>,
     overrides: &[(&str, String)],
 ) -> std::process::Command {
@@ -1398,7 +1490,7 @@ fn kvrouter_with_env(
     cmd
 }
 
-fn args_of(c: &Value) -> Vec<String> {
+pub(crate) fn args_of(c: &Value) -> Vec<String> {
     list(c, "/args")
         .iter()
         .map(|a| a.as_str().unwrap().to_string())
@@ -1418,7 +1510,7 @@ fn stops_within_grace(p: Proc, w: &Value) {
 }
 
 /// Polls a probe path until it answers 200.
-fn probe_ok(port: u16, path: &str, who: &str) {
+pub(crate) fn probe_ok(port: u16, path: &str, who: &str) {
     assert!(
         wait_until(Duration::from_secs(30), || http_get(port, path).0 == 200),
         "{who} never answered 200 on {path}: {:?}",
@@ -1462,7 +1554,8 @@ fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
     std::fs::write(
         stub.join("__init__.py"),
         "import fnmatch, os, shutil\n\
-         def snapshot_download(repo_id, local_dir, allow_patterns=None, **kw):\n\
+         def snapshot_download(repo_id, local_dir, allow_patterns=None, revision=None, **kw):\n\
+         \x20   assert revision and len(revision) == 40, f'{repo_id} fetched at {revision!r}'\n\
          \x20   src = os.environ['STUB_MODEL_DIR']\n\
          \x20   os.makedirs(local_dir, exist_ok=True)\n\
          \x20   for f in os.listdir(src):\n\
@@ -1490,6 +1583,7 @@ fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
     let out = Command::new("python3")
         .args(["-c", &python])
         .env("KVROUTER_MODEL_DIRS", &models)
+        .env("MODEL_REVISIONS", &env["MODEL_REVISIONS"])
         .env("STUB_MODEL_DIR", &made)
         .env("PYTHONPATH", scratch.join("stub"))
         .output()
@@ -1507,7 +1601,7 @@ fn fetch_tokenizers(m: &Manifests, volume: &Path, scratch: &Path) -> String {
 
 /// The port of the `ip:port` at `pointer` in a start line (processes given port 0 say which
 /// one they bound).
-fn port_in(line: &serde_json::Value, pointer: &str) -> u16 {
+pub(crate) fn port_in(line: &serde_json::Value, pointer: &str) -> u16 {
     text(line, pointer)
         .parse::<std::net::SocketAddr>()
         .unwrap_or_else(|e| panic!("{pointer} in {line} is no address: {e}"))
@@ -1515,21 +1609,75 @@ fn port_in(line: &serde_json::Value, pointer: &str) -> u16 {
 }
 
 /// The base's replica, bridge and frontend started from their rendered settings (addresses
-/// moved to loopback), with an emulated vLLM engine as vllm.yaml starts it: every probe path
-/// answers, a completion goes through the frontend, the replica and the engine, and each
-/// process exits within its pod's grace period on SIGTERM.
+/// moved to loopback), each with its own `kvrouter creds` identity on NATS started from the
+/// rendered configuration, with an emulated vLLM engine as vllm.yaml starts it: every probe
+/// path answers, a completion goes through the frontend, the replica and the engine, and
+/// each process exits within its pod's grace period on SIGTERM.
 #[test]
 fn a_fleet_runs_from_the_rendered_settings() {
     let m = base();
-    let nats = NatsServer::start();
+    let (sw, sc) = m.kvrouter("serve");
+    let (bw, bc) = m.kvrouter("bridge");
+    let (fw, fc) = m.kvrouter("frontend");
+
+    // The credentials as the operator makes them (docs/operations.md, "Kubernetes"): the
+    // replica's id is its pod name, the bridge's worker id its pod index. NATS starts as its
+    // pod does, with the users file from the Secret; each process gets its own seed from its
+    // Secret, where KVROUTER_NATS_NKEY_FILE is moved to.
+    let replica_id = m.env(sc)["KVROUTER_REPLICA_ID"].clone();
+    let worker_id = m.env(bc)["KVROUTER_WORKER_ID"].clone();
+    let creds = tempfile::tempdir().unwrap();
+    let out = run(&[
+        "creds",
+        "--out",
+        creds.path().to_str().unwrap(),
+        "--namespace",
+        &m.env(sc)["KVROUTER_NAMESPACE"],
+        "--replica-ids",
+        &replica_id,
+        "--worker-ids",
+        &worker_id,
+    ]);
+    stdout_of(&out, "kvrouter creds");
+    let k8s = std::fs::read_to_string(creds.path().join("kubernetes.yaml")).unwrap();
+    let secret = |name: &str, key: &str| -> String {
+        let doc = yaml_docs(&k8s)
+            .into_iter()
+            .find(|d| d["kind"] == "Secret" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("kvrouter creds wrote no Secret {name}"));
+        text(
+            &doc,
+            &format!("/stringData/{}", key.replace('~', "~0").replace('/', "~1")),
+        )
+        .to_string()
+    };
+    let layout = NatsLayout::new(m, Some(&secret(USERS_SECRET, USERS_KEY)));
+    let (_nats, nats_port) = layout.start();
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let seed_file = |name: &str, content: String| -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let path = creds.path().join(format!("{name}.seed"));
+        std::fs::write(&path, content).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let serve_seed = seed_file(
+        "serve",
+        secret(REPLICAS_SECRET, &format!("replica-{replica_id}.nk")),
+    );
+    let bridge_seed = seed_file(
+        "bridge",
+        secret(&format!("kvrouter-nats-bridge-{worker_id}"), SEED_KEY),
+    );
+    let frontend_seed = seed_file("frontend", secret(FRONTEND_SECRET, SEED_KEY));
 
     // The replica.
-    let (sw, sc) = m.kvrouter("serve");
     let (admin, api) = (free_port(), free_port());
     let mut cmd = kvrouter_with_env(
         &m.env(sc),
         &[
-            ("KVROUTER_NATS", nats.url()),
+            ("KVROUTER_NATS", nats_url.clone()),
+            ("KVROUTER_NATS_NKEY_FILE", serve_seed),
             ("KVROUTER_ADMIN_ADDR", format!("127.0.0.1:{admin}")),
             ("KVROUTER_HTTP_ADDR", format!("127.0.0.1:{api}")),
         ],
@@ -1546,7 +1694,6 @@ fn a_fleet_runs_from_the_rendered_settings() {
     );
 
     // The engine, with the model, block size and ranks the bridge's settings give vLLM.
-    let (bw, bc) = m.kvrouter("bridge");
     let env = m.env(bc);
     let ports = free_ports(5);
     let (zmq, http) = (ports, ports + 4);
@@ -1580,7 +1727,8 @@ fn a_fleet_runs_from_the_rendered_settings() {
     let mut cmd = kvrouter_with_env(
         &env,
         &[
-            ("KVROUTER_NATS", nats.url()),
+            ("KVROUTER_NATS", nats_url.clone()),
+            ("KVROUTER_NATS_NKEY_FILE", bridge_seed),
             ("KVROUTER_ADMIN_ADDR", "127.0.0.1:0".to_string()),
             ("KVROUTER_BASE_URL", text(&at, "/base_url").to_string()),
             (
@@ -1590,6 +1738,14 @@ fn a_fleet_runs_from_the_rendered_settings() {
             (
                 "KVROUTER_REPLAY_ENDPOINT",
                 text(&at, "/replay_endpoint").to_string(),
+            ),
+            (
+                "KVROUTER_HEALTH_URL",
+                format!("{}/health", text(&at, "/base_url")),
+            ),
+            (
+                "KVROUTER_METRICS_URL",
+                format!("{}/metrics", text(&at, "/base_url")),
             ),
         ],
     );
@@ -1615,14 +1771,14 @@ fn a_fleet_runs_from_the_rendered_settings() {
     );
 
     // The frontend, on the tokenizer its init container fetched.
-    let (fw, fc) = m.kvrouter("frontend");
     let scratch = tempfile::tempdir().unwrap();
     let volume = tempfile::tempdir().unwrap();
     let models = fetch_tokenizers(m, volume.path(), scratch.path());
     let mut cmd = kvrouter_with_env(
         &m.env(fc),
         &[
-            ("KVROUTER_NATS", nats.url()),
+            ("KVROUTER_NATS", nats_url.clone()),
+            ("KVROUTER_NATS_NKEY_FILE", frontend_seed),
             ("KVROUTER_LISTEN", "127.0.0.1:0".to_string()),
             ("KVROUTER_MODEL_DIRS", models),
         ],

@@ -471,6 +471,7 @@ fn a_frontend_reads_only_its_own_replies_and_cannot_answer_routes_or_sync() {
         request_id: "x".into(),
         call_id: 1,
         kept_by: None,
+        lease: kvrouter_protocol::Lease::NONE,
     };
     frontend.publish(&s.abandon(), encode(&abandon).unwrap());
     let abandons = subs.get_mut(&s.abandon()).unwrap();

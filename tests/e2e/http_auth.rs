@@ -122,8 +122,9 @@ fn routed_prompt(seed: u32) -> Value {
     json!({ "model": MODEL, "tokens": tokens(seed, 2) })
 }
 
-fn free_body() -> Value {
-    json!({ "model": MODEL })
+/// A free of the request a route answer names, with its lease.
+fn free_body(answer: &Value) -> Value {
+    json!({ "model": MODEL, "lease": answer["lease"] })
 }
 
 fn rank_page() -> String {
@@ -198,13 +199,14 @@ fn bearer_tokens_open_only_the_doors_their_scopes_name() {
         Some(&routed_prompt(1)),
     );
     assert_eq!(r.status, 200, "{}", r.body);
-    let id = r.json()["request_id"].as_str().expect("an id").to_string();
+    let routed = r.json();
+    let id = routed["request_id"].as_str().expect("an id").to_string();
     assert_eq!(
         call(&route_only, "GET", api, "/v1/workers", None).status,
         200
     );
     let free = format!("/v1/requests/{id}/free");
-    let f = call(&route_only, "POST", api, &free, Some(&free_body()));
+    let f = call(&route_only, "POST", api, &free, Some(&free_body(&routed)));
     assert_eq!(f.error(), (403, "forbidden".into()), "{}", f.body);
     assert!(f.headers.contains("scope=\"lease\""), "{}", f.headers);
     let d = call(&route_only, "GET", admin, &rank_page(), None);
@@ -221,7 +223,13 @@ fn bearer_tokens_open_only_the_doors_their_scopes_name() {
     assert_eq!(call(&anyone, "GET", admin, &rank_page(), None).status, 401);
 
     // The lease scope ends the request.
-    let f = call(&bearer(ROUTE_LEASE), "POST", api, &free, Some(&free_body()));
+    let f = call(
+        &bearer(ROUTE_LEASE),
+        "POST",
+        api,
+        &free,
+        Some(&free_body(&routed)),
+    );
     assert_eq!(f.status, 200, "{}", f.body);
     assert!(wait_until(Duration::from_secs(3), || sum(admin, ACTIVE) == 0.0));
 
@@ -429,13 +437,14 @@ fn mtls_refuses_clients_without_a_certificate_and_certificates_stand_for_their_s
     // The peer's certificate stands for route and lease.
     let r = call(&peer, "POST", admin, "/v1/route", Some(&routed_prompt(1)));
     assert_eq!(r.status, 200, "{}", r.body);
-    let id = r.json()["request_id"].as_str().expect("an id").to_string();
+    let routed = r.json();
+    let id = routed["request_id"].as_str().expect("an id").to_string();
     let f = call(
         &peer,
         "POST",
         admin,
         &format!("/v1/requests/{id}/free"),
-        Some(&free_body()),
+        Some(&free_body(&routed)),
     );
     assert_eq!(f.status, 200, "{}", f.body);
     assert_eq!(

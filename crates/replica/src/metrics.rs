@@ -388,7 +388,7 @@ impl Metrics {
             ),
             misattributed: reg!(
                 "misattributed_messages",
-                "Worker messages dropped because they name another worker than their subject does, by subject kind",
+                "Messages dropped because they name another party than their subject does (a worker speaking for another; a sync batch naming another replica or changing its requests), by subject kind",
                 Family::default()
             ),
             bus_connected: reg!(

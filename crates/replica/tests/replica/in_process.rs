@@ -443,11 +443,11 @@ async fn synced_replicas_see_every_replicas_load_and_a_late_one_catches_up() {
     for (i, d) in decisions.iter().enumerate() {
         let id = format!("q{i}");
         client
-            .mark_prefill(&Booking::new(&d, MODEL, &id))
+            .mark_prefill(&Booking::new(d, MODEL, &id))
             .await
             .unwrap();
         if i % 2 == 0 {
-            client.free(&Booking::new(&d, MODEL, &id)).await.unwrap();
+            client.free(&Booking::new(d, MODEL, &id)).await.unwrap();
         }
     }
     settle().await;

@@ -553,7 +553,7 @@ async fn frees_are_sent_again_until_the_replica_answers() {
         tokio::time::sleep(Duration::from_millis(600)).await;
         responder(&bus2, &subject2, |_| enc(&Reply::<()>::Ok(()))).await
     });
-    c.free_until_delivered(&held("late")).await.unwrap();
+    c.free_until_delivered(&booking_of_q("late")).await.unwrap();
     let seen = late.await.unwrap();
     assert_eq!(seen.lock().unwrap().len(), 1, "delivered once it was there");
 
@@ -565,7 +565,7 @@ async fn frees_are_sent_again_until_the_replica_answers() {
     };
     let gone = Subjects::new(NS).unwrap().free("r-unknown");
     let seen = responder(&bus, &gone, move |_| unknown()).await;
-    let first = c.free_until_delivered(&held("r-unknown")).await;
+    let first = c.free_until_delivered(&booking_of_q("r-unknown")).await;
     assert!(
         matches!(&first, Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest),
         "{first:?}"
@@ -578,7 +578,7 @@ async fn frees_are_sent_again_until_the_replica_answers() {
 }
 
 /// A booking of request "q" held on `replica_id`.
-fn held(replica_id: &str) -> kvrouter_client::Booking {
+fn booking_of_q(replica_id: &str) -> kvrouter_client::Booking {
     kvrouter_client::Booking {
         replica_id: replica_id.into(),
         model: MODEL.into(),

@@ -309,7 +309,10 @@ fn a_binding_bridge_takes_events_from_publishers_that_connect_to_it() {
         engine.store(1, &warm);
         client.overlap(&warm, k1) == 1
     }));
-    assert!(client.overlap_becomes(&a, k1, 3), "the first batch of rank 1");
+    assert!(
+        client.overlap_becomes(&a, k1, 3),
+        "the first batch of rank 1"
+    );
     let b = e2e_tokens(3, 2);
     engine.store(0, &b);
     assert!(client.overlap_becomes(&b, k0, 2));

@@ -297,6 +297,8 @@ fn a_binding_bridge_takes_events_from_publishers_that_connect_to_it() {
     // Ready only once both ranks' publishers connected.
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1));
+    let connected = || metric(&http_get(ab, "/metrics").1, "kvrouter_bridge_zmq_connected");
+    assert_eq!(connected(), 2);
     let client = E2eClient::new(&nats);
     let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
 
@@ -324,10 +326,15 @@ fn a_binding_bridge_takes_events_from_publishers_that_connect_to_it() {
         wait_until(Duration::from_secs(10), || http_get(ab, "/readyz").0 == 503),
         "still ready without an engine"
     );
+    assert!(
+        wait_until(Duration::from_secs(10), || connected() == 0),
+        "ranks still connected without a publisher"
+    );
     // A new engine process on the same ports connects to the same bound sockets: the old
     // blocks are gone, the new ones land on their ranks.
     let mut engine = FakeEngine::start_on(ports, 2, "map", true);
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert_eq!(connected(), 2);
     let c = e2e_tokens(4, 2);
     assert!(wait_until(Duration::from_secs(10), || {
         engine.store(0, &c);

@@ -30,6 +30,12 @@ pub struct BridgeArgs {
     /// publishes on PORT + r (the engines offset the port by the global rank).
     #[arg(long, env = "KVROUTER_ZMQ_ENDPOINT")]
     zmq_endpoint: String,
+    /// Bind --zmq-endpoint (rank r on PORT + r) and let the engine's publisher connect to it,
+    /// rather than connecting to a publisher the engine binds. With vLLM, give it the same
+    /// tcp://127.0.0.1:PORT: it connects to non-wildcard TCP endpoints, so its KV events
+    /// (prompt token ids) never listen on the pod's network.
+    #[arg(long, env = "KVROUTER_ZMQ_BIND")]
+    zmq_bind: bool,
     /// The engine's replay endpoint for rank 0 (offset the same way). Without it, lost
     /// batches clear the rank instead of being replayed.
     #[arg(long, env = "KVROUTER_REPLAY_ENDPOINT")]
@@ -96,6 +102,7 @@ impl BridgeArgs {
         );
         c.namespace = self.nats.namespace.clone();
         c.block_size = self.block_size;
+        c.zmq_bind = self.zmq_bind;
         c.replay_endpoint = self.replay_endpoint.clone();
         c.topic = self.topic.clone();
         c.dp_size = self.dp_size;

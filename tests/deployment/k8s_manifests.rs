@@ -726,15 +726,23 @@ fn the_bridge_subscribes_where_vllm_publishes() {
         );
         let (bind, events) = host_port(text(&config, "/endpoint"));
         let (replay_bind, replay) = host_port(text(&config, "/replay_endpoint"));
-        // The replay socket (always bound by vLLM) listens on loopback only. vLLM binds its
-        // publisher only for an endpoint with a wildcard and connects to any other, and the
-        // bridge connects: the publisher stays on `*`, and no NetworkPolicy admits its port
-        // (k8s_locked.rs checks that).
+        // Both on loopback only (the events carry prompts' token ids). The replay socket is
+        // always bound by vLLM. vLLM binds its publisher only for an endpoint with a wildcard
+        // (`*`, `::`) and connects to any other: to the bridge, which must bind it. (No
+        // NetworkPolicy admits either port either: k8s_locked.rs checks that.)
         assert_eq!(
             replay_bind, "127.0.0.1",
             "{who}: vLLM's replay socket: {config}"
         );
-        assert_eq!(bind, "*", "{who}: vLLM would connect, not bind: {config}");
+        assert_eq!(
+            bind, "127.0.0.1",
+            "{who}: vLLM's publisher must connect over loopback: {config}"
+        );
+        assert_eq!(
+            env.get("KVROUTER_ZMQ_BIND").map(String::as_str),
+            Some("true"),
+            "{who}: vLLM's publisher connects, so the bridge must bind"
+        );
 
         let (host, port) = host_port(&env["KVROUTER_ZMQ_ENDPOINT"]);
         assert!(env["KVROUTER_ZMQ_ENDPOINT"].starts_with("tcp://"), "{who}");
@@ -1739,6 +1747,8 @@ fn a_fleet_runs_from_the_rendered_settings() {
                 "KVROUTER_REPLAY_ENDPOINT",
                 text(&at, "/replay_endpoint").to_string(),
             ),
+            // The mocker's publisher binds (as vLLM's would on a wildcard endpoint).
+            ("KVROUTER_ZMQ_BIND", "false".to_string()),
             (
                 "KVROUTER_HEALTH_URL",
                 format!("{}/health", text(&at, "/base_url")),

@@ -26,9 +26,16 @@ struct FakeEngine {
 impl FakeEngine {
     fn start(dp: u32, wire: &str) -> Self {
         let (zmq, replay, http) = (free_ports(dp as u16), free_ports(dp as u16), free_port());
+        Self::start_on([zmq, replay, http], dp, wire, false)
+    }
+
+    /// On these publisher, replay and HTTP ports; with `connect`, its publishers connect to
+    /// a bridge that binds (as vLLM's do for a `tcp://127.0.0.1` endpoint).
+    fn start_on([zmq, replay, http]: [u16; 3], dp: u32, wire: &str, connect: bool) -> Self {
         let script = repo_file("tests/engines/fake_engine.py");
         let mut child = Command::new("python3")
             .arg(&script)
+            .args(connect.then_some("--zmq-connect"))
             .args([
                 "--zmq-port",
                 &zmq.to_string(),
@@ -272,6 +279,72 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
         wait_until(Duration::from_secs(10), || client.overlap(&after, k0) == 0),
         "the worker of a killed bridge is still routable"
     );
+}
+
+/// Issue 27: with `--zmq-bind` the bridge listens on each rank's port and the engine's
+/// publisher connects to it over loopback (vLLM's does for `tcp://127.0.0.1:PORT`), so the
+/// engine's events (prompt token ids) never listen on the pod's network. A batch published
+/// before the publisher's subscription arrived is lost on the wire, and recovered by the
+/// replay; the bound socket outlives the engine, whose next process connects to it again.
+#[test]
+fn a_binding_bridge_takes_events_from_publishers_that_connect_to_it() {
+    let nats = NatsServer::start();
+    let ports = [free_ports(2), free_ports(2), free_port()];
+    let mut engine = FakeEngine::start_on(ports, 2, "map", true);
+    let a1 = free_port();
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let (_bridge, worker, ab) = bridge_with(&nats, &engine.at(2, true), &["--zmq-bind"]);
+    // Ready only once both ranks' publishers connected.
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert!(ready(a1));
+    let connected = || metric(&http_get(ab, "/metrics").1, "kvrouter_bridge_zmq_connected");
+    assert_eq!(connected(), 2);
+    let client = E2eClient::new(&nats);
+    let (k0, k1) = (WorkerKey::new(worker, 0), WorkerKey::new(worker, 1));
+
+    // Published as soon as the bridge is ready: maybe before the subscription reached the
+    // publisher. Whatever the later batches' sequence numbers show missing is replayed.
+    let a = e2e_tokens(1, 3);
+    engine.store(1, &a);
+    let warm = e2e_tokens(2, 1);
+    assert!(wait_until(Duration::from_secs(10), || {
+        engine.store(1, &warm);
+        client.overlap(&warm, k1) == 1
+    }));
+    assert!(
+        client.overlap_becomes(&a, k1, 3),
+        "the first batch of rank 1"
+    );
+    let b = e2e_tokens(3, 2);
+    engine.store(0, &b);
+    assert!(client.overlap_becomes(&b, k0, 2));
+    assert_eq!(client.overlap(&b, k1), 0);
+
+    // The engine goes away: no publisher, not ready.
+    drop(engine);
+    assert!(
+        wait_until(Duration::from_secs(10), || http_get(ab, "/readyz").0 == 503),
+        "still ready without an engine"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || connected() == 0),
+        "ranks still connected without a publisher"
+    );
+    // A new engine process on the same ports connects to the same bound sockets: the old
+    // blocks are gone, the new ones land on their ranks.
+    let mut engine = FakeEngine::start_on(ports, 2, "map", true);
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert_eq!(connected(), 2);
+    let c = e2e_tokens(4, 2);
+    assert!(wait_until(Duration::from_secs(10), || {
+        engine.store(0, &c);
+        client.overlap(&c, k0) == 2
+    }));
+    assert!(client.overlap_becomes(&b, k0, 0), "the old engine's blocks");
+    assert!(client.overlap_becomes(&a, k1, 0), "the old engine's blocks");
+    let d = e2e_tokens(5, 2);
+    engine.store(1, &d);
+    assert!(client.overlap_becomes(&d, k1, 2));
 }
 
 /// The largest resident size the process has had, from /proc (Linux), in bytes.

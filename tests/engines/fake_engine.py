@@ -41,7 +41,13 @@ class Rank:
     def __init__(self, ctx, rank, args):
         self.rank = rank
         self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind(f"tcp://127.0.0.1:{args.zmq_port + rank}")
+        # --zmq-connect: as vLLM's publisher does for a non-wildcard TCP endpoint, connect
+        # to a subscriber that binds (kvrouter bridge --zmq-bind).
+        publish_at = f"tcp://127.0.0.1:{args.zmq_port + rank}"
+        if args.zmq_connect:
+            self.pub.connect(publish_at)
+        else:
+            self.pub.bind(publish_at)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.bind(f"tcp://127.0.0.1:{args.replay_port + rank}")
         self.topic = args.topic.encode()
@@ -119,6 +125,7 @@ def http_server(port, state, ranks):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--zmq-port", type=int, required=True)
+    ap.add_argument("--zmq-connect", action="store_true")
     ap.add_argument("--replay-port", type=int, required=True)
     ap.add_argument("--http-port", type=int, required=True)
     ap.add_argument("--dp-size", type=int, default=1)

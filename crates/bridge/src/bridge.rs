@@ -150,6 +150,7 @@ impl Bridge {
             let stream = RankStream {
                 rank,
                 endpoint,
+                bind: c.zmq_bind,
                 replay_endpoint,
                 topic: c.topic.clone(),
                 replay_timeout: c.replay_timeout,
@@ -224,6 +225,7 @@ impl Bridge {
             dp_start_rank = c.dp_start_rank,
             dp_size = c.dp_size,
             zmq = %c.zmq_endpoint,
+            zmq_bind = c.zmq_bind,
             replay = ?c.replay_endpoint,
             base_url = %c.base_url,
             admin = ?admin_addr,

@@ -14,6 +14,10 @@ pub struct BridgeConfig {
     pub block_size: u32,
     /// The engine's publisher endpoint for its rank 0, e.g. `tcp://10.0.0.5:5557`.
     pub zmq_endpoint: String,
+    /// Bind `zmq_endpoint` (one port per rank) and have the engine's publisher connect to
+    /// it, instead of connecting to a publisher the engine binds: the engine then needs no
+    /// listening socket for its events (vLLM binds only `*`, `::`, `ipc://` endpoints).
+    pub zmq_bind: bool,
     /// The engine's replay endpoint for its rank 0; without it lost batches clear the rank.
     pub replay_endpoint: Option<String>,
     pub topic: String,
@@ -61,6 +65,7 @@ impl BridgeConfig {
             model: model.into(),
             block_size: 16,
             zmq_endpoint: zmq_endpoint.into(),
+            zmq_bind: false,
             replay_endpoint: None,
             topic: String::new(),
             dp_size: 1,

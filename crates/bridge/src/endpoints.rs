@@ -6,7 +6,10 @@ use xxhash_rust::xxh3::xxh3_64;
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum EndpointError {
-    #[error("ZMQ endpoint {0:?} must be tcp://HOST:PORT (the bridge connects to the engine)")]
+    #[error(
+        "ZMQ endpoint {0:?} must be tcp://HOST:PORT with a host, not `*` (the engine's \
+         address; with --zmq-bind, the bridge's own, e.g. 127.0.0.1)"
+    )]
     NotTcp(String),
     #[error("ZMQ endpoint {endpoint:?}: rank {rank} would publish on port {port}, above 65535")]
     PortRange {

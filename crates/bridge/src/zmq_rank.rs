@@ -39,6 +39,8 @@ pub struct RankConnected(pub AtomicBool);
 pub struct RankStream {
     pub rank: DpRank,
     pub endpoint: String,
+    /// Bind `endpoint` and let the engine's publisher connect, instead of connecting.
+    pub bind: bool,
     pub replay_endpoint: Option<String>,
     pub topic: String,
     pub replay_timeout: Duration,
@@ -89,14 +91,31 @@ impl RankStream {
         // (the engine may have run, and cached, long before), and after the engine came
         // back (its sequence numbers may start again anywhere below or above the last).
         let mut from_start = true;
+        // A bound socket outlives the engine's comings and goings (its publisher reconnects
+        // to it); unbinding would only open a window where its batches go nowhere.
+        let mut held: Option<(SubSocket, futures_channel::mpsc::Receiver<SocketEvent>)> = None;
+        // Publishers connected to a bound socket.
+        let mut peers = 0usize;
         loop {
-            let mut socket = SubSocket::new();
-            let mut monitor = socket.monitor();
-            let connect = async {
-                socket.connect(&self.endpoint).await?;
-                socket.subscribe(&self.topic).await
-            };
-            let connected = tokio::select! {
+            let reuse = held.is_some();
+            let (mut socket, mut monitor) = held.take().unwrap_or_else(|| {
+                peers = 0;
+                let mut socket = SubSocket::new();
+                let monitor = socket.monitor();
+                (socket, monitor)
+            });
+            let connected = if reuse {
+                Ok(Ok(()))
+            } else {
+                let connect = async {
+                    if self.bind {
+                        socket.bind(&self.endpoint).await?;
+                    } else {
+                        socket.connect(&self.endpoint).await?;
+                    }
+                    socket.subscribe(&self.topic).await
+                };
+                tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
                 // The engine is back while this socket was still trying the old one's port:
                 // connect afresh at once rather than after the connect's own backoff.
@@ -107,6 +126,7 @@ impl RankStream {
                     continue;
                 }
                 r = tokio::time::timeout(BACKOFF_MAX, connect) => r,
+                }
             };
             match connected {
                 Ok(Ok(())) => {
@@ -118,8 +138,13 @@ impl RankStream {
                         from_start = true;
                     }
                     self.reconnect.borrow_and_update();
-                    self.set_connected(true);
-                    tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "connected to the engine's KV event publisher");
+                    if !self.bind {
+                        self.set_connected(true);
+                        tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "connected to the engine's KV event publisher");
+                    } else if !reuse {
+                        self.set_connected(false);
+                        tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "listening for the engine's KV event publisher to connect");
+                    }
                 }
                 other => {
                     self.set_connected(false);
@@ -128,7 +153,12 @@ impl RankStream {
                             Ok(Err(e)) => e.to_string(),
                             _ => "timed out".into(),
                         };
-                        tracing::warn!(dp_rank = self.rank, endpoint = %self.endpoint, error = %why, "cannot connect to the engine's KV event publisher; retrying");
+                        let what = if self.bind {
+                            "cannot bind the endpoint the engine's KV event publisher connects to; retrying"
+                        } else {
+                            "cannot connect to the engine's KV event publisher; retrying"
+                        };
+                        tracing::warn!(dp_rank = self.rank, endpoint = %self.endpoint, error = %why, "{what}");
                     }
                     tokio::select! {
                         _ = shutdown.wait_for(|s| *s) => return,
@@ -154,6 +184,9 @@ impl RankStream {
             };
             // Live batches the catch-up already applied (they were queued meanwhile).
             let mut applied: Option<(u64, u64)> = None;
+            // Keep the bound socket for the next round (only a reconnect signal ends a round
+            // with the socket still sound).
+            let mut keep = false;
             match self.catch_up(&mut seq, from, &mut logs).await {
                 CatchUp::MirrorGone => return,
                 CatchUp::Nothing => {}
@@ -170,10 +203,28 @@ impl RankStream {
                     _ = self.reconnect.changed() => {
                         seq.reset();
                         from_start = true;
+                        keep = self.bind;
                         break;
                     }
                     ev = futures_next(&mut monitor) => match ev {
-                        Some(SocketEvent::Disconnected(_)) | None => break,
+                        None => break,
+                        Some(SocketEvent::Disconnected(_)) if !self.bind => break,
+                        Some(SocketEvent::Accepted(..)) => {
+                            peers += 1;
+                            self.set_connected(true);
+                            tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, peers, "the engine's KV event publisher connected");
+                            continue;
+                        }
+                        // A bound socket stays: the publisher (or a restarted engine's) comes
+                        // back to it; the sequence numbers tell what it missed meanwhile.
+                        Some(SocketEvent::Disconnected(_)) => {
+                            peers = peers.saturating_sub(1);
+                            if peers == 0 {
+                                self.set_connected(false);
+                                tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "the engine's KV event publisher went away; waiting for it to connect again");
+                            }
+                            continue;
+                        }
                         _ => continue,
                     },
                     m = socket.recv() => m,
@@ -202,6 +253,10 @@ impl RankStream {
                 {
                     return;
                 }
+            }
+            if keep {
+                held = Some((socket, monitor));
+                continue;
             }
             self.set_connected(false);
             tracing::info!(dp_rank = self.rank, endpoint = %self.endpoint, "the engine's KV event publisher went away; connecting again");

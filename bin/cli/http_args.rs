@@ -167,7 +167,7 @@ pub fn log_doors(auth: &HttpAuth, http: &HttpArgs, addrs: &[SocketAddr]) {
     } else {
         tracing::warn!(
             listeners = ?addrs,
-            "the JSON API and /debug pages are unauthenticated: anyone who reaches these ports may route, free or mark any routed request and read cached block hashes; give --http-tokens-file or --http-token (docs/operations.md, \"Who may call the HTTP doors\")"
+            "the JSON API and /debug pages are unauthenticated: anyone who reaches these ports may route and book load and read cached block hashes (ending a request still takes its lease); give --http-tokens-file or --http-token (docs/operations.md, \"Who may call the HTTP doors\")"
         );
     }
 }

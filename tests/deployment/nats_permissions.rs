@@ -405,11 +405,26 @@ fn a_fleet_routes_syncs_and_generates_with_one_identity_each() {
     };
     let first = generate();
     assert_eq!(first["output_tokens"], 2, "{first}");
-    // The worker's KV events (on its own subject) reached the replicas' indexes: the same
-    // prompt is routed to the same worker, its 4 blocks cached.
+    // The worker's KV events (on its own subject) reached the replicas' indexes: a lookup of
+    // the same prompt (which books nothing, so it cannot move the cache as another generate
+    // would while the events are on their way) goes to the same worker, its 4 blocks cached.
+    let lookup = || {
+        let out = kvrouter()
+            .args(["route", "--nats", &nats.url(), "--model", E2E_MODEL])
+            .args(["--tokens", &tokens, "--no-update-states"])
+            .args(["--nats-nkey-file", &frontend])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "lookup with the frontend's identity: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
     assert!(
         wait_until(Duration::from_secs(10), || {
-            let again = generate();
+            let again = lookup();
             again["worker_id"] == first["worker_id"] && again["overlap_blocks"] == 4
         }),
         "the index never learned the first request's blocks"

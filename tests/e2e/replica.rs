@@ -399,7 +399,8 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
             "base_url",
             "request_id",
             "replica_id",
-            "block_size"
+            "block_size",
+            "lease"
         ]),
         "{v}"
     );

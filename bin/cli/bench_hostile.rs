@@ -21,11 +21,12 @@ pub struct HostileArgs {
     #[arg(long, env = "KVROUTER_HOSTILE_SEED", default_value_t = 1)]
     pub seed: u64,
     /// The attacks, in order (comma-separated): slowloris, bodies, labels, allowed_workers,
-    /// request_ids, poison_frames.
+    /// request_ids, lease_theft, forged_worker, frontend_impostor, reply_reader,
+    /// poison_frames.
     #[arg(
         long,
         env = "KVROUTER_HOSTILE_ATTACKS",
-        default_value = "slowloris,bodies,labels,allowed_workers,request_ids,poison_frames",
+        default_value = "slowloris,bodies,labels,allowed_workers,request_ids,lease_theft,forged_worker,frontend_impostor,reply_reader,poison_frames",
         value_delimiter = ','
     )]
     pub attacks: Vec<String>,
@@ -69,6 +70,11 @@ pub struct HostileArgs {
     /// runaway does not take the machine with it.
     #[arg(long, env = "KVROUTER_HOSTILE_KILL_RSS_MIB", default_value_t = 4096.0)]
     pub kill_rss_mib: f64,
+    /// The control run: nats-server without the generated users file (everyone may say and
+    /// read anything on the bus). The bus attacks then take effect and the run fails: it
+    /// shows what the locked bus stops, and that the bench would notice.
+    #[arg(long, env = "KVROUTER_HOSTILE_OPEN_BUS")]
+    pub open_bus: bool,
     /// Write each child process's stderr to DIR/NAME.log.
     #[arg(long, env = "KVROUTER_HOSTILE_LOG_DIR")]
     pub log_dir: Option<PathBuf>,
@@ -99,9 +105,10 @@ pub async fn run(args: HostileArgs) -> anyhow::Result<()> {
     {
         match Attack::named(name) {
             Some(a) => attacks.push(a),
-            None => bail!(
-                "--attacks takes slowloris, bodies, labels, allowed_workers, poison_frames and request_ids, not {name:?}"
-            ),
+            None => {
+                let known: Vec<&str> = Attack::ALL.iter().map(|a| a.as_str()).collect();
+                bail!("--attacks takes {}, not {name:?}", known.join(", "))
+            }
         }
     }
     let exe = std::env::current_exe().context("cannot find the kvrouter executable")?;
@@ -120,6 +127,7 @@ pub async fn run(args: HostileArgs) -> anyhow::Result<()> {
     cfg.thresholds.min_success = args.min_success;
     cfg.thresholds.max_rss_mib = args.max_rss_mib;
     cfg.kill_rss_mib = args.kill_rss_mib;
+    cfg.open_bus = args.open_bus;
     cfg.log_dir = args.log_dir;
     let report = run_hostile(cfg).await?;
     super::bench::print_report(

@@ -25,9 +25,14 @@ pub enum FleetError {
 /// nats-server on a free loopback port, its log in `log_dir` if given. Blocks this worker
 /// thread while it starts (the chaos runtime has others).
 pub fn start_nats(log_dir: Option<&Path>) -> Result<NatsServer, FleetError> {
+    start_nats_with(log_dir, &[])
+}
+
+/// [`start_nats`] with more arguments (`-c FILE`).
+pub fn start_nats_with(log_dir: Option<&Path>, args: &[&str]) -> Result<NatsServer, FleetError> {
     let log = log_dir.map(|d| d.join("nats-server.log"));
     Ok(tokio::task::block_in_place(|| {
-        NatsServer::try_start(&[], log.as_deref())
+        NatsServer::try_start(args, log.as_deref())
     })?)
 }
 

@@ -1,8 +1,8 @@
-//! The adversaries and the one HTTP call everything here makes: raw HTTP/1.1 over a
-//! loopback TCP connection (`Connection: close`), so a client can send what no well-behaved
-//! library would (a head that never ends, a Content-Length that is a lie, a 1 MiB header).
+//! The adversaries at the doors: slow and half-open connections, oversized and nested
+//! bodies, label and worker-list floods, huge request ids, poisoned engine frames.
 
 use super::plan::{Attack, AttackFigures};
+use super::targets::{head, send, Targets};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,92 +11,6 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{sleep, timeout, timeout_at, Instant};
-
-/// The listeners and names the attacks aim at.
-#[derive(Clone, Debug)]
-pub struct Targets {
-    pub frontend: u16,
-    /// A replica's admin port, which serves the JSON API.
-    pub replica: u16,
-    /// The bridge's admin port.
-    pub bridge: u16,
-    /// The emulated engine's HTTP port.
-    pub engine: u16,
-    pub model: String,
-    /// The bridge's worker id (one of the 200,000 allowed workers).
-    pub worker_id: u64,
-}
-
-/// A request head: `Connection: close`, JSON, `len` bytes of body, `extra` header lines
-/// (each ending in CRLF).
-pub fn head(method: &str, path: &str, extra: &str, len: usize) -> String {
-    format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {len}\r\n{extra}\r\n"
-    )
-}
-
-/// Sends `head` and `body` repeated `repeat` times, reads the answer to its end; the status,
-/// or what went wrong: "connect", "io" (the server hung up while the request was written,
-/// without an answer), "closed" (no answer), "timeout".
-pub async fn send(
-    port: u16,
-    head: &str,
-    body: &[u8],
-    repeat: usize,
-    limit: Duration,
-) -> Result<u16, &'static str> {
-    send_read(port, head, body, repeat, limit)
-        .await
-        .map(|(status, _)| status)
-}
-
-/// [`send`], with the answer's body (its first 200 bytes, lossily as text).
-pub async fn send_read(
-    port: u16,
-    head: &str,
-    body: &[u8],
-    repeat: usize,
-    limit: Duration,
-) -> Result<(u16, String), &'static str> {
-    let call = async {
-        let mut s = TcpStream::connect(("127.0.0.1", port))
-            .await
-            .map_err(|_| "connect")?;
-        let _ = s.set_nodelay(true);
-        let mut write_failed = s.write_all(head.as_bytes()).await.is_err();
-        for _ in 0..repeat {
-            if write_failed {
-                break;
-            }
-            write_failed = s.write_all(body).await.is_err();
-        }
-        let mut buf = Vec::new();
-        let _ = s.read_to_end(&mut buf).await;
-        let status = status_of(&buf).ok_or(if write_failed { "io" } else { "closed" })?;
-        let start = buf
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .map_or(buf.len(), |p| p + 4);
-        let end = buf.len().min(start + 200);
-        Ok((
-            status,
-            String::from_utf8_lossy(&buf[start..end]).into_owned(),
-        ))
-    };
-    timeout(limit, call).await.unwrap_or(Err("timeout"))
-}
-
-/// The status of an HTTP/1.x answer.
-fn status_of(answer: &[u8]) -> Option<u16> {
-    let line = answer.split(|&b| b == b'\n').next()?;
-    let line = std::str::from_utf8(line).ok()?;
-    let mut words = line.split_whitespace();
-    if !words.next()?.starts_with("HTTP/1.") {
-        return None;
-    }
-    words.next()?.parse().ok()
-}
 
 /// Counts outcomes from many tasks.
 #[derive(Default)]
@@ -128,20 +42,22 @@ struct Shot {
 }
 
 impl Shot {
-    fn post(port: u16, path: &str, extra: &str, body: Arc<Vec<u8>>) -> Self {
+    /// A POST with the tenant's credentials for `port` and the `extra` header lines.
+    fn post(t: &Targets, port: u16, path: &str, extra: &str, body: Arc<Vec<u8>>) -> Self {
+        let extra = format!("{}{extra}", t.tenant_auth(port));
         Self {
             port,
-            head: head("POST", path, extra, body.len()),
+            head: head("POST", path, &extra, body.len()),
             body,
             repeat: 1,
         }
     }
 
     /// `mib` MiB of spaces (the length is all that matters: it is over the limit).
-    fn oversized(port: u16, path: &str, mib: usize, chunk: &Arc<Vec<u8>>) -> Self {
+    fn oversized(t: &Targets, port: u16, path: &str, mib: usize, chunk: &Arc<Vec<u8>>) -> Self {
         Self {
             port,
-            head: head("POST", path, "", mib * chunk.len()),
+            head: head("POST", path, &t.tenant_auth(port), mib * chunk.len()),
             body: chunk.clone(),
             repeat: mib,
         }
@@ -186,11 +102,12 @@ async fn slowloris(t: &Targets, deadline: Instant, seed: u64, n: usize) -> Attac
     let mut tasks = Vec::new();
     let mut gauges = Vec::new();
     for (name, port, path, length) in listeners {
+        let auth: Arc<str> = t.tenant_auth(port).into();
         let open = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
         gauges.push((name, open.clone()));
         for i in 0..n {
             let stagger = Duration::from_millis(rng.u64(0..1000));
-            let (tally, open) = (tally.clone(), open.clone());
+            let (tally, open, auth) = (tally.clone(), open.clone(), auth.clone());
             tasks.push(tokio::spawn(async move {
                 sleep(stagger).await;
                 let slow = match length {
@@ -198,7 +115,7 @@ async fn slowloris(t: &Targets, deadline: Instant, seed: u64, n: usize) -> Attac
                     _ if i % 2 == 0 => Slow::Head,
                     _ => Slow::Silent,
                 };
-                slow_conn(port, slow, path, deadline, &tally, &open).await;
+                slow_conn(port, slow, path, &auth, deadline, &tally, &open).await;
             }));
         }
     }
@@ -233,6 +150,7 @@ async fn slow_conn(
     port: u16,
     kind: Slow,
     path: &str,
+    auth: &str,
     deadline: Instant,
     tally: &Tally,
     open: &(AtomicU64, AtomicU64),
@@ -272,7 +190,7 @@ async fn slow_conn(
                 }
                 Slow::Silent => {}
                 Slow::Body(len) => {
-                    let h = head("POST", path, "", len);
+                    let h = head("POST", path, auth, len);
                     if s.write_all(h.as_bytes()).await.is_err() || s.write_all(b"[").await.is_err()
                     {
                         return;
@@ -354,9 +272,10 @@ async fn flood(attack: Attack, t: Targets, deadline: Instant, seed: u64) -> Atta
     };
     let statics: Vec<Shot> = match attack {
         Attack::Bodies => vec![
-            Shot::oversized(t.frontend, "/v1/completions", 40, &mib),
-            Shot::post(t.frontend, "/v1/completions", "", nested.clone()),
+            Shot::oversized(&t, t.frontend, "/v1/completions", 40, &mib),
+            Shot::post(&t, t.frontend, "/v1/completions", "", nested.clone()),
             Shot::post(
+                &t,
                 t.frontend,
                 "/v1/completions",
                 "",
@@ -365,9 +284,10 @@ async fn flood(attack: Attack, t: Targets, deadline: Instant, seed: u64) -> Atta
                     format!(r#"{{"model":"{m}","prompt":"hi","max_tokens":1"#),
                 ),
             ),
-            Shot::oversized(t.replica, "/v1/route", 2, &mib),
-            Shot::post(t.replica, "/v1/route", "", nested.clone()),
+            Shot::oversized(&t, t.replica, "/v1/route", 2, &mib),
+            Shot::post(&t, t.replica, "/v1/route", "", nested.clone()),
             Shot::post(
+                &t,
                 t.replica,
                 "/v1/route",
                 "",
@@ -376,8 +296,8 @@ async fn flood(attack: Attack, t: Targets, deadline: Instant, seed: u64) -> Atta
                     format!(r#"{{"model":"{m}","tokens":[1,2,3],"update_states":false"#),
                 ),
             ),
-            Shot::oversized(t.engine, "/v1/completions", 17, &mib),
-            Shot::post(t.engine, "/v1/completions", "", nested),
+            Shot::oversized(&t, t.engine, "/v1/completions", 17, &mib),
+            Shot::post(&t, t.engine, "/v1/completions", "", nested),
         ],
         Attack::AllowedWorkers => {
             let mut ids: Vec<u64> = (1..200_000).collect();
@@ -385,6 +305,7 @@ async fn flood(attack: Attack, t: Targets, deadline: Instant, seed: u64) -> Atta
             let list = serde_json::to_string(&ids).unwrap_or_default();
             vec![
                 Shot::post(
+                    &t,
                     t.frontend,
                     "/v1/completions",
                     "",
@@ -396,6 +317,7 @@ async fn flood(attack: Attack, t: Targets, deadline: Instant, seed: u64) -> Atta
                     ),
                 ),
                 Shot::post(
+                    &t,
                     t.replica,
                     "/v1/route",
                     "",
@@ -467,6 +389,7 @@ fn dynamic(attack: Attack, t: &Targets, k: usize, rng: &mut fastrand::Rng) -> Sh
         (Attack::Labels, 0 | 2) => {
             let name = random_text(rng, 500_000);
             Shot::post(
+                t,
                 t.frontend,
                 "/v1/completions",
                 "",
@@ -478,6 +401,7 @@ fn dynamic(attack: Attack, t: &Targets, k: usize, rng: &mut fastrand::Rng) -> Sh
         (Attack::Labels, _) => {
             let name = random_text(rng, 500_000);
             Shot::post(
+                t,
                 t.replica,
                 "/v1/route",
                 "",
@@ -490,6 +414,7 @@ fn dynamic(attack: Attack, t: &Targets, k: usize, rng: &mut fastrand::Rng) -> Sh
         (_, 0) => {
             let id = random_text(rng, 1 << 20);
             Shot::post(
+                t,
                 t.frontend,
                 "/v1/completions",
                 &format!("x-request-id: {id}\r\n"),
@@ -499,6 +424,7 @@ fn dynamic(attack: Attack, t: &Targets, k: usize, rng: &mut fastrand::Rng) -> Sh
         (_, 1) => {
             let id = random_text(rng, 1 << 20);
             Shot::post(
+                t,
                 t.replica,
                 "/v1/route",
                 "",
@@ -513,27 +439,12 @@ fn dynamic(attack: Attack, t: &Targets, k: usize, rng: &mut fastrand::Rng) -> Sh
         _ => {
             let id = random_text(rng, 1 << 20);
             Shot::post(
+                t,
                 t.replica,
                 &format!("/v1/requests/{id}/free"),
                 "",
                 Arc::new(b"{}".to_vec()),
             )
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn statuses() {
-        assert_eq!(
-            status_of(b"HTTP/1.1 413 Payload Too Large\r\n\r\n"),
-            Some(413)
-        );
-        assert_eq!(status_of(b"HTTP/1.0 200 OK\r\n"), Some(200));
-        assert_eq!(status_of(b""), None);
-        assert_eq!(status_of(b"garbage"), None);
     }
 }

@@ -22,17 +22,31 @@ pub enum Attack {
     PoisonFrames,
     /// 1 MiB request ids (header, body, path).
     RequestIds,
+    /// Another tenant of the JSON API, knowing the honest clients' request ids (not their
+    /// leases): marks, extends, frees and abandons them, over HTTP and over the bus.
+    LeaseTheft,
+    /// A valid bridge's credentials, for a worker that does not run: registrations, events,
+    /// loads and heartbeats for the running worker, on its subjects and on its own.
+    ForgedWorker,
+    /// A frontend's credentials: answers route and lease requests, publishes sync batches.
+    FrontendImpostor,
+    /// Frontend, peer and bridge credentials subscribing to every reply on the bus.
+    ReplyReader,
 }
 
 impl Attack {
     /// Every attack, in the default order: the poisoned frames last, as what they break
     /// (the bridge's memory) would otherwise show in every later phase.
-    pub const ALL: [Attack; 6] = [
+    pub const ALL: [Attack; 10] = [
         Attack::Slowloris,
         Attack::Bodies,
         Attack::Labels,
         Attack::AllowedWorkers,
         Attack::RequestIds,
+        Attack::LeaseTheft,
+        Attack::ForgedWorker,
+        Attack::FrontendImpostor,
+        Attack::ReplyReader,
         Attack::PoisonFrames,
     ];
 
@@ -44,6 +58,10 @@ impl Attack {
             Attack::AllowedWorkers => "allowed_workers",
             Attack::PoisonFrames => "poison_frames",
             Attack::RequestIds => "request_ids",
+            Attack::LeaseTheft => "lease_theft",
+            Attack::ForgedWorker => "forged_worker",
+            Attack::FrontendImpostor => "frontend_impostor",
+            Attack::ReplyReader => "reply_reader",
         }
     }
 
@@ -56,8 +74,22 @@ impl Attack {
         match self {
             Attack::Slowloris => "conn/s",
             Attack::PoisonFrames => "frames/s",
+            Attack::LeaseTheft | Attack::ForgedWorker | Attack::FrontendImpostor => "op/s",
+            Attack::ReplyReader => "sub/s",
             _ => "req/s",
         }
+    }
+
+    /// Whether the attacker acts as someone it is not: each of its actions must be refused,
+    /// and the refusals counted (by the fleet or by nats-server).
+    pub fn impersonates(self) -> bool {
+        matches!(
+            self,
+            Attack::LeaseTheft
+                | Attack::ForgedWorker
+                | Attack::FrontendImpostor
+                | Attack::ReplyReader
+        )
     }
 }
 
@@ -131,7 +163,15 @@ pub struct AttackFigures {
     pub outcomes: BTreeMap<String, u64>,
     /// Slowloris: the most connections open at once, per listener.
     pub peak_open: BTreeMap<String, u64>,
+    /// An impersonating attacker's actions that took effect: a forged lease operation
+    /// answered ok, a forged message delivered, a reply read that was not its own.
+    pub breaches: u64,
+    /// What each breach was (the first few).
+    pub breach_examples: Vec<String>,
 }
+
+/// The outcome an attack counts for each refusal nats-server sent it.
+pub const NATS_REFUSED: &str = "refused by nats-server";
 
 /// One phase of the run.
 #[derive(Clone, Debug, Serialize)]
@@ -148,6 +188,10 @@ pub struct PhaseReport {
     pub peak_rss_mib: BTreeMap<String, f64>,
     /// Processes found dead during the phase.
     pub died: Vec<String>,
+    /// How much each of the fleet's refusal counters grew from the phase's start until the
+    /// fleet served again (`lease_refused`, `misattributed`, `http_auth_refused`,
+    /// `frontend_auth_refused`), summed over the processes.
+    pub refusals: BTreeMap<String, u64>,
     /// Seconds from the phase's end until the fleet served a completion and a route again
     /// (None: not within the recovery timeout).
     pub recovery_secs: Option<f64>,
@@ -200,6 +244,28 @@ impl HostileReport {
         let t = &self.thresholds;
         let mut f = Vec::new();
         for p in &self.phases {
+            let counted: u64 = p.refusals.values().sum();
+            match &p.attack {
+                None if counted > 0 => f.push(format!(
+                    "{}: the fleet refused honest traffic: {:?}",
+                    p.phase, p.refusals
+                )),
+                Some(a) if a.breaches > 0 => f.push(format!(
+                    "{}: {} of the attacker's actions took effect, e.g. {:?}",
+                    p.phase, a.breaches, a.breach_examples
+                )),
+                Some(a)
+                    if Attack::named(&p.phase).is_some_and(Attack::impersonates)
+                        && a.ops > 0
+                        && counted + a.outcomes.get(NATS_REFUSED).copied().unwrap_or(0) == 0 =>
+                {
+                    f.push(format!(
+                        "{}: {} forged actions, and no refusal counted anywhere",
+                        p.phase, a.ops
+                    ))
+                }
+                _ => {}
+            }
             if p.recovery_secs.is_none() {
                 f.push(format!(
                     "{}: the fleet did not serve again after the phase",
@@ -329,6 +395,13 @@ impl HostileReport {
                 if !a.peak_open.is_empty() {
                     let _ = writeln!(s, "  {:<16} open at once: {:?}", "", a.peak_open);
                 }
+                if !p.refusals.is_empty() || a.breaches > 0 {
+                    let _ = writeln!(
+                        s,
+                        "  {:<16} the fleet counted {:?}; took effect: {}",
+                        "", p.refusals, a.breaches
+                    );
+                }
             }
             for (what, h) in [("completions", &p.completions), ("routes", &p.routes)] {
                 if !h.failures.is_empty() {
@@ -397,7 +470,7 @@ mod tests {
     #[test]
     fn phases_start_clean() {
         let p = phases(&Attack::ALL);
-        assert_eq!(p.len(), 7);
+        assert_eq!(p.len(), 11);
         assert_eq!(p[0], None);
         for a in Attack::ALL {
             assert_eq!(Attack::named(a.as_str()), Some(a));
@@ -414,6 +487,7 @@ mod tests {
             routes: HonestFigures::new(&[sample(true, 1.0)]),
             peak_rss_mib: BTreeMap::new(),
             died: vec![],
+            refusals: BTreeMap::new(),
             recovery_secs: Some(0.1),
         };
         let proc = |name: &str, rss: f64, died: Option<&str>, in_time: bool| ProcReport {
@@ -449,5 +523,76 @@ mod tests {
         r.evaluate();
         assert_eq!(r.failures.len(), 4, "{:?}", r.failures);
         assert!(r.render().contains("FAILED: frontend died during bodies"));
+    }
+
+    #[test]
+    fn an_impostor_must_be_refused_and_counted() {
+        let phase =
+            |name: &str, refusals: &[(&str, u64)], attack: Option<AttackFigures>| PhaseReport {
+                phase: name.into(),
+                secs: 1.0,
+                attack,
+                completions: HonestFigures::new(&[sample(true, 1.0)]),
+                routes: HonestFigures::new(&[sample(true, 1.0)]),
+                peak_rss_mib: BTreeMap::new(),
+                died: vec![],
+                refusals: refusals.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+                recovery_secs: Some(0.1),
+            };
+        let attack = |ops: u64, server_refused: u64, breaches: u64| AttackFigures {
+            ops,
+            outcomes: [(NATS_REFUSED.to_string(), server_refused)]
+                .into_iter()
+                .filter(|o| o.1 > 0)
+                .collect(),
+            breaches,
+            breach_examples: vec!["free answered 200".into(); breaches.min(1) as usize],
+            ..AttackFigures::default()
+        };
+        let judge = |phases: Vec<PhaseReport>| {
+            let mut r = HostileReport {
+                seed: 1,
+                phase_secs: 1.0,
+                slow_connections: 0,
+                thresholds: Thresholds {
+                    min_success: 0.99,
+                    max_rss_mib: 100.0,
+                },
+                phases,
+                processes: vec![],
+                wall_secs: 1.0,
+                failures: vec![],
+            };
+            r.evaluate();
+            r.failures
+        };
+        // Refused and counted, by the fleet or by nats-server: passed.
+        let ok = judge(vec![
+            phase("clean", &[], None),
+            phase(
+                "lease_theft",
+                &[("lease_refused", 40)],
+                Some(attack(40, 0, 0)),
+            ),
+            phase("reply_reader", &[], Some(attack(10, 10, 0))),
+        ]);
+        assert!(ok.is_empty(), "{ok:?}");
+        // One forged action went through; another attack's were refused silently; honest
+        // traffic was refused in the clean phase.
+        let failed = judge(vec![
+            phase("clean", &[("http_auth_refused", 1)], None),
+            phase(
+                "lease_theft",
+                &[("lease_refused", 39)],
+                Some(attack(40, 0, 1)),
+            ),
+            phase("forged_worker", &[], Some(attack(12, 0, 0))),
+            // Not an impersonation: nothing needs counting.
+            phase("labels", &[], Some(attack(12, 0, 0))),
+        ]);
+        assert_eq!(failed.len(), 3, "{failed:?}");
+        assert!(failed[0].contains("refused honest traffic"));
+        assert!(failed[1].contains("1 of the attacker's actions took effect"));
+        assert!(failed[2].contains("no refusal counted"));
     }
 }

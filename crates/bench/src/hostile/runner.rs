@@ -2,12 +2,17 @@
 //! phase, the attack of each phase on a thread of its own, samples every process's memory,
 //! and stops the fleet with SIGTERM at the end.
 
-use super::attacks::{self, head, send_read, Targets};
+use super::attacks;
+use super::credentials::{CredentialsError, FleetCredentials};
+use super::impostors;
 use super::plan::{
     phases, Attack, AttackFigures, HonestFigures, HostileReport, PhaseReport, ProcReport,
     Thresholds,
 };
-use crate::chaos::fleet::{spawn_with_line, start_nats, BridgeProc, Engine, FleetError, Replica};
+use super::targets::{head, send_read_n, InFlight, Targets};
+use crate::chaos::fleet::{
+    http_get, spawn_with_line, start_nats_with, BridgeProc, Engine, FleetError, Replica,
+};
 use kvrouter_testkit::{free_port, free_ports, Proc};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -46,6 +51,10 @@ pub struct HostileConfig {
     /// A process whose resident set passes this many MiB is SIGKILLed (and counts as dead):
     /// a runaway must not take the machine with it.
     pub kill_rss_mib: f64,
+    /// The control run: nats-server without the users file, so anyone may say and read
+    /// anything on the bus (every process still presents its seed). The bus attacks must
+    /// then take effect: it shows the bench would see it.
+    pub open_bus: bool,
 }
 
 impl HostileConfig {
@@ -69,6 +78,7 @@ impl HostileConfig {
                 max_rss_mib: 2048.0,
             },
             kill_rss_mib: 4096.0,
+            open_bus: false,
         }
     }
 }
@@ -77,6 +87,8 @@ impl HostileConfig {
 pub enum HostileError {
     #[error(transparent)]
     Fleet(#[from] FleetError),
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
     #[error("{0}")]
     Startup(String),
 }
@@ -167,16 +179,84 @@ fn honest_tokens(rng: &mut fastrand::Rng) -> Vec<u32> {
     t
 }
 
-/// One honest call: (ok, ms, failure).
-async fn honest_call(port: u16, path: &str, body: String) -> (bool, f64, String) {
+/// The `Authorization` header line for a bearer secret.
+fn bearer(secret: &str) -> String {
+    format!("Authorization: Bearer {secret}\r\n")
+}
+
+/// One honest call with these credentials: (ok, ms, failure), and the answer's body.
+async fn honest_call(
+    port: u16,
+    path: &str,
+    auth: &str,
+    body: String,
+) -> ((bool, f64, String), String) {
     let t0 = Instant::now();
-    let h = head("POST", path, "", body.len());
-    let r = send_read(port, &h, body.as_bytes(), 1, Duration::from_secs(10)).await;
+    let h = head("POST", path, auth, body.len());
+    let r = send_read_n(
+        port,
+        &h,
+        body.as_bytes(),
+        1,
+        Duration::from_secs(10),
+        64 << 10,
+    )
+    .await;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     match r {
-        Ok((200, _)) => (true, ms, String::new()),
-        Ok((s, answer)) => (false, ms, format!("{s} {}", error_message(&answer))),
-        Err(e) => (false, ms, e.to_string()),
+        Ok((200, answer)) => ((true, ms, String::new()), answer),
+        Ok((s, answer)) => (
+            (false, ms, format!("{s} {}", error_message(&answer))),
+            answer,
+        ),
+        Err(e) => ((false, ms, e.to_string()), String::new()),
+    }
+}
+
+/// One honest booking through a replica's JSON API, held as a real caller holds it: the
+/// route (its latency is the sample's), a pause, `prefill_done`, a pause, `free`, each with
+/// the route's lease. Ok only if all three are; the attackers know the id meanwhile.
+async fn honest_booking(
+    t: &Targets,
+    auth: &str,
+    request_id: String,
+    rng: &mut fastrand::Rng,
+) -> (bool, f64, String) {
+    let body = serde_json::json!({
+        "model": t.model, "tokens": honest_tokens(rng), "request_id": request_id,
+    });
+    let (route, answer) = honest_call(t.replica, "/v1/route", auth, body.to_string()).await;
+    if !route.0 {
+        return route;
+    }
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap_or_default();
+    let (Some(lease), Some(replica_id)) = (v["lease"].as_str(), v["replica_id"].as_str()) else {
+        return (
+            false,
+            route.1,
+            format!("route answer without lease: {answer}"),
+        );
+    };
+    let held = InFlight {
+        request_id: request_id.clone(),
+        replica_id: replica_id.to_string(),
+    };
+    t.inflight.lock().push(held);
+    let mut failed = None;
+    for op in ["prefill_done", "free"] {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let body = serde_json::json!({"model": t.model, "replica_id": replica_id, "lease": lease});
+        let path = format!("/v1/requests/{request_id}/{op}");
+        let (r, _) = honest_call(t.replica, &path, auth, body.to_string()).await;
+        if !r.0 {
+            failed = Some(format!("{op} {}", r.2));
+            break;
+        }
+    }
+    t.inflight.lock().retain(|h| h.request_id != request_id);
+    match failed {
+        None => route,
+        Some(why) => (false, route.1, why),
     }
 }
 
@@ -193,6 +273,7 @@ fn completion_body(model: &str, rng: &mut fastrand::Rng) -> String {
     serde_json::json!({"model": model, "prompt": honest_prompt(rng), "max_tokens": 4}).to_string()
 }
 
+/// A route that books nothing (the readiness probe's).
 fn route_body(model: &str, rng: &mut fastrand::Rng) -> String {
     serde_json::json!({"model": model, "tokens": honest_tokens(rng), "update_states": false})
         .to_string()
@@ -210,23 +291,25 @@ fn spawn_honest(
         .map(|c| (true, c))
         .chain((0..cfg.route_clients).map(|c| (false, c)));
     for (completion, c) in clients {
-        let honest = honest.clone();
-        let model = cfg.model.clone();
-        let (frontend, replica) = (t.frontend, t.replica);
+        let (honest, t) = (honest.clone(), t.clone());
+        let key = bearer(&t.creds.honest_key);
+        let token = bearer(&t.creds.honest_token);
         let mut rng =
             fastrand::Rng::with_seed(cfg.seed.wrapping_add(2 * c as u64 + u64::from(completion)));
+        let seed = cfg.seed;
         tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
             while !honest.stop.load(Ordering::Relaxed) {
                 let phase = honest.phase.load(Ordering::Relaxed);
                 let s = if completion {
-                    honest_call(
-                        frontend,
-                        "/v1/completions",
-                        completion_body(&model, &mut rng),
-                    )
-                    .await
+                    let body = completion_body(&t.model, &mut rng);
+                    honest_call(t.frontend, "/v1/completions", &key, body)
+                        .await
+                        .0
                 } else {
-                    honest_call(replica, "/v1/route", route_body(&model, &mut rng)).await
+                    n += 1;
+                    let id = format!("honest-{seed}-{c}-{n}");
+                    honest_booking(&t, &token, id, &mut rng).await
                 };
                 if phase != NO_PHASE {
                     let samples = if completion {
@@ -263,7 +346,13 @@ async fn attack_thread(
         };
         let mut fig = rt.block_on(async {
             let deadline = tokio::time::Instant::now() + phase;
-            attacks::run(attack, t, deadline, seed, slow).await
+            match attack {
+                Attack::LeaseTheft => impostors::lease_theft(&t, deadline, seed).await,
+                Attack::ForgedWorker => impostors::forged_worker(&t, deadline).await,
+                Attack::FrontendImpostor => impostors::frontend_impostor(&t, deadline).await,
+                Attack::ReplyReader => impostors::reply_reader(&t, deadline).await,
+                door => attacks::run(door, t, deadline, seed, slow).await,
+            }
         });
         drop(rt);
         fig.cpu_secs = thread_cpu_secs() - cpu0;
@@ -275,15 +364,47 @@ async fn attack_thread(
 }
 
 /// Waits until a call answers 200 (the fleet serves), up to `within`.
-async fn serves(port: u16, path: &str, body: &str, within: Duration) -> bool {
+async fn serves(port: u16, path: &str, auth: &str, body: &str, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
-        if honest_call(port, path, body.to_string()).await.0 {
+        if honest_call(port, path, auth, body.to_string()).await.0 .0 {
             return true;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     false
+}
+
+/// The fleet's refusal counters, each summed over its labels and the processes at `ports`
+/// (their `/metrics`): `kvrouter_replica_lease_refused_total` as `lease_refused`, and so on.
+async fn refusal_counters(ports: &[u16]) -> BTreeMap<String, u64> {
+    const COUNTERS: [(&str, &str); 4] = [
+        ("kvrouter_replica_lease_refused_total", "lease_refused"),
+        ("kvrouter_misattributed_messages_total", "misattributed"),
+        ("kvrouter_http_auth_refused_total", "http_auth_refused"),
+        (
+            "kvrouter_frontend_auth_refused_total",
+            "frontend_auth_refused",
+        ),
+    ];
+    let mut sums = BTreeMap::new();
+    for &port in ports {
+        let (status, text) = http_get(port, "/metrics").await;
+        if status != 200 {
+            continue;
+        }
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let name = series.split('{').next().unwrap_or(series);
+            if let Some((_, short)) = COUNTERS.iter().find(|(n, _)| *n == name) {
+                let v = value.parse::<f64>().unwrap_or(0.0) as u64;
+                *sums.entry(short.to_string()).or_insert(0) += v;
+            }
+        }
+    }
+    sums
 }
 
 /// Runs the whole hostile bench. Needs a multi-thread runtime.
@@ -300,7 +421,19 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
     let s = |x: &str| x.to_string();
     let drain = format!("{}", cfg.drain_timeout.as_secs_f64());
     let ns = format!("hostile{}", cfg.seed);
-    let nats = start_nats(log)?;
+    let replica_ids: Vec<String> = (0..2).map(|i| format!("r{i}")).collect();
+    // The engine's worker, and a spare identity no process uses: the forger's.
+    let (worker_id, spare_worker) = (7u64, 8u64);
+    let creds = Arc::new(FleetCredentials::generate(
+        exe,
+        &ns,
+        &replica_ids,
+        &[worker_id, spare_worker],
+    )?);
+    let seed_of = |who: &str| creds.seed(who).display().to_string();
+    let conf = creds.nats_conf().display().to_string();
+    let nats_args: &[&str] = if cfg.open_bus { &[] } else { &["-c", &conf] };
+    let nats = start_nats_with(log, nats_args)?;
     let url = nats.url();
 
     let dp = 2u16;
@@ -345,6 +478,10 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
             s("bridge"),
             s("--nats"),
             url.clone(),
+            s("--nats-nkey-file"),
+            seed_of(&format!("bridge-{worker_id}")),
+            s("--worker-id"),
+            worker_id.to_string(),
             s("--namespace"),
             ns.clone(),
             s("--engine"),
@@ -374,7 +511,7 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
     };
     bridge.start(exe, log).await?;
     let mut replicas = Vec::new();
-    for i in 0..2 {
+    for (i, id) in (0u64..).zip(&replica_ids) {
         let port = free_port();
         let mut r = Replica {
             id: format!("replica{i}"),
@@ -384,12 +521,16 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
                 s("serve"),
                 s("--nats"),
                 url.clone(),
+                s("--nats-nkey-file"),
+                seed_of(&format!("replica-{id}")),
+                s("--http-tokens-file"),
+                creds.tokens_file().display().to_string(),
                 s("--namespace"),
                 ns.clone(),
                 s("--model"),
                 cfg.model.clone(),
                 s("--replica-id"),
-                format!("r{i}"),
+                id.clone(),
                 s("--admin-addr"),
                 format!("127.0.0.1:{port}"),
                 s("--replica-sync"),
@@ -421,6 +562,10 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
         s("frontend"),
         s("--nats"),
         url.clone(),
+        s("--nats-nkey-file"),
+        seed_of("frontend-0"),
+        s("--api-keys-file"),
+        creds.api_keys_file().display().to_string(),
         s("--namespace"),
         ns.clone(),
         s("--listen"),
@@ -442,12 +587,22 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
         bridge: bridge_admin,
         engine: http,
         model: cfg.model.clone(),
-        worker_id: bridge.worker_id.unwrap_or(0),
+        worker_id: bridge.worker_id.unwrap_or(worker_id),
+        engine_url: engine.base_url(),
+        spare_worker,
+        nats_url: url.clone(),
+        namespace: ns.clone(),
+        replica_ids: replica_ids.clone(),
+        replica_ports: replicas.iter().map(|r| r.admin_port).collect(),
+        creds: creds.clone(),
+        inflight: Arc::new(Mutex::new(Vec::new())),
     };
+    let (key, token) = (bearer(&creds.honest_key), bearer(&creds.honest_token));
     let mut rng = fastrand::Rng::with_seed(cfg.seed);
     if !serves(
         frontend_port,
         "/v1/completions",
+        &key,
         &completion_body(&cfg.model, &mut rng),
         Duration::from_secs(30),
     )
@@ -455,6 +610,7 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
         || !serves(
             targets.replica,
             "/v1/route",
+            &token,
             &route_body(&cfg.model, &mut rng),
             Duration::from_secs(30),
         )
@@ -563,10 +719,13 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
         })
     };
 
+    let mut counter_ports = targets.replica_ports.clone();
+    counter_ports.push(targets.frontend);
     let clients = spawn_honest(&honest, &cfg, &targets);
     let mut reports = Vec::new();
     for (i, phase) in plan.iter().enumerate() {
         tracing::info!(phase = %names[i], "hostile phase");
+        let counted = refusal_counters(&counter_ports).await;
         let t0 = Instant::now();
         honest.phase.store(i, Ordering::Relaxed);
         let attack = match phase {
@@ -596,6 +755,7 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
         let recovered = serves(
             targets.frontend,
             "/v1/completions",
+            &key,
             &completion_body(&cfg.model, &mut rng),
             cfg.recovery_timeout,
         )
@@ -603,10 +763,20 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
             && serves(
                 targets.replica,
                 "/v1/route",
+                &token,
                 &route_body(&cfg.model, &mut rng),
                 cfg.recovery_timeout,
             )
             .await;
+        let after = refusal_counters(&counter_ports).await;
+        let refusals = after
+            .into_iter()
+            .map(|(k, v)| {
+                let grew = v.saturating_sub(counted.get(&k).copied().unwrap_or(0));
+                (k, grew)
+            })
+            .filter(|(_, grew)| *grew > 0)
+            .collect();
         let recovery_secs = recovered.then(|| back.elapsed().as_secs_f64());
         let died = members
             .lock()
@@ -622,6 +792,7 @@ pub async fn run_hostile(cfg: HostileConfig) -> Result<HostileReport, HostileErr
             routes: HonestFigures::default(),
             peak_rss_mib: phase_rss.lock()[i].clone(),
             died,
+            refusals,
             recovery_secs,
         });
     }

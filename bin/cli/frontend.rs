@@ -12,7 +12,7 @@ use kvrouter_frontend::{
     Access, ApiKeys, Frontend, FrontendConfig, FrontendServer, Grants, ModelFiles, RankConvention,
 };
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -96,10 +96,7 @@ pub struct FrontendArgs {
 }
 
 fn read_keys_file(path: &std::path::Path) -> anyhow::Result<ApiKeys> {
-    let mut text = Vec::new();
-    std::fs::File::open(path)?
-        .take(MAX_KEYS_FILE_BYTES as u64 + 1)
-        .read_to_end(&mut text)?;
+    let text = kvrouter_admin::secret::read_file(path, MAX_KEYS_FILE_BYTES)?;
     Ok(ApiKeys::from_file(&text)?)
 }
 

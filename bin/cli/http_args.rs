@@ -6,7 +6,8 @@
 
 use anyhow::Context;
 use clap::Args;
-use kvrouter_admin::auth::{parse_tokens_file, BearerToken};
+use kvrouter_admin::auth::{parse_tokens_file, BearerToken, MAX_TOKENS_FILE_BYTES};
+use kvrouter_admin::secret;
 use kvrouter_admin::{HttpAuth, HttpLimits, Scopes, ServerTls, TlsFiles};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -112,8 +113,10 @@ impl HttpAuthArgs {
     pub fn auth(&self, http: &HttpArgs) -> anyhow::Result<HttpAuth> {
         let mut tokens = Vec::new();
         if let Some(path) = &self.http_tokens_file {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read --http-tokens-file {}", path.display()))?;
+            let what = || format!("--http-tokens-file {}", path.display());
+            let bytes = secret::read_file(path, MAX_TOKENS_FILE_BYTES).with_context(what)?;
+            let text = String::from_utf8(bytes)
+                .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", what()))?;
             tokens = parse_tokens_file(&text, &path.display().to_string())?;
         }
         if let Some(token) = &self.http_token {

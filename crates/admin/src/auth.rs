@@ -3,22 +3,23 @@
 //!
 //! [`HttpAuth`] is the plain core: it parses tokens files, keeps each token as its SHA-256
 //! digest only, and decides one call from its `Authorization` header and whether its
-//! connection showed a verified client certificate. A token is compared with every
-//! configured one in constant time (digests of equal length, no early exit), so neither the
+//! connection showed a verified client certificate. Tokens are compared as
+//! [`crate::secret`] compares every secret: in constant time, all of them, so neither a
 //! token nor its length leaks through timing. The admin endpoint ([`crate::serve`]) checks
 //! its `/v1/`, `/debug/` and (on request) `/metrics` paths through it; any other handler on
 //! [`crate::HttpServer`] may call [`HttpAuth::check`] for the paths it guards.
 
+use crate::secret::{self, SecretDigest};
 use hyper::header::AUTHORIZATION;
-use ring::digest::{digest, SHA256};
 use std::fmt;
 use std::sync::Arc;
-use subtle::{ConditionallySelectable, ConstantTimeEq};
 
 /// The shortest token accepted: shorter ones are guessable.
 pub const MIN_TOKEN_BYTES: usize = 16;
 /// The longest token accepted (a file line or a header beyond this is a mistake).
 pub const MAX_TOKEN_BYTES: usize = 4096;
+/// The largest tokens file read (a bigger one is the wrong file).
+pub const MAX_TOKENS_FILE_BYTES: usize = 1 << 20;
 
 /// What a caller may do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -171,7 +172,7 @@ impl AuthConfigError {
 /// secret itself is not kept.
 #[derive(Clone)]
 pub struct BearerToken {
-    digest: [u8; 32],
+    digest: SecretDigest,
     scopes: Scopes,
     origin: String,
 }
@@ -180,12 +181,6 @@ impl fmt::Debug for BearerToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "BearerToken({}, {})", self.origin, self.scopes)
     }
-}
-
-fn sha256(b: &[u8]) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    out.copy_from_slice(digest(&SHA256, b).as_ref());
-    out
 }
 
 /// RFC 6750's `b64token` characters.
@@ -218,7 +213,7 @@ impl BearerToken {
         };
         check().map_err(|e| e.at(origin))?;
         Ok(Self {
-            digest: sha256(secret.as_bytes()),
+            digest: SecretDigest::of(secret.as_bytes()),
             scopes,
             origin: origin.to_string(),
         })
@@ -431,15 +426,7 @@ impl HttpAuth {
     /// The scopes a presented token holds; `None` when it is none of the configured ones.
     /// Every configured token is compared, in constant time.
     fn lookup(&self, token: &[u8]) -> Option<Scopes> {
-        let d = sha256(token);
-        let mut found = subtle::Choice::from(0);
-        let mut bits = 0u8;
-        for t in &self.0.tokens {
-            let eq = t.digest.ct_eq(&d);
-            bits |= u8::conditional_select(&0, &t.scopes.0, eq);
-            found |= eq;
-        }
-        bool::from(found).then_some(Scopes(bits))
+        secret::lookup(self.0.tokens.iter().map(|t| (&t.digest, t.scopes.0)), token).map(Scopes)
     }
 
     /// May a call with these credentials do what needs `need`? `need: None` asks only that
@@ -456,7 +443,7 @@ impl HttpAuth {
         let scopes = match authorization {
             Authorization::Many => return Err(Refusal::Malformed),
             Authorization::One(h) => {
-                let token = bearer(h).ok_or(Refusal::Malformed)?;
+                let token = secret::bearer(h, MAX_TOKEN_BYTES).ok_or(Refusal::Malformed)?;
                 self.lookup(token).ok_or(Refusal::InvalidToken)?
             }
             Authorization::None if client_cert && !self.0.cert_scopes.is_empty() => {
@@ -485,16 +472,6 @@ impl HttpAuth {
         let cert = req.extensions().get::<VerifiedClientCert>().is_some();
         self.decide(authorization, cert, need)
     }
-}
-
-/// The token of `Bearer TOKEN` (scheme case-insensitive, RFC 7235); `None` otherwise.
-fn bearer(header: &[u8]) -> Option<&[u8]> {
-    let (scheme, rest) = header.split_at_checked(6)?;
-    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
-        return None;
-    }
-    let token = rest.trim_ascii();
-    (!token.is_empty() && token.len() <= MAX_TOKEN_BYTES).then_some(token)
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 
 pub mod auth;
 mod http_server;
+pub mod secret;
 pub mod tls;
 
 pub use auth::{HttpAuth, Refusal, Scope, Scopes};

@@ -1,15 +1,14 @@
 //! Who may call the frontend and what each caller may use: API keys and the operator's
 //! grants. A plain core (no I/O): the keys file parsed, a presented key checked.
 //!
-//! Keys are kept only as SHA-256 digests. A presented key is hashed and compared with every
-//! stored digest in constant time, all of them every time, so neither the time an answer
-//! takes nor its content tells a caller how long a key is, how much of it matched, or which
-//! key matched.
+//! Keys are kept and compared as `kvrouter_admin::secret` keeps every secret: SHA-256
+//! digests only, a presented key compared with all of them in constant time, so neither the
+//! time an answer takes nor its content tells a caller how long a key is, how much of it
+//! matched, or which key matched.
 
-use ring::digest::{digest, SHA256};
+use kvrouter_admin::secret::{self, SecretDigest};
 use std::fmt;
 use std::sync::Arc;
-use subtle::{Choice, ConditionallySelectable, ConstantTimeEq};
 
 /// Shorter keys are refused: they can be guessed.
 pub const MIN_KEY_BYTES: usize = 16;
@@ -152,16 +151,10 @@ pub enum KeysError {
 /// A key's digest and what it grants; the key itself is dropped once hashed.
 #[derive(Clone)]
 struct StoredKey {
-    digest: [u8; 32],
+    digest: SecretDigest,
     grants: Grants,
     /// Where it came from, for error messages: 0 for `--api-key`, else the file's line.
     line: usize,
-}
-
-fn sha256(bytes: &[u8]) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    out.copy_from_slice(digest(&SHA256, bytes).as_ref());
-    out
 }
 
 fn check_key(key: &str) -> Result<(), KeyError> {
@@ -209,7 +202,7 @@ impl ApiKeys {
         check_key(key).map_err(KeysError::Flag)?;
         Ok(Self {
             keys: vec![StoredKey {
-                digest: sha256(key.as_bytes()),
+                digest: SecretDigest::of(key.as_bytes()),
                 grants: Grants::default(),
                 line: 0,
             }],
@@ -247,7 +240,7 @@ impl ApiKeys {
                 return Err(KeysError::Extra { line });
             }
             check_key(key).map_err(|source| KeysError::Line { line, source })?;
-            let digest = sha256(key.as_bytes());
+            let digest = SecretDigest::of(key.as_bytes());
             if let Some(first) = keys.iter().find(|k| k.digest == digest) {
                 return Err(KeysError::Duplicate {
                     line,
@@ -292,20 +285,11 @@ impl ApiKeys {
         self.keys.iter().filter(|k| !k.grants.is_none()).count()
     }
 
-    /// The grants of the key presented, if it is one of these. Every stored digest is
-    /// compared, with no early exit, and the matching key's grants are selected without a
-    /// branch: the time taken depends only on the number of keys and the presented
-    /// key's length (the caller's own).
+    /// The grants of the key presented, if it is one of these (every key compared, in
+    /// constant time).
     fn verify(&self, presented: &[u8]) -> Option<Grants> {
-        let d = sha256(presented);
-        let mut found = Choice::from(0);
-        let mut bits = 0u8;
-        for k in &self.keys {
-            let hit = k.digest[..].ct_eq(&d[..]);
-            found |= hit;
-            bits.conditional_assign(&k.grants.bits(), hit);
-        }
-        bool::from(found).then(|| Grants::from_bits(bits))
+        let keys = self.keys.iter().map(|k| (&k.digest, k.grants.bits()));
+        secret::lookup(keys, presented).map(Grants::from_bits)
     }
 }
 
@@ -371,21 +355,14 @@ impl Access {
         let Some(keys) = &self.keys else {
             return Ok(self.everyone);
         };
-        let presented = authorization.and_then(bearer).ok_or(Refusal::MissingKey)?;
+        // Any length is hashed and refused as a wrong key: the header limit bounds it.
+        let presented = authorization
+            .and_then(|h| secret::bearer(h, usize::MAX))
+            .ok_or(Refusal::MissingKey)?;
         keys.verify(presented)
             .map(|g| g.union(self.everyone))
             .ok_or(Refusal::WrongKey)
     }
-}
-
-/// The token of `Bearer TOKEN` (the scheme in any case, as RFC 9110 has it).
-fn bearer(v: &[u8]) -> Option<&[u8]> {
-    let space = v.iter().position(|&b| b == b' ')?;
-    let (scheme, rest) = v.split_at(space);
-    if !scheme.eq_ignore_ascii_case(b"bearer") {
-        return None;
-    }
-    Some(rest.trim_ascii()).filter(|t| !t.is_empty())
 }
 
 #[cfg(test)]

@@ -116,6 +116,8 @@ pub struct Metrics {
     /// Peers' sync batches lost (gaps in their sequence numbers), each followed by a fetch
     /// of that peer's active sequences.
     pub sync_batches_lost: Family<ModelLabels, Counter>,
+    /// Peers' sync changes (or sequence numbers) not applied, by why.
+    pub sync_refused: Family<ReasonLabels, Counter>,
     pub routes_abandoned: Family<ModelLabels, Counter>,
     /// Updates of active requests refused because the caller did not present the
     /// request's route lease.
@@ -274,6 +276,11 @@ impl Metrics {
             sync_batches_lost: reg!(
                 "replica_sync_batches_lost",
                 "Peers' replica-sync batches lost (gaps in their sequence numbers); each gap fetches that peer's active sequences again (--replica-sync)",
+                Family::default()
+            ),
+            sync_refused: reg!(
+                "replica_sync_refused",
+                "Peers' replica-sync changes not applied: buffer_full (the catch-up buffer overflowed), id_too_long, not_its_own (a change to a request the peer did not route), sequence_jump (a sequence number too far ahead to believe; counted per batch)",
                 Family::default()
             ),
             routes_abandoned: reg!(

@@ -244,6 +244,8 @@ pub struct SchedulerState {
     echo_window: Duration,
     /// Route calls whose callers went elsewhere, by global request id.
     abandoned: Abandoned,
+    /// What `ids` had refused when last counted in `kvrouter_replica_sync_refused_total`.
+    sync_refused: [u64; 4],
 }
 
 impl SchedulerState {
@@ -459,7 +461,31 @@ impl SchedulerState {
     /// Applies peers' changes (idempotent: see `replica_sync`), then retries the queue.
     fn apply_peer(&mut self, changes: Vec<SeqChange>, now: Instant) {
         replica_sync::apply_changes(&mut self.core, changes, now);
+        self.count_sync_refusals();
         self.drain(now);
+    }
+
+    /// Adds what the sync core refused since last time to its counters.
+    fn count_sync_refusals(&mut self) {
+        let now = [
+            self.ids.dropped(),
+            self.ids.refused(),
+            self.ids.foreign(),
+            self.ids.jumps(),
+        ];
+        const REASONS: [&str; 4] = ["buffer_full", "id_too_long", "not_its_own", "sequence_jump"];
+        for ((reason, seen), total) in REASONS.into_iter().zip(&mut self.sync_refused).zip(now) {
+            if total > *seen {
+                self.metrics
+                    .sync_refused
+                    .get_or_create(&crate::metrics::ReasonLabels {
+                        model: self.labels.model.clone(),
+                        reason,
+                    })
+                    .inc_by(total - *seen);
+                *seen = total;
+            }
+        }
     }
 
     /// Sends this replica's pending changes to the sync publisher (an empty batch keeps
@@ -574,6 +600,7 @@ impl Actor for SchedulerActor {
             exported: FxHashSet::default(),
             echo_window,
             abandoned: Abandoned::default(),
+            sync_refused: [0; 4],
         })
     }
 

@@ -1,6 +1,7 @@
-//! The process-driving runner: starts the fleet, runs the honest traffic through every
-//! phase, the attack of each phase on a thread of its own, samples every process's memory,
-//! and stops the fleet with SIGTERM at the end.
+//! The process-driving runner: makes the fleet's credentials and starts it locked, runs the
+//! honest traffic through every phase, the attack of each phase on a thread of its own,
+//! samples every process's memory, reads the fleet's refusal counters around each phase, and
+//! stops the fleet with SIGTERM at the end.
 
 use super::attacks;
 use super::credentials::{CredentialsError, FleetCredentials};

@@ -776,6 +776,13 @@ async fn a_gap_in_a_peers_sync_batches_fetches_its_requests_again() {
         active(&b) == 6 && gauge_sum(&b, "kvrouter_replica_sync_batches_lost_total") >= 2
     })
     .await;
+    // A number too far ahead to believe is counted, and makes nothing stale.
+    let jumps = format!(
+        "kvrouter_replica_sync_refused_total{{model=\"{MODEL}\",reason=\"sequence_jump\"}}"
+    );
+    assert_eq!(gauge_sum(&b, &jumps), 0);
+    publish(forged(last.seq + 4 + (1 << 22), Vec::new())).await;
+    eventually("b counted the jump", || gauge_sum(&b, &jumps) == 1).await;
     for r in [a, b] {
         r.shutdown().await;
     }

@@ -250,7 +250,9 @@ async fn honest_booking(
         let path = format!("/v1/requests/{request_id}/{op}");
         let (r, _) = honest_call(t.replica, &path, auth, body.to_string()).await;
         if !r.0 {
-            failed = Some(format!("{op} {}", r.2));
+            // The status only: the message names the request, and failures are grouped.
+            let status = r.2.split(' ').next().unwrap_or_default();
+            failed = Some(format!("{op} answered {status}"));
             break;
         }
     }

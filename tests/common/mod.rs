@@ -5,6 +5,8 @@
 // Each suite uses its own part of it.
 #![allow(dead_code, unused_imports)]
 
+pub mod curl;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;

@@ -4,13 +4,13 @@
 
 use crate::common;
 
+use common::curl::{curl_as, Answer, Caller};
 use common::{
     e2e_tokens as tokens, free_port, metric_sum as sum, ready, serve, wait_until, NatsServer,
     E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use kvrouter_testkit::TestCerts;
 use serde_json::{json, Value};
-use std::process::Command;
 use std::time::Duration;
 
 const ROUTE_ONLY: &str = "route-only-token-0123456789abcdef";
@@ -19,103 +19,14 @@ const DEBUG: &str = "debug-token-0123456789abcdef";
 const REFUSED: &str = "kvrouter_http_auth_refused_total";
 const ACTIVE: &str = "kvrouter_worker_active_requests";
 
-/// How a [`curl_as`] call reaches the server.
-#[derive(Default)]
-struct Caller<'a> {
-    token: Option<&'a str>,
-    /// HTTPS trusting `certs.ca`, with the client certificate (cert, key) when given.
-    tls: Option<&'a TestCerts>,
-    client_cert: Option<(&'a std::path::Path, &'a std::path::Path)>,
-}
-
-/// What curl got: the status and body, or curl's failure (exit code and message).
-#[derive(Debug)]
-struct Got {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
-impl Got {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {} {}", self.status, self.body))
-    }
-
-    /// `(status, error kind)`.
-    fn error(&self) -> (u16, String) {
-        let kind = self.json()["error"]["kind"]
-            .as_str()
-            .unwrap_or("")
-            .to_string();
-        (self.status, kind)
-    }
-}
-
-/// `curl -X METHOD` on `127.0.0.1:port` as `who`, with a JSON body when given.
-fn curl_as(
-    who: &Caller,
-    method: &str,
-    port: u16,
-    path: &str,
-    body: Option<&Value>,
-) -> Result<Got, String> {
-    let scheme = if who.tls.is_some() { "https" } else { "http" };
-    // With TLS, `localhost` (in the server certificate) resolved to the loopback address.
-    let url = format!("{scheme}://localhost:{port}{path}");
-    let mut cmd = Command::new("curl");
-    cmd.args(["-s", "-S", "-i", "--max-time", "10", "-X", method, &url]);
-    cmd.args(["--resolve", &format!("localhost:{port}:127.0.0.1")]);
-    if let Some(t) = who.token {
-        cmd.args(["-H", &format!("authorization: Bearer {t}")]);
-    }
-    if let Some(certs) = who.tls {
-        cmd.arg("--cacert").arg(&certs.ca);
-    }
-    if let Some((cert, key)) = who.client_cert {
-        cmd.arg("--cert").arg(cert).arg("--key").arg(key);
-    }
-    if let Some(b) = body {
-        cmd.args([
-            "-H",
-            "content-type: application/json",
-            "--data-binary",
-            &b.to_string(),
-        ]);
-    }
-    let out = cmd.output().expect("curl runs");
-    if !out.status.success() {
-        return Err(format!(
-            "curl exit {:?}: {}",
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .unwrap_or_else(|| panic!("{method} {path}: no HTTP answer: {text:?}"));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok(Got {
-        status,
-        headers: head.to_lowercase(),
-        body: body.to_string(),
-    })
-}
-
-fn call(who: &Caller, method: &str, port: u16, path: &str, body: Option<&Value>) -> Got {
-    curl_as(who, method, port, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+fn call(who: &Caller, method: &str, port: u16, path: &str, body: Option<&Value>) -> Answer {
+    let body = body.map(|b| b.to_string().into_bytes());
+    curl_as(who, method, port, path, body.as_deref())
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
 fn bearer(token: &str) -> Caller<'_> {
-    Caller {
-        token: Some(token),
-        ..Caller::default()
-    }
+    Caller::bearer(token)
 }
 
 fn routed_prompt(seed: u32) -> Value {

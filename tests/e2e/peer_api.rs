@@ -4,98 +4,13 @@
 
 use crate::common;
 
+use common::curl::{curl, Answer};
 use common::{
     e2e_tokens as tokens, free_port, metric_sum as sum, ready, serve, wait_until, NatsServer,
     E2E_BLOCK as BLOCK, E2E_MODEL as MODEL,
 };
 use serde_json::{json, Value};
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::time::Duration;
-
-/// One curl answer.
-struct Answer {
-    status: u16,
-    /// Header lines, lower-cased.
-    headers: String,
-    body: String,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {} {}", self.status, self.body))
-    }
-
-    /// `(status, error kind)` of an error answer.
-    fn error(&self) -> (u16, String) {
-        let kind = self.json()["error"]["kind"]
-            .as_str()
-            .unwrap_or("")
-            .to_string();
-        (self.status, kind)
-    }
-
-    fn message(&self) -> String {
-        self.json()["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .to_string()
-    }
-}
-
-/// `curl -X METHOD http://127.0.0.1:PORT PATH` with `body` (if any) as a JSON body.
-fn curl(method: &str, port: u16, path: &str, body: Option<&[u8]>) -> Answer {
-    let url = format!("http://127.0.0.1:{port}{path}");
-    let mut cmd = Command::new("curl");
-    cmd.args(["-s", "-S", "-i", "--max-time", "10", "-X", method, &url]);
-    if body.is_some() {
-        cmd.args([
-            "-H",
-            "content-type: application/json",
-            "--data-binary",
-            "@-",
-        ]);
-    }
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("curl runs");
-    let mut stdin = child.stdin.take().expect("stdin");
-    if let Some(b) = body {
-        // A refusal may come before the whole body is sent.
-        let _ = stdin.write_all(b);
-    }
-    drop(stdin);
-    let out = child.wait_with_output().expect("curl output");
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    // `-i`: status line and headers, a blank line, the body (a 100 Continue comes first).
-    let mut rest = text.as_str();
-    loop {
-        let (head, body) = rest.split_once("\r\n\r\n").unwrap_or_else(|| {
-            panic!(
-                "{method} {path}: no HTTP answer: {text:?} {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-        if head.starts_with("HTTP/1.1 100") {
-            rest = body;
-            continue;
-        }
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        return Answer {
-            status,
-            headers: head.to_lowercase(),
-            body: body.to_string(),
-        };
-    }
-}
 
 fn post(port: u16, path: &str, body: &Value) -> Answer {
     curl("POST", port, path, Some(body.to_string().as_bytes()))

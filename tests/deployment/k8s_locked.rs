@@ -313,73 +313,16 @@ impl NatsLayout {
 }
 
 /// `ca.crt`, and `tls.crt` + `tls.key` signed by it for 127.0.0.1 (server and client auth,
-/// as overlays/nats-tls asks), made with openssl into `dir`.
+/// as overlays/nats-tls asks), as the Secret holds them, in `dir`.
 fn make_tls(dir: &Path) {
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap_or_else(|e| panic!("openssl: {e}"));
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=test CA",
-    ]);
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1,DNS:nats\nextendedKeyUsage=serverAuth,clientAuth\n",
-    )
-    .unwrap();
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-        "-subj",
-        "/CN=nats",
-    ]);
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "tls.crt",
-        "-days",
-        "1",
-        "-extfile",
-        "ext.cnf",
-    ]);
+    let certs = kvrouter_testkit::TestCerts::generate(dir).expect("openssl makes certificates");
+    for (from, to) in [
+        (&certs.ca, "ca.crt"),
+        (&certs.member_cert, "tls.crt"),
+        (&certs.member_key, "tls.key"),
+    ] {
+        std::fs::copy(from, dir.join(to)).unwrap();
+    }
 }
 
 fn which(program: &str) -> PathBuf {

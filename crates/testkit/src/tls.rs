@@ -18,6 +18,10 @@ pub struct TestCerts {
     /// Signed by a CA the server does not trust.
     pub stranger_cert: PathBuf,
     pub stranger_key: PathBuf,
+    /// A member of a cluster that both serves and connects (server and client use), for
+    /// `localhost`, `nats` (the Kubernetes base's NATS Service) and `127.0.0.1`.
+    pub member_cert: PathBuf,
+    pub member_key: PathBuf,
 }
 
 const CA_CONFIG: &str = "[req]
@@ -126,6 +130,8 @@ impl TestCerts {
         leaf(dir, "server", "localhost", "ca", server)?;
         leaf(dir, "client", "peer-router", "ca", client)?;
         leaf(dir, "stranger", "stranger", "stranger-ca", client)?;
+        let member = "basicConstraints = CA:FALSE\nextendedKeyUsage = serverAuth, clientAuth\nsubjectAltName = DNS:localhost, DNS:nats, IP:127.0.0.1\n";
+        leaf(dir, "member", "nats", "ca", member)?;
         let p = |f: &str| dir.join(f);
         Ok(Self {
             ca: p("ca.pem"),
@@ -135,6 +141,8 @@ impl TestCerts {
             client_key: p("client.key"),
             stranger_cert: p("stranger.pem"),
             stranger_key: p("stranger.key"),
+            member_cert: p("member.pem"),
+            member_key: p("member.key"),
         })
     }
 }

@@ -234,6 +234,60 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     );
 }
 
+/// The usual order in a pod: the bridge starts while the engine still loads its weights
+/// (its health check failing, nothing listening). The engine's first healthy answer is its
+/// start, not a restart: no new instance, no restart counted, its first events kept; a later
+/// loss of health and return still counts as one.
+#[test]
+fn a_bridge_started_before_its_engine_counts_its_start_as_no_restart() {
+    let nats = NatsServer::start();
+    let (a1, ports) = (free_port(), [free_port(), free_port(), free_port()]);
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let at = EngineAt {
+        kind: "vllm",
+        zmq: ports[0],
+        replay: Some(ports[1]),
+        http: ports[2],
+        dp: 1,
+        capacity_blocks: 1000,
+    };
+    let (_bridge, worker, ab) = bridge(&nats, &at);
+    let restarts = || {
+        metric(
+            &http_get(ab, "/metrics").1,
+            "kvrouter_bridge_engine_restarts_total",
+        )
+    };
+    // Several failed health checks (every 250 ms) and connection attempts.
+    assert!(wait_until(Duration::from_secs(10), || {
+        metric(
+            &http_get(ab, "/metrics").1,
+            "kvrouter_bridge_engine_healthy",
+        ) == 0
+            && http_get(ab, "/readyz").0 == 503
+    }));
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut engine = FakeEngine::start_on(ports, 1, "map", false);
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert!(ready(a1));
+    let client = E2eClient::new(&nats);
+    let k0 = WorkerKey::new(worker, 0);
+    // The engine's first events, at once: none lost to a restart racing them.
+    let a = e2e_tokens(1, 4);
+    engine.store(0, &a);
+    assert!(client.overlap_becomes(&a, k0, 4));
+    assert_eq!(restarts(), 0, "the engine's start counted as a restart");
+    // Later, health lost and back: a restart, as before.
+    engine.cmd(json!({"health": false}));
+    assert!(wait_until(Duration::from_secs(5), || http_get(
+        ab, "/readyz"
+    )
+    .0 == 503));
+    engine.cmd(json!({"health": true}));
+    assert!(wait_until(Duration::from_secs(10), || restarts() == 1));
+    assert!(ready(ab));
+}
+
 #[test]
 fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     let nats = NatsServer::start();

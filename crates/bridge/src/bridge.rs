@@ -138,7 +138,8 @@ impl Bridge {
             bus: bus.clone(),
             subjects: subjects.clone(),
             // The first instance is new: a rank's first batch is never a restart anyway.
-            fresh: vec![false; c.dp_size as usize],
+            // A new instance: nothing came from any rank yet.
+            fresh: vec![true; c.dp_size as usize],
         };
         tasks.push(tokio::spawn(mirror.run(mirror_rx)));
 

@@ -42,6 +42,9 @@ impl EngineWatch {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut healthy: Option<bool> = None;
+        // Until the engine first answers, failing checks are its start (a bridge usually
+        // starts long before the engine has loaded its weights), not a restart.
+        let mut ever_up = false;
         loop {
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
@@ -57,10 +60,11 @@ impl EngineWatch {
             }
             let before = healthy.replace(up);
             metrics.engine_healthy.set(i64::from(up));
-            if up && before == Some(false) {
+            if up && before == Some(false) && ever_up {
                 let _ = self.mirror.send(MirrorCmd::EngineBack).await;
                 self.reconnect.send_modify(|n| *n += 1);
             }
+            ever_up |= up;
             if up {
                 tracing::info!(url = %url.path, authority = %url.authority, "engine healthy: its ranks are live");
             } else {

@@ -365,8 +365,11 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
 }
 
 /// The router's local hashes of a stored run: the LoRA (its name, else its decimal id) seeds
-/// the hash; each block's extra keys other than the LoRA name, and the salt on block 0, go in
-/// as a route request's [`PromptExtras`] would put them.
+/// the hash; each block's extra keys other than the LoRA name go in as a route request's
+/// [`PromptExtras`] would put them, and the salt on the run's block 0 only when that is the
+/// sequence's block 0 (no parent): SGLang names the salt on every run of a salted request,
+/// continuations included, but a route request salts only the prompt's first block (the
+/// salted root keeps different salts apart; the blocks after it chain from it).
 fn local_hashes(s: &Stored, bs: usize) -> Vec<LocalBlockHash> {
     let lora_id_name = s.lora_id.map(|id| id.to_string());
     let lora = s.lora_name.as_deref().or(lora_id_name.as_deref());
@@ -383,7 +386,7 @@ fn local_hashes(s: &Stored, bs: usize) -> Vec<LocalBlockHash> {
                 keys
             })
             .collect(),
-        cache_salt: s.cache_salt.clone(),
+        cache_salt: s.cache_salt.clone().filter(|_| s.parent.is_none()),
     };
     prompt_local_hashes(&s.token_ids, bs, lora, Some(&extras)).unwrap_or_default()
 }
@@ -458,6 +461,58 @@ mod tests {
             .unwrap()
             .is_empty());
         assert_eq!(m.skipped(Skip::TokenCount), 1);
+    }
+
+    /// A salted conversation as SGLang stores it (a root run, then a continuation, each
+    /// naming the salt) hashes as a route request of the whole prompt with that salt does
+    /// (so it matches in full); another salt shares no block with it, from the root on.
+    #[test]
+    fn a_salted_conversation_hashes_as_its_route_request() {
+        let tokens: Vec<u32> = (1..=8).collect();
+        let run = |salt: &str| {
+            let mut m = WorkerMirror::new(5, 0, 1, BS, 100);
+            let store = |hashes: Vec<u64>, parent: Option<u64>, tokens: &[u32]| {
+                Ok(EngineEvent::Stored(Stored {
+                    block_hashes: hashes,
+                    parent,
+                    token_ids: tokens.to_vec(),
+                    block_size: BS,
+                    cache_salt: Some(salt.to_string()),
+                    ..Stored::default()
+                }))
+            };
+            let out = m
+                .apply(
+                    0,
+                    &[
+                        store(vec![1, 2], None, &tokens[..4]),
+                        store(vec![3, 4], Some(2), &tokens[4..]),
+                    ],
+                )
+                .unwrap();
+            out.iter()
+                .flat_map(|e| match &e.data {
+                    KvEventData::Stored { blocks, .. } => {
+                        blocks.iter().map(|b| b.local_hash).collect::<Vec<_>>()
+                    }
+                    _ => panic!("{e:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        let route = |salt: &str| {
+            let extras = PromptExtras {
+                cache_salt: Some(salt.to_string()),
+                ..PromptExtras::default()
+            };
+            prompt_local_hashes(&tokens, BS as usize, None, Some(&extras)).unwrap()
+        };
+        assert_eq!(run("tenant-a"), route("tenant-a"));
+        let (a, b) = (run("tenant-a"), run("tenant-b"));
+        assert_ne!(a[0], b[0], "different salts, one root");
+        let unsalted = prompt_local_hashes(&tokens, BS as usize, None, None).unwrap();
+        assert_ne!(a[0], unsalted[0]);
+        // Past the root the chain carries the salt (the index walks from the root).
+        assert_eq!(a[1..], unsalted[1..]);
     }
 
     proptest! {

@@ -284,10 +284,11 @@ fn sglang_forms_signed_hashes_and_salt() {
     let KvEventData::Stored { blocks, .. } = &out[1].data else {
         panic!()
     };
-    // Salt goes in at block 0 of a stored run (the engine salts a whole request).
+    // The salt goes in at the sequence's block 0 only, as a route request puts it: this run
+    // continues another (SGLang names the salt on every run of a salted request).
     assert_eq!(
         blocks[0].local_hash,
-        local_block_hash_with_extras(&T8[4..], lora_seed(None), &["t"])
+        local_block_hash_with_extras::<&str>(&T8[4..], lora_seed(None), &[])
     );
 
     let b = batch(&c, "sglang_map");
@@ -297,6 +298,16 @@ fn sglang_forms_signed_hashes_and_salt() {
     assert_eq!(
         (s.block_hashes[0], s.cache_salt.as_deref()),
         ((-5i64) as u64, Some("t"))
+    );
+    // A root run: salted.
+    let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
+    let out = m.apply(0, &b.events).unwrap();
+    let KvEventData::Stored { blocks, .. } = &out[0].data else {
+        panic!()
+    };
+    assert_eq!(
+        blocks[0].local_hash,
+        local_block_hash_with_extras(&T8[..4], lora_seed(None), &["t"])
     );
 }
 

@@ -264,8 +264,12 @@ pub fn bridge(nats: &NatsServer, e: &EngineAt) -> (Proc, u64, u16) {
 
 /// [`bridge`] with more arguments.
 pub fn bridge_with(nats: &NatsServer, e: &EngineAt, extra: &[&str]) -> (Proc, u64, u16) {
+    bridge_at(nats, e, &format!("tcp://127.0.0.1:{}", e.zmq), extra)
+}
+
+/// [`bridge_with`] reading the engine's events at `zmq` (an `ipc://` socket file, say).
+pub fn bridge_at(nats: &NatsServer, e: &EngineAt, zmq: &str, extra: &[&str]) -> (Proc, u64, u16) {
     let url = nats.url();
-    let zmq = format!("tcp://127.0.0.1:{}", e.zmq);
     let base = format!("http://127.0.0.1:{}", e.http);
     let admin = "127.0.0.1:0";
     let (dp, block, cap) = (
@@ -284,7 +288,7 @@ pub fn bridge_with(nats: &NatsServer, e: &EngineAt, extra: &[&str]) -> (Proc, u6
         "--block-size",
         &block,
         "--zmq-endpoint",
-        &zmq,
+        zmq,
         "--dp-size",
         &dp,
         "--capacity-blocks",

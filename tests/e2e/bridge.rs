@@ -31,11 +31,23 @@ impl FakeEngine {
 
     /// On these publisher, replay and HTTP ports; with `connect`, its publishers connect to
     /// a bridge that binds (as vLLM's do for a `tcp://127.0.0.1` endpoint).
-    fn start_on([zmq, replay, http]: [u16; 3], dp: u32, wire: &str, connect: bool) -> Self {
+    fn start_on(ports: [u16; 3], dp: u32, wire: &str, connect: bool) -> Self {
+        Self::start_with(ports, dp, wire, connect, None)
+    }
+
+    /// [`FakeEngine::start_on`], publishing on socket files in `ipc_dir` when given.
+    fn start_with(
+        [zmq, replay, http]: [u16; 3],
+        dp: u32,
+        wire: &str,
+        connect: bool,
+        ipc_dir: Option<&std::path::Path>,
+    ) -> Self {
         let script = repo_file("tests/engines/fake_engine.py");
         let mut child = Command::new("python3")
             .arg(&script)
             .args(connect.then_some("--zmq-connect"))
+            .args(ipc_dir.map(|d| format!("--ipc-dir={}", d.display())))
             .args([
                 "--zmq-port",
                 &zmq.to_string(),
@@ -230,6 +242,44 @@ fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     assert_eq!(
         metric(&m, "kvrouter_bridge_engine_restarts_total"),
         2,
+        "{m}"
+    );
+}
+
+/// An engine in the bridge's pod publishing on socket files (`ipc://`, which it binds):
+/// the bridge connects to them, catches up from the replay socket at start, and follows.
+#[test]
+fn a_bridge_follows_an_engine_over_ipc_socket_files() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a1, ports) = (free_port(), [free_port(), free_port(), free_port()]);
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let mut engine = FakeEngine::start_with(ports, 1, "map", false, Some(dir.path()));
+    let at = EngineAt {
+        kind: "vllm",
+        zmq: ports[0],
+        replay: None,
+        http: ports[2],
+        dp: 1,
+        capacity_blocks: 1000,
+    };
+    // Published before the bridge starts: only the replay socket can tell it.
+    let early = e2e_tokens(1, 3);
+    engine.store(0, &early);
+    let events = format!("ipc://{}/events", dir.path().display());
+    let replay = format!("ipc://{}/replay", dir.path().display());
+    let (_bridge, worker, ab) = bridge_at(&nats, &at, &events, &["--replay-endpoint", &replay]);
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    assert!(ready(a1));
+    let client = E2eClient::new(&nats);
+    let k0 = WorkerKey::new(worker, 0);
+    assert!(client.overlap_becomes(&early, k0, 3), "caught up over ipc");
+    let live = e2e_tokens(2, 4);
+    engine.store(0, &live);
+    assert!(client.overlap_becomes(&live, k0, 4), "live over ipc");
+    let m = http_get(ab, "/metrics").1;
+    assert!(
+        metric(&m, "kvrouter_bridge_batches_caught_up_total") >= 1,
         "{m}"
     );
 }

@@ -44,12 +44,18 @@ class Rank:
         # --zmq-connect: as vLLM's publisher does for a non-wildcard TCP endpoint, connect
         # to a subscriber that binds (kvrouter bridge --zmq-bind).
         publish_at = f"tcp://127.0.0.1:{args.zmq_port + rank}"
+        replay_at = f"tcp://127.0.0.1:{args.replay_port + rank}"
+        # --ipc-dir: socket files, as an engine in the bridge's pod binds them (rank 0 only:
+        # the engines do not offset ipc:// endpoints).
+        if args.ipc_dir:
+            publish_at = f"ipc://{args.ipc_dir}/events"
+            replay_at = f"ipc://{args.ipc_dir}/replay"
         if args.zmq_connect:
             self.pub.connect(publish_at)
         else:
             self.pub.bind(publish_at)
         self.replay = ctx.socket(zmq.ROUTER)
-        self.replay.bind(f"tcp://127.0.0.1:{args.replay_port + rank}")
+        self.replay.bind(replay_at)
         self.topic = args.topic.encode()
         self.seq = itertools.count()
         self.buffer = collections.deque(maxlen=args.buffer_steps)
@@ -126,6 +132,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--zmq-port", type=int, required=True)
     ap.add_argument("--zmq-connect", action="store_true")
+    ap.add_argument("--ipc-dir")
     ap.add_argument("--replay-port", type=int, required=True)
     ap.add_argument("--http-port", type=int, required=True)
     ap.add_argument("--dp-size", type=int, default=1)

@@ -111,6 +111,11 @@ pub enum BridgeError {
     ZeroInterval { what: &'static str },
     #[error("the heartbeat interval must be 1..=60000 ms")]
     Heartbeat,
+    #[error(
+        "--zmq-bind with the ipc:// endpoint {0:?}: vLLM and SGLang bind every ipc:// \
+         publisher endpoint themselves, so the bridge connects to it; drop --zmq-bind"
+    )]
+    IpcBind(String),
     #[error(transparent)]
     Subject(#[from] kvrouter_protocol::SubjectError),
     #[error(transparent)]
@@ -163,6 +168,9 @@ impl BridgeConfig {
             if d.is_zero() {
                 return Err(BridgeError::ZeroInterval { what });
             }
+        }
+        if self.zmq_bind && self.zmq_endpoint.starts_with("ipc://") {
+            return Err(BridgeError::IpcBind(self.zmq_endpoint));
         }
         kvrouter_protocol::Subjects::new(&self.namespace)?.model(&self.model)?;
         let base = HttpUrl::parse(&self.base_url)?;
@@ -264,7 +272,34 @@ mod tests {
             ("no heartbeat", (|c| c.heartbeat_interval = Duration::ZERO)),
             ("zero interval", (|c| c.health_interval = Duration::ZERO)),
             ("bind address", (|c| c.zmq_endpoint = "tcp://*:5557".into())),
-            ("ipc", (|c| c.zmq_endpoint = "ipc:///tmp/kv".into())),
+            (
+                "ipc past rank 0",
+                (|c| {
+                    c.zmq_endpoint = "ipc:///tmp/kv".into();
+                    c.dp_size = 2;
+                }),
+            ),
+            (
+                "ipc at rank 1",
+                (|c| {
+                    c.zmq_endpoint = "ipc:///tmp/kv".into();
+                    c.dp_start_rank = 1;
+                }),
+            ),
+            (
+                "ipc bound by the bridge",
+                (|c| {
+                    c.zmq_endpoint = "ipc:///tmp/kv".into();
+                    c.zmq_bind = true;
+                }),
+            ),
+            (
+                "ipc replay past rank 0",
+                (|c| {
+                    c.replay_endpoint = Some("ipc:///tmp/replay".into());
+                    c.dp_size = 2;
+                }),
+            ),
             ("https", (|c| c.base_url = "https://e:8000".into())),
             (
                 "port overflow",
@@ -281,5 +316,21 @@ mod tests {
             assert!(c.resolve().is_err(), "{what} was accepted");
         }
         assert!(base().resolve().is_ok());
+    }
+
+    #[test]
+    fn an_engine_in_the_pod_may_publish_on_socket_files() {
+        let mut c = base();
+        c.zmq_endpoint = "ipc:///run/kv/events".into();
+        c.replay_endpoint = Some("ipc:///run/kv/replay".into());
+        let r = c.resolve().unwrap();
+        assert_eq!(
+            r.ranks,
+            vec![(
+                0,
+                "ipc:///run/kv/events".to_string(),
+                Some("ipc:///run/kv/replay".to_string())
+            )]
+        );
     }
 }

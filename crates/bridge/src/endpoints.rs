@@ -8,9 +8,16 @@ use xxhash_rust::xxh3::xxh3_64;
 pub enum EndpointError {
     #[error(
         "ZMQ endpoint {0:?} must be tcp://HOST:PORT with a host, not `*` (the engine's \
-         address; with --zmq-bind, the bridge's own, e.g. 127.0.0.1)"
+         address; with --zmq-bind, the bridge's own, e.g. 127.0.0.1), or ipc://PATH (a \
+         socket file the engine binds, shared in the pod)"
     )]
     NotTcp(String),
+    #[error(
+        "ZMQ endpoint {endpoint:?} for data-parallel rank {rank}: vLLM and SGLang offset \
+         only tcp:// endpoints per rank (their offset_endpoint_port refuses ipc:// past rank \
+         0); give the engine tcp://*:PORT and the bridge tcp://127.0.0.1:PORT instead"
+    )]
+    IpcRank { endpoint: String, rank: u32 },
     #[error("ZMQ endpoint {endpoint:?}: rank {rank} would publish on port {port}, above 65535")]
     PortRange {
         endpoint: String,
@@ -25,6 +32,18 @@ pub enum EndpointError {
 /// port (vLLM's and SGLang's `offset_endpoint_port`), for the publisher and the replay
 /// endpoint alike.
 pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, EndpointError> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        if path.is_empty() {
+            return Err(EndpointError::NotTcp(endpoint.into()));
+        }
+        if rank > 0 {
+            return Err(EndpointError::IpcRank {
+                endpoint: endpoint.into(),
+                rank,
+            });
+        }
+        return Ok(endpoint.to_string());
+    }
     let rest = endpoint
         .strip_prefix("tcp://")
         .ok_or_else(|| EndpointError::NotTcp(endpoint.into()))?;
@@ -129,13 +148,16 @@ mod tests {
             rank_endpoint("tcp://h:65535", 1),
             Err(EndpointError::PortRange { .. })
         ));
-        for bad in [
-            "ipc:///tmp/x",
-            "tcp://*:5557",
-            "tcp://h",
-            "tcp://h:x",
-            "h:5557",
-        ] {
+        // A socket file: rank 0 only, as the engines' own offset rule has it.
+        assert_eq!(
+            rank_endpoint("ipc:///run/kv/events", 0).unwrap(),
+            "ipc:///run/kv/events"
+        );
+        assert!(matches!(
+            rank_endpoint("ipc:///run/kv/events", 1),
+            Err(EndpointError::IpcRank { rank: 1, .. })
+        ));
+        for bad in ["ipc://", "tcp://*:5557", "tcp://h", "tcp://h:x", "h:5557"] {
             assert!(rank_endpoint(bad, 0).is_err(), "{bad}");
         }
     }

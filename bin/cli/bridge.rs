@@ -85,6 +85,10 @@ pub struct BridgeArgs {
     /// How often to scrape the engine's metrics into load reports.
     #[arg(long, env = "KVROUTER_METRICS_INTERVAL_MS", default_value_t = 200)]
     metrics_interval_ms: u64,
+    /// Seconds the engine may run requests on a rank without one KV event batch before the
+    /// bridge warns that its events go elsewhere (kvrouter_bridge_events_silent).
+    #[arg(long, env = "KVROUTER_EVENTS_SILENT_SECS", default_value_t = 60.0)]
+    events_silent_secs: f64,
     #[arg(long, env = "KVROUTER_HEARTBEAT_MS", default_value_t = 1000)]
     heartbeat_ms: u64,
     /// Seconds a shutdown may take (deregistering included).
@@ -119,6 +123,7 @@ impl BridgeArgs {
         c.http_limits = self.http.limits()?;
         c.health_interval = Duration::from_millis(self.health_interval_ms);
         c.metrics_interval = Duration::from_millis(self.metrics_interval_ms);
+        c.events_silent_after = super::serve::secs("events-silent-secs", self.events_silent_secs)?;
         c.heartbeat_interval = Duration::from_millis(self.heartbeat_ms);
         Ok(c)
     }

@@ -284,6 +284,39 @@ fn a_bridge_follows_an_engine_over_ipc_socket_files() {
     );
 }
 
+/// Events going elsewhere (here: the bridge listens for another topic) while the engine
+/// runs requests: after `--events-silent-secs` the rank is reported silent; an idle engine
+/// publishing nothing is not.
+#[test]
+fn a_busy_engine_whose_events_never_arrive_is_reported_silent() {
+    let nats = NatsServer::start();
+    let mut engine = FakeEngine::start(1, "map");
+    let (_bridge, _worker, ab) = bridge_with(
+        &nats,
+        &engine.at(1, true),
+        &["--topic", "kv@", "--events-silent-secs", "1"],
+    );
+    assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
+    let silent = || metric(&http_get(ab, "/metrics").1, "kvrouter_bridge_events_silent");
+    // Idle, and publishing what the bridge does not hear: nothing to say.
+    engine.store(0, &e2e_tokens(1, 2));
+    std::thread::sleep(Duration::from_millis(2000));
+    assert_eq!(silent(), 0, "an idle engine reported silent");
+    // Busy: silent within a second or so.
+    engine.cmd(json!({"load": {"rank": 0, "running": 2, "waiting": 0, "usage": 0.1}}));
+    assert!(
+        wait_until(Duration::from_secs(10), || silent() == 1),
+        "{}",
+        http_get(ab, "/metrics").1
+    );
+    let m = http_get(ab, "/metrics").1;
+    assert!(
+        metric(&m, "kvrouter_bridge_seconds_since_last_batch") >= 2,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "kvrouter_bridge_batches_total"), 0, "{m}");
+}
+
 /// The usual order in a pod: the bridge starts while the engine still loads its weights
 /// (its health check failing, nothing listening). The engine's first healthy answer is its
 /// start, not a restart: no new instance, no restart counted, its first events kept; a later

@@ -49,6 +49,8 @@ pub struct BridgeConfig {
     /// How long a replay may take before the missing batches count as lost.
     pub replay_timeout: Duration,
     pub event_batch_interval: Duration,
+    /// A rank whose engine runs requests this long without one batch is reported silent.
+    pub events_silent_after: Duration,
 }
 
 impl BridgeConfig {
@@ -87,6 +89,7 @@ impl BridgeConfig {
             http_timeout: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(2),
             event_batch_interval: Duration::from_millis(2),
+            events_silent_after: Duration::from_secs(60),
         }
     }
 }
@@ -164,6 +167,7 @@ impl BridgeConfig {
             ("--metrics-interval-ms", self.metrics_interval),
             ("--http-timeout-ms", self.http_timeout),
             ("--replay-timeout-ms", self.replay_timeout),
+            ("--events-silent-secs", self.events_silent_after),
         ] {
             if d.is_zero() {
                 return Err(BridgeError::ZeroInterval { what });

@@ -3,14 +3,15 @@
 
 use crate::endpoints::HttpUrl;
 use crate::engine_load::parse_engine_metrics;
+use crate::event_silence::{EventSilence, SilenceChange};
 use crate::http_get::http_get;
-use crate::metrics::{BridgeMetrics, LoadLabel};
+use crate::metrics::{BridgeMetrics, LoadLabel, RankLabel};
 use crate::mirror_task::MirrorCmd;
 use kvrouter_bus::Bus;
 use kvrouter_protocol::{EngineKind, ModelSubjects, RankLoad};
 use kvrouter_worker::{announce, WorkerInfo};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 /// What the engine watchers need.
@@ -22,6 +23,12 @@ pub struct EngineWatch {
     pub metrics_interval: Duration,
     /// How long one health check or scrape may take.
     pub timeout: Duration,
+    /// Busy this long without a batch: the rank's events are reported silent.
+    pub events_silent_after: Duration,
+    /// Where the events should come from, for the silence warning.
+    pub zmq: String,
+    pub zmq_bind: bool,
+    pub topic: String,
     pub info: Arc<WorkerInfo>,
     pub bus: Bus,
     pub subjects: ModelSubjects,
@@ -94,6 +101,11 @@ impl EngineWatch {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failing = false;
+        let mut silence = EventSilence::new(
+            info.dp_size as usize,
+            self.events_silent_after,
+            Instant::now(),
+        );
         loop {
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
@@ -145,7 +157,41 @@ impl EngineWatch {
                         })
                         .set(v.round() as i64);
                 }
+                self.watch_silence(&mut silence, i as usize, rank, l.running > 0.0);
             }
+        }
+    }
+
+    /// Feeds one scrape of `rank` to the silence watch; says so when it turns silent or
+    /// its events come back.
+    fn watch_silence(&self, silence: &mut EventSilence, slot: usize, rank: u32, busy: bool) {
+        let metrics = &self.metrics;
+        let label = RankLabel { dp_rank: rank };
+        let batches = metrics.batches.get_or_create(&label).get();
+        let now = Instant::now();
+        let change = silence.scrape(slot, batches, busy, now);
+        metrics
+            .since_last_batch
+            .get_or_create(&label)
+            .set(silence.since_last_batch(slot, now).as_secs() as i64);
+        metrics
+            .events_silent
+            .get_or_create(&label)
+            .set(i64::from(silence.is_silent(slot)));
+        match change {
+            Some(SilenceChange::Silent { for_secs }) => {
+                let connected = metrics.zmq_connected.get_or_create(&label).get() > 0;
+                let likely = match (connected, self.zmq_bind) {
+                    (false, false) => "the bridge is not connected to the engine's publisher: the engine must bind where the bridge connects (vLLM and SGLang bind only tcp://*, tcp://:: and ipc:// endpoints and connect to any other: give the engine tcp://*:PORT, or both sides tcp://127.0.0.1:PORT with --zmq-bind)",
+                    (false, true) => "no publisher connected to the bridge's bound endpoint: the engine must connect to it (a tcp://127.0.0.1:PORT endpoint, the same port plus its rank); a tcp://* engine endpoint binds instead",
+                    (true, _) => "connected, but nothing arrives: check --topic against the engine's topic, the port of each rank (the engine adds its global data-parallel rank to the port: --dp-start-rank), and that the engine publishes (enable_kv_cache_events)",
+                };
+                tracing::warn!(dp_rank = rank, endpoint = %self.zmq, topic = %self.topic, silent_secs = for_secs, "the engine runs requests but no KV event came from it: routing has no cache affinity for this rank; {likely}");
+            }
+            Some(SilenceChange::Resumed) => {
+                tracing::info!(dp_rank = rank, "KV events arrive again");
+            }
+            None => {}
         }
     }
 }

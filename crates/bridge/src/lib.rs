@@ -21,6 +21,7 @@ pub mod endpoints;
 pub mod engine_event;
 pub mod engine_load;
 pub mod engine_watch;
+pub mod event_silence;
 pub mod http_get;
 pub mod metrics;
 pub mod mirror_task;

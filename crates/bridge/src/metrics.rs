@@ -48,6 +48,12 @@ pub struct BridgeMetrics {
     pub engine_healthy: Gauge,
     /// The engine's own load figures, per rank: running, waiting, cache_usage_permille.
     pub engine_load: Family<LoadLabel, Gauge>,
+    /// Seconds since the rank's last batch (since the bridge started if none came),
+    /// updated at each metrics scrape.
+    pub since_last_batch: Family<RankLabel, Gauge>,
+    /// 1 while the engine runs requests on the rank but no batch came for
+    /// `--events-silent-secs`.
+    pub events_silent: Family<RankLabel, Gauge>,
 }
 
 impl BridgeMetrics {
@@ -66,6 +72,8 @@ impl BridgeMetrics {
             zmq_connected: Family::default(),
             engine_healthy: Gauge::default(),
             engine_load: Family::default(),
+            since_last_batch: Family::default(),
+            events_silent: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -123,6 +131,16 @@ impl BridgeMetrics {
             "engine_load",
             "The engine's own load figures per rank (running, waiting, cache_usage_permille)",
             m.engine_load.clone(),
+        );
+        registry.register(
+            "seconds_since_last_batch",
+            "Seconds since the rank's last engine batch (since the bridge started if none came), at the last metrics scrape",
+            m.since_last_batch.clone(),
+        );
+        registry.register(
+            "events_silent",
+            "1 while the engine runs requests on the rank but no KV event batch came for --events-silent-secs (events going elsewhere: check the endpoint, topic and ports)",
+            m.events_silent.clone(),
         );
         for s in Skip::ALL {
             let _ = m

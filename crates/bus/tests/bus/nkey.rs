@@ -76,10 +76,20 @@ async fn an_nkey_user_reads_its_own_inbox_only_and_still_gets_answers() {
             }
         }
     });
-    let one = ask
-        .request("svc.one", Bytes::from_static(b"q"), Duration::from_secs(5))
-        .await
-        .expect("a request's answer reaches the asker's own inbox");
+    // A flush only writes the responder's SUB to the socket: until the server has read it,
+    // a request finds no responder. Ask again until it has.
+    let asked = std::time::Instant::now();
+    let one = loop {
+        match ask
+            .request("svc.one", Bytes::from_static(b"q"), Duration::from_secs(5))
+            .await
+        {
+            Err(BusError::NoResponders { .. }) if asked.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            r => break r.expect("a request's answer reaches the asker's own inbox"),
+        }
+    };
     assert_eq!(&one.payload[..], b"one");
     let mut stream = ask
         .request_stream("svc.stream", Bytes::new(), Duration::from_secs(5))

@@ -39,6 +39,8 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_sliding_window: Optional[int] = None
     locality: Optional[str] = None
     ownership: Optional[str] = None
+    session_id: Optional[str] = None
+    lookahead_token_ids: Optional[list[list[int]]] = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -233,6 +235,11 @@ def cases():
     )
     yield "block_size_other", KVEventBatch(
         ts=10.0, events=[BlockStored([71], None, T8, 8, None, "GPU", None)],
+    )
+    yield "vllm_lookahead", KVEventBatch(
+        ts=13.0,
+        events=[BlockStored([81, 82], None, T8, 4, None, "GPU", None,
+                            session_id="s-1", lookahead_token_ids=[[], [9, 10]])],
     )
     yield "sglang_array", SgEventBatch(
         ts=11.0,

@@ -42,6 +42,9 @@ pub struct Stored {
     pub cache_salt: Option<String>,
     /// `"LOCAL"`, `"REMOTE"` or absent.
     pub locality: Option<String>,
+    /// vLLM's `lookahead_token_ids`: per block, the tokens after it that its hash also
+    /// covers (empty: none, or lookahead hashing off).
+    pub lookahead: Vec<Vec<u32>>,
 }
 
 /// One decoded engine KV event.
@@ -294,6 +297,7 @@ enum Field {
     SlidingWindow,
     CacheSalt,
     Locality,
+    Lookahead,
 }
 
 /// Array-form field order, as the engines declare the classes.
@@ -333,6 +337,7 @@ fn field_named(name: &str) -> Option<Field> {
         "kv_cache_spec_sliding_window" => Field::SlidingWindow,
         "cache_salt" => Field::CacheSalt,
         "locality" => Field::Locality,
+        "lookahead_token_ids" => Field::Lookahead,
         _ => return None,
     })
 }
@@ -391,6 +396,23 @@ fn read_field(r: &mut Reader<'_>, f: Field, raw: &mut Raw) -> Result<(), Msgpack
         Field::GroupIdx => s.group_idx = opt(r, |r| r.uint())?,
         Field::SpecKind => s.spec_kind = opt(r, |r| r.str().map(str::to_string))?,
         Field::SlidingWindow => s.sliding_window = opt(r, |r| r.uint())?,
+        Field::Lookahead => {
+            if !r.nil()? {
+                let n = r.array_len()?;
+                s.lookahead = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let mut tokens = Vec::new();
+                    if !r.nil()? {
+                        let k = r.array_len()?;
+                        tokens.reserve(k);
+                        for _ in 0..k {
+                            tokens.push(r.uint()?);
+                        }
+                    }
+                    s.lookahead.push(tokens);
+                }
+            }
+        }
     }
     Ok(())
 }

@@ -345,7 +345,7 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
     let Some(m) = medium else {
         return Ok(Tier::Device);
     };
-    const NAMES: [(&str, Tier); 10] = [
+    const NAMES: [(&str, Tier); 11] = [
         ("GPU", Tier::Device),
         ("CPU", Tier::Host),
         ("CPU_PINNED", Tier::Host),
@@ -353,6 +353,8 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
         ("DISK", Tier::Disk),
         ("CPU_TIER2", Tier::Disk),
         ("NVME", Tier::Disk),
+        // vLLM's offloading connector's MEDIUM_STORAGE: the worker's own storage backend.
+        ("STORAGE", Tier::Disk),
         ("EXTERNAL", Tier::Shared),
         ("SHARED", Tier::Shared),
         ("REMOTE", Tier::Shared),
@@ -364,6 +366,9 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
         .ok_or(Skip::UnknownMedium)
 }
 
+/// The extra key a block hashed with lookahead tokens gets: `lookahead:` and the tokens.
+pub const LOOKAHEAD_KEY: &str = "lookahead:";
+
 /// The router's local hashes of a stored run: the LoRA (its name, else its decimal id) seeds
 /// the hash; each block's extra keys other than the LoRA name go in as a route request's
 /// [`PromptExtras`] would put them, and the salt on the run's block 0 only when that is the
@@ -373,19 +378,34 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
 fn local_hashes(s: &Stored, bs: usize) -> Vec<LocalBlockHash> {
     let lora_id_name = s.lora_id.map(|id| id.to_string());
     let lora = s.lora_name.as_deref().or(lora_id_name.as_deref());
+    let mut block_extras: Vec<Extras> = s
+        .extra_keys
+        .iter()
+        .map(|keys| {
+            let mut keys: Extras = keys.clone().unwrap_or_default();
+            // The LoRA is in the seed already.
+            if let Some(i) = keys.iter().position(|k| Some(k.as_str()) == lora) {
+                keys.remove(i);
+            }
+            keys
+        })
+        .collect();
+    // A block whose engine hash covers tokens after it (vLLM's lookahead hashing) is cached
+    // only for prompts that go on with those tokens; a route request hashes a block's own
+    // tokens, so such a block gets a key no route request names: it never claims a match
+    // the engine would not honour (nor does what chains from it).
+    for (i, tokens) in s.lookahead.iter().enumerate() {
+        if tokens.is_empty() {
+            continue;
+        }
+        if block_extras.len() <= i {
+            block_extras.resize(i + 1, Extras::new());
+        }
+        let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        block_extras[i].push(format!("{LOOKAHEAD_KEY}{}", list.join(",")));
+    }
     let extras = PromptExtras {
-        block_extras: s
-            .extra_keys
-            .iter()
-            .map(|keys| {
-                let mut keys: Extras = keys.clone().unwrap_or_default();
-                // The LoRA is in the seed already.
-                if let Some(i) = keys.iter().position(|k| Some(k.as_str()) == lora) {
-                    keys.remove(i);
-                }
-                keys
-            })
-            .collect(),
+        block_extras,
         cache_salt: s.cache_salt.clone().filter(|_| s.parent.is_none()),
     };
     prompt_local_hashes(&s.token_ids, bs, lora, Some(&extras)).unwrap_or_default()
@@ -461,6 +481,56 @@ mod tests {
             .unwrap()
             .is_empty());
         assert_eq!(m.skipped(Skip::TokenCount), 1);
+    }
+
+    /// A block hashed with the tokens after it (vLLM's lookahead) never matches a route
+    /// request of its own tokens; the blocks before it still do.
+    #[test]
+    fn a_lookahead_block_claims_no_match() {
+        let tokens: Vec<u32> = (1..=6).collect();
+        let mut m = WorkerMirror::new(5, 0, 1, BS, 100);
+        let out = m
+            .apply(
+                0,
+                &[Ok(EngineEvent::Stored(Stored {
+                    block_hashes: vec![1, 2, 3],
+                    token_ids: tokens.clone(),
+                    block_size: BS,
+                    lookahead: vec![vec![], vec![], vec![7, 8]],
+                    ..Stored::default()
+                }))],
+            )
+            .unwrap();
+        let KvEventData::Stored { blocks, .. } = &out[0].data else {
+            panic!("{out:?}")
+        };
+        let route =
+            prompt_local_hashes(&[tokens, vec![7, 8]].concat(), BS as usize, None, None).unwrap();
+        assert_eq!(blocks[0].local_hash, route[0]);
+        assert_eq!(blocks[1].local_hash, route[1]);
+        assert!(
+            !route.contains(&blocks[2].local_hash),
+            "the lookahead block matches a route request"
+        );
+    }
+
+    /// Every medium vLLM and SGLang name today has its tier (SGLang's StorageMedium: GPU,
+    /// CPU_PINNED, DISK, EXTERNAL; vLLM's: GPU, CPU, STORAGE), in any case.
+    #[test]
+    fn the_engines_media_name_tiers() {
+        for (m, t) in [
+            ("GPU", Tier::Device),
+            ("CPU", Tier::Host),
+            ("cpu_pinned", Tier::Host),
+            ("DISK", Tier::Disk),
+            ("STORAGE", Tier::Disk),
+            ("EXTERNAL", Tier::Shared),
+        ] {
+            assert_eq!(tier_of(Some(m), None), Ok(t), "{m}");
+        }
+        assert_eq!(tier_of(None, Some("LOCAL")), Ok(Tier::Device));
+        assert_eq!(tier_of(Some("TAPE"), None), Err(Skip::UnknownMedium));
+        assert_eq!(tier_of(Some("GPU"), Some("REMOTE")), Err(Skip::OtherNode));
     }
 
     /// A salted conversation as SGLang stores it (a root run, then a continuation, each

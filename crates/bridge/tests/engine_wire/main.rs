@@ -311,6 +311,26 @@ fn sglang_forms_signed_hashes_and_salt() {
     );
 }
 
+/// vLLM 0.33's `lookahead_token_ids` (and `session_id`, ignored): the block hashed with
+/// the tokens after it gets a key no route request names.
+#[test]
+fn lookahead_tokens_are_read_and_keep_their_block_from_matching() {
+    let c = cases();
+    let b = batch(&c, "vllm_lookahead");
+    let EngineEvent::Stored(s) = &ok_events(&b)[0] else {
+        panic!()
+    };
+    assert_eq!(s.lookahead, vec![vec![], vec![9, 10]]);
+    let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
+    let out = m.apply(0, &b.events).unwrap();
+    let KvEventData::Stored { blocks, .. } = &out[0].data else {
+        panic!()
+    };
+    let route = plain(&T8, None);
+    assert_eq!(blocks[0].local_hash, route[0]);
+    assert_ne!(blocks[1].local_hash, route[1]);
+}
+
 #[test]
 fn garbage_is_a_typed_error_never_a_panic() {
     let c = cases();

@@ -13,6 +13,7 @@ use kvrouter_protocol::{
     PromptExtras, StoredBlock, Tier, WorkerId, WorkerKey,
 };
 use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 
 /// Why an engine event was not forwarded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,7 +26,7 @@ pub enum Skip {
     OtherGroup,
     /// `block_size` differs from the bridge's `--block-size`.
     BlockSize,
-    /// No `token_ids` and blocks the mirror does not know.
+    /// No `token_ids` and blocks the mirror does not know (never seen, or forgotten).
     NoTokens,
     /// `token_ids` is not `block_size` tokens per block.
     TokenCount,
@@ -86,6 +87,51 @@ pub struct WorkerMirror {
     /// What each KV cache group index turned out to be (learned from `BlockStored`).
     main_group: FxHashMap<u32, bool>,
     skipped: FxHashMap<Skip, u64>,
+    lineage: Lineage,
+    /// Lower-tier announcements per (rank slot, tier, engine hash): vLLM's offloading
+    /// connector announces a block once per chunk that covers it and removes it as often
+    /// (its documentation asks consumers to count them), so only the last removal goes on.
+    refs: FxHashMap<(usize, Tier, u64), u32>,
+}
+
+/// Where each block the mirror placed sat: by (rank slot, engine hash), its parent's
+/// engine hash and its local hash. vLLM's offload placeholders name a block by its hash
+/// alone (no tokens, no parent, block size 0), often after the device dropped it; this is
+/// how they land under their prefix instead of nowhere. Bounded: the oldest entries go
+/// first past `cap`.
+#[derive(Default)]
+struct Lineage {
+    at: FxHashMap<(usize, u64), (Option<u64>, LocalBlockHash, u64)>,
+    order: VecDeque<((usize, u64), u64)>,
+    next: u64,
+    cap: usize,
+}
+
+impl Lineage {
+    fn get(&self, slot: usize, engine: u64) -> Option<(Option<u64>, LocalBlockHash)> {
+        self.at.get(&(slot, engine)).map(|&(p, l, _)| (p, l))
+    }
+
+    fn insert(&mut self, slot: usize, engine: u64, parent: Option<u64>, local: LocalBlockHash) {
+        let n = self.next;
+        self.next += 1;
+        self.at.insert((slot, engine), (parent, local, n));
+        self.order.push_back(((slot, engine), n));
+        // Entries replaced since leave stale places in `order`: drop those as they come.
+        while self.at.len() > self.cap || self.order.len() > 2 * self.cap.max(1) {
+            let Some((k, n)) = self.order.pop_front() else {
+                break;
+            };
+            if self.at.get(&k).is_some_and(|e| e.2 == n) {
+                self.at.remove(&k);
+            }
+        }
+    }
+
+    fn forget_slot(&mut self, slot: usize) {
+        self.at.retain(|k, _| k.0 != slot);
+        self.order.retain(|(k, _)| k.0 != slot);
+    }
 }
 
 impl WorkerMirror {
@@ -107,6 +153,11 @@ impl WorkerMirror {
             last_ids: vec![None; dp_size as usize],
             main_group: FxHashMap::default(),
             skipped: FxHashMap::default(),
+            lineage: Lineage {
+                cap: cap.saturating_mul(2).saturating_mul(dp_size as usize),
+                ..Lineage::default()
+            },
+            refs: FxHashMap::default(),
         }
     }
 
@@ -115,6 +166,8 @@ impl WorkerMirror {
     pub fn with_tier_capacity(mut self, tier: Tier, capacity_blocks: Option<u64>) -> Self {
         if let Some(cap) = capacity_blocks {
             let cap = usize::try_from(cap).unwrap_or(usize::MAX / 2);
+            let ranks = self.last_ids.len();
+            self.lineage.cap = self.lineage.cap.saturating_add(cap.saturating_mul(ranks));
             self.index.set_tier_block_limit(
                 self.worker_id,
                 tier,
@@ -180,7 +233,7 @@ impl WorkerMirror {
                     self.skip(Skip::Malformed);
                     continue;
                 }
-                Ok(EngineEvent::Stored(s)) => match self.stored(key, s) {
+                Ok(EngineEvent::Stored(s)) => match self.stored(slot, key, s) {
                     Ok(stored) => stored,
                     Err(why) => {
                         self.skip(why);
@@ -204,7 +257,15 @@ impl WorkerMirror {
                         self.skip(Skip::OtherGroup);
                         continue;
                     }
-                    let engine_hashes = block_hashes.iter().map(|&h| EngineBlockHash(h)).collect();
+                    let engine_hashes: Vec<EngineBlockHash> = block_hashes
+                        .iter()
+                        .filter(|&&h| self.last_reference(slot, tier, h))
+                        .map(|&h| EngineBlockHash(h))
+                        .collect();
+                    if engine_hashes.is_empty() {
+                        // Still announced by another of the engine's offload chunks.
+                        continue;
+                    }
                     (tier, KvEventData::Removed { engine_hashes })
                 }
                 Ok(EngineEvent::Cleared) => (Tier::Device, KvEventData::Cleared),
@@ -215,6 +276,7 @@ impl WorkerMirror {
                         self.skip(Skip::UnknownBlocks);
                         continue;
                     }
+                    self.remember(slot, tier, &data);
                 }
                 Err(IndexError::MissingParent { .. }) => {
                     self.skip(Skip::MissingParent);
@@ -228,6 +290,47 @@ impl WorkerMirror {
             out.push(self.next_event(slot, key, tier, data));
         }
         Some(out)
+    }
+
+    /// Whether a removal of `engine` from `tier` is its last announcement's (lower tiers
+    /// count them; the device's are exact).
+    fn last_reference(&mut self, slot: usize, tier: Tier, engine: u64) -> bool {
+        if tier == Tier::Device {
+            return true;
+        }
+        match self.refs.get_mut(&(slot, tier, engine)) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.refs.remove(&(slot, tier, engine));
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// Notes what an applied event placed (lineage, lower-tier counts) or cleared.
+    fn remember(&mut self, slot: usize, tier: Tier, data: &KvEventData) {
+        match data {
+            KvEventData::Stored { parent, blocks } => {
+                let mut parent = parent.map(|p| p.0);
+                for b in blocks {
+                    let e = b.engine_hash.0;
+                    self.lineage.insert(slot, e, parent, b.local_hash);
+                    if tier != Tier::Device {
+                        *self.refs.entry((slot, tier, e)).or_insert(0) += 1;
+                    }
+                    parent = Some(e);
+                }
+            }
+            KvEventData::Cleared => {
+                self.refs.retain(|k, _| k.0 != slot);
+                self.lineage.forget_slot(slot);
+            }
+            KvEventData::Removed { .. } => {}
+        }
     }
 
     fn next_event(
@@ -255,7 +358,12 @@ impl WorkerMirror {
         }
     }
 
-    fn stored(&mut self, key: WorkerKey, s: &Stored) -> Result<(Tier, KvEventData), Skip> {
+    fn stored(
+        &mut self,
+        slot: usize,
+        key: WorkerKey,
+        s: &Stored,
+    ) -> Result<(Tier, KvEventData), Skip> {
         let tier = tier_of(s.medium.as_deref(), s.locality.as_deref())?;
         let main = s.sliding_window.unwrap_or(0) == 0
             && match s.spec_kind.as_deref() {
@@ -270,16 +378,33 @@ impl WorkerMirror {
         if !main {
             return Err(Skip::OtherGroup);
         }
-        if s.block_size != self.block_size {
+        let tokenless = s.token_ids.is_empty();
+        // vLLM's offload placeholders say block size 0: they name blocks, not tokens.
+        if s.block_size != self.block_size && !(tokenless && s.block_size == 0) {
             return Err(Skip::BlockSize);
         }
         let n = s.block_hashes.len();
-        let local: Vec<LocalBlockHash> = if s.token_ids.is_empty() {
-            s.block_hashes
+        let mut parent = s.parent.map(EngineBlockHash);
+        let local: Vec<LocalBlockHash> = if tokenless {
+            let local = s
+                .block_hashes
                 .iter()
-                .map(|&h| self.index.local_hash(key, EngineBlockHash(h)))
-                .collect::<Option<_>>()
-                .ok_or(Skip::NoTokens)?
+                .map(|&h| {
+                    self.index
+                        .local_hash(key, EngineBlockHash(h))
+                        .or_else(|| self.lineage.get(slot, h).map(|l| l.1))
+                })
+                .collect::<Option<Vec<_>>>()
+                .ok_or(Skip::NoTokens)?;
+            // Named without its parent: it goes where the mirror last placed it.
+            if parent.is_none() {
+                let first = s.block_hashes.first().copied();
+                parent = first
+                    .and_then(|h| self.lineage.get(slot, h))
+                    .and_then(|l| l.0)
+                    .map(EngineBlockHash);
+            }
+            local
         } else {
             let bs = self.block_size as usize;
             if s.token_ids.len() != n * bs {
@@ -296,7 +421,6 @@ impl WorkerMirror {
                 local_hash,
             })
             .collect();
-        let parent = s.parent.map(EngineBlockHash);
         Ok((tier, KvEventData::Stored { parent, blocks }))
     }
 
@@ -305,6 +429,7 @@ impl WorkerMirror {
         let slot = self.slot(rank)?;
         let key = self.key(rank);
         self.index.remove_worker_rank(key);
+        self.remember(slot, Tier::Device, &KvEventData::Cleared);
         Some(self.next_event(slot, key, Tier::Device, KvEventData::Cleared))
     }
 
@@ -316,6 +441,11 @@ impl WorkerMirror {
                 .remove_worker_rank(self.key(self.dp_start_rank + i));
         }
         self.last_ids.iter_mut().for_each(|l| *l = None);
+        self.refs.clear();
+        self.lineage = Lineage {
+            cap: self.lineage.cap,
+            ..Lineage::default()
+        };
     }
 
     /// What `rank` holds as events that rebuild it (parents first), each carrying the last
@@ -481,6 +611,126 @@ mod tests {
             .unwrap()
             .is_empty());
         assert_eq!(m.skipped(Skip::TokenCount), 1);
+    }
+
+    fn placeholder(hash: u64, medium: &str) -> Result<EngineEvent, EventError> {
+        Ok(EngineEvent::Stored(Stored {
+            block_hashes: vec![hash],
+            block_size: 0,
+            medium: Some(medium.into()),
+            ..Stored::default()
+        }))
+    }
+
+    fn removed(hash: u64, medium: &str) -> Result<EngineEvent, EventError> {
+        Ok(EngineEvent::Removed {
+            block_hashes: vec![hash],
+            medium: Some(medium.into()),
+            group_idx: None,
+            locality: None,
+        })
+    }
+
+    /// vLLM's offload placeholders (a hash, no tokens, no parent, block size 0) land under
+    /// the prefix their block had on the device, even once the device dropped it: a
+    /// replica following the mirror finds the offloaded tail of a prompt in the host tier.
+    /// A hash the mirror never saw is skipped.
+    #[test]
+    fn offload_placeholders_land_where_their_blocks_were() {
+        let tokens: Vec<u32> = (1..=6).collect();
+        let mut m = WorkerMirror::new(5, 0, 1, BS, 100);
+        let mut replica = Index::new();
+        fn follow_in(
+            m: &mut WorkerMirror,
+            replica: &mut Index,
+            evs: &[Result<EngineEvent, EventError>],
+        ) -> Vec<KvEvent> {
+            let out = m.apply(0, evs).unwrap();
+            for e in &out {
+                replica.apply(e).unwrap();
+            }
+            out
+        }
+        follow_in(
+            &mut m,
+            &mut replica,
+            &[Ok(EngineEvent::Stored(Stored {
+                block_hashes: vec![1, 2, 3],
+                token_ids: tokens.clone(),
+                block_size: BS,
+                ..Stored::default()
+            }))],
+        );
+        // Blocks 2 and 3 offloaded, then dropped from the device.
+        let out = follow_in(
+            &mut m,
+            &mut replica,
+            &[placeholder(2, "CPU"), placeholder(3, "CPU")],
+        );
+        assert_eq!(out.len(), 2);
+        let KvEventData::Stored { parent, .. } = &out[0].data else {
+            panic!("{out:?}")
+        };
+        assert_eq!(*parent, Some(EngineBlockHash(1)));
+        follow_in(
+            &mut m,
+            &mut replica,
+            &[Ok(EngineEvent::Removed {
+                block_hashes: vec![2, 3],
+                medium: None,
+                group_idx: None,
+                locality: None,
+            })],
+        );
+        let local = prompt_local_hashes(&tokens, BS as usize, None, None).unwrap();
+        let found = replica.find_matches(&local);
+        let key = WorkerKey::new(5, 0);
+        let tiers = found.tier_blocks(key);
+        assert_eq!((tiers.device, tiers.host), (1, 2), "{found:?}");
+        // Dropped from the device, a block is still placed by what the mirror remembers.
+        assert_eq!(
+            follow_in(&mut m, &mut replica, &[placeholder(3, "STORAGE")]).len(),
+            1
+        );
+        // Never seen: skipped, never at the root.
+        assert!(follow_in(&mut m, &mut replica, &[placeholder(99, "CPU")]).is_empty());
+        assert_eq!(m.skipped(Skip::NoTokens), 1);
+    }
+
+    /// An offloaded block announced twice (two chunks sharing it) stays until its second
+    /// removal; only that one goes to the router.
+    #[test]
+    fn repeated_offload_announcements_are_counted() {
+        let mut m = WorkerMirror::new(5, 0, 1, BS, 100);
+        let stored = Ok(EngineEvent::Stored(Stored {
+            block_hashes: vec![1],
+            token_ids: vec![1, 2],
+            block_size: BS,
+            ..Stored::default()
+        }));
+        m.apply(0, &[stored]).unwrap();
+        assert_eq!(
+            m.apply(0, &[placeholder(1, "CPU"), placeholder(1, "CPU")])
+                .unwrap()
+                .len(),
+            2
+        );
+        assert!(m.apply(0, &[removed(1, "CPU")]).unwrap().is_empty());
+        let last = m.apply(0, &[removed(1, "CPU")]).unwrap();
+        assert!(
+            matches!(
+                &last[..],
+                [KvEvent {
+                    tier: Tier::Host,
+                    data: KvEventData::Removed { .. },
+                    ..
+                }]
+            ),
+            "{last:?}"
+        );
+        // A third removal: the block is gone (unknown, as before).
+        assert!(m.apply(0, &[removed(1, "CPU")]).unwrap().is_empty());
+        assert_eq!(m.skipped(Skip::UnknownBlocks), 1);
     }
 
     /// A block hashed with the tokens after it (vLLM's lookahead) never matches a route

@@ -30,13 +30,18 @@ pub fn free_ports(n: u16) -> u16 {
 
 #[cfg(test)]
 mod tests {
+    /// The ports are free when found; another test running meanwhile may take one before
+    /// this one binds it (they are released on return), so a few tries are allowed.
     #[test]
     fn consecutive_ports_are_free_together() {
-        let base = super::free_ports(4);
-        assert_ne!(base, 0);
-        let held: Vec<_> = (base..base + 4)
-            .map(|p| std::net::TcpListener::bind(("127.0.0.1", p)).expect("free"))
-            .collect();
-        assert_eq!(held.len(), 4);
+        let bound = (0..5).any(|_| {
+            let base = super::free_ports(4);
+            assert_ne!(base, 0);
+            (base..base + 4)
+                .map(|p| std::net::TcpListener::bind(("127.0.0.1", p)))
+                .collect::<Result<Vec<_>, _>>()
+                .is_ok()
+        });
+        assert!(bound, "no run of 4 free ports in 5 tries");
     }
 }

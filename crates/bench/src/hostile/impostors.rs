@@ -10,7 +10,7 @@
 //! Violation`) and what the fleet counted (the runner reads its counters around the phase).
 
 use super::plan::{AttackFigures, NATS_REFUSED};
-use super::targets::{head, send_read_n, InFlight, Targets};
+use super::targets::{bearer, head, send_read_n, InFlight, Targets};
 use bytes::Bytes;
 use kvrouter_client::{Booking, KvRouterClient};
 use kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP;
@@ -455,7 +455,7 @@ pub async fn forged_worker(t: &Targets, deadline: Instant) -> AttackFigures {
 /// forger's id not at all, on every replica.
 async fn victim_intact(t: &Targets, victim: u64, forger: u64, l: &mut Ledger) {
     for &port in &t.replica_ports {
-        let auth = format!("Authorization: Bearer {}\r\n", t.creds.tenant_token);
+        let auth = bearer(&t.creds.tenant_token);
         let h = head("GET", "/v1/workers", &auth, 0);
         let answer = send_read_n(port, &h, b"", 0, Duration::from_secs(5), 1 << 20).await;
         let Ok((200, text)) = answer else {

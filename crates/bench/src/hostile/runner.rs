@@ -10,7 +10,7 @@ use super::plan::{
     phases, Attack, AttackFigures, HonestFigures, HostileReport, PhaseReport, ProcReport,
     Thresholds,
 };
-use super::targets::{head, send_read_n, InFlight, Targets};
+use super::targets::{bearer, head, send_read_n, InFlight, Targets};
 use crate::chaos::fleet::{
     http_get, spawn_with_line, start_nats_with, BridgeProc, Engine, FleetError, Replica,
 };
@@ -178,11 +178,6 @@ fn honest_tokens(rng: &mut fastrand::Rng) -> Vec<u32> {
     let mut t: Vec<u32> = (0..64).map(|i| p * 1000 + i).collect();
     t.extend((0..16).map(|_| rng.u32(0..50_000)));
     t
-}
-
-/// The `Authorization` header line for a bearer secret.
-fn bearer(secret: &str) -> String {
-    format!("Authorization: Bearer {secret}\r\n")
 }
 
 /// One honest call with these credentials: (ok, ms, failure), and the answer's body.
@@ -396,15 +391,9 @@ async fn refusal_counters(ports: &[u16]) -> BTreeMap<String, u64> {
         if status != 200 {
             continue;
         }
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let Some((series, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let name = series.split('{').next().unwrap_or(series);
-            if let Some((_, short)) = COUNTERS.iter().find(|(n, _)| *n == name) {
-                let v = value.parse::<f64>().unwrap_or(0.0) as u64;
-                *sums.entry(short.to_string()).or_insert(0) += v;
-            }
+        for (name, short) in COUNTERS {
+            *sums.entry(short.to_string()).or_insert(0) +=
+                kvrouter_testkit::metric_sum_in(&text, name) as u64;
         }
     }
     sums

@@ -52,13 +52,18 @@ impl Targets {
     /// after the door.
     pub fn tenant_auth(&self, port: u16) -> String {
         if port == self.frontend {
-            format!("Authorization: Bearer {}\r\n", self.creds.tenant_key)
+            bearer(&self.creds.tenant_key)
         } else if port == self.replica {
-            format!("Authorization: Bearer {}\r\n", self.creds.tenant_token)
+            bearer(&self.creds.tenant_token)
         } else {
             String::new()
         }
     }
+}
+
+/// The `Authorization` header line for a bearer secret.
+pub fn bearer(secret: &str) -> String {
+    format!("Authorization: Bearer {secret}\r\n")
 }
 
 /// A request head: `Connection: close`, JSON, `len` bytes of body, `extra` header lines

@@ -29,11 +29,11 @@ fi
 echo "setup: $(nats-server --version) at $(command -v nats-server)" >&2
 
 # Python packages the engine-facing tests use to speak as vLLM and SGLang do (msgspec
-# msgpack, pyzmq), to build and render model directories as transformers does (tokenizers,
+# msgpack, pyzmq; pydantic for SGLang's event config), to build and render model directories as transformers does (tokenizers,
 # jinja2) and to call the frontend as OpenAI clients do (openai), installed under .tools/py
 # unless python3 already has them.
-PY_PKGS="msgspec>=0.18 pyzmq>=25 openai>=1 tokenizers>=0.19 jinja2>=3"
-PY_IMPORTS="import msgspec, zmq, openai, tokenizers, jinja2"
+PY_PKGS="msgspec>=0.18 pyzmq>=25 openai>=1 tokenizers>=0.19 jinja2>=3 pydantic>=2"
+PY_IMPORTS="import msgspec, zmq, openai, tokenizers, jinja2, pydantic"
 if ! python3 -c "$PY_IMPORTS" >/dev/null 2>&1; then
   export PYTHONPATH="$TOOLS/py${PYTHONPATH:+:$PYTHONPATH}"
   if ! python3 -c "$PY_IMPORTS" >/dev/null 2>&1; then
@@ -73,3 +73,12 @@ if ! python3 -c "import kubernetes_validate" >/dev/null 2>&1; then
   fi
 fi
 echo "setup: $(kubectl version --client 2>/dev/null | head -n 1) at $(command -v kubectl), kubernetes-validate $(python3 -m kubernetes_validate --version)" >&2
+
+# The engines' own KV-event publisher code (tests/engines/engines.py): the pinned vLLM and
+# SGLang wheels, downloaded once (pip download --no-deps, about 680 MB) into a cache outside
+# the clone so that every clone reuses them, and only their event modules extracted into
+# .tools/engines (stubs for the rest: no torch).
+KVROUTER_WHEEL_CACHE="${KVROUTER_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvrouter/wheels}"
+export KVROUTER_ENGINES="$TOOLS/engines"
+python3 "$KVROUTER_ROOT/tests/engines/engines.py" fetch --cache "$KVROUTER_WHEEL_CACHE" \
+  --into "$KVROUTER_ENGINES" || { echo "setup: the engines' wheels could not be fetched" >&2; exit 1; }

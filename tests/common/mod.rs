@@ -6,6 +6,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod curl;
+pub mod engine;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

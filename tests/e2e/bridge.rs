@@ -1,128 +1,15 @@
-//! `kvrouter bridge` end to end: a stand-in engine publishing vLLM's ZMQ wire (Python,
-//! msgspec + pyzmq, tests/engines/fake_engine.py), the real bridge binary, real `serve`
-//! replicas and a real nats-server.
+//! `kvrouter bridge` end to end: vLLM's own KV event publisher (the current release's, from
+//! its wheel: tests/engines/engine.py), the real bridge binary, real `serve` replicas and a
+//! real nats-server. Malformed frames come from the stand-in (no release sends them); every
+//! release's wire is checked in engines.rs.
 
 use crate::common;
 
+use common::engine::{Engine, STANDIN, VLLM};
 use common::*;
 use kvrouter_protocol::WorkerKey;
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use serde_json::json;
 use std::time::{Duration, Instant};
-
-const BLOCK: usize = 16;
-
-/// The stand-in engine, driven by JSON lines (see fake_engine.py).
-struct FakeEngine {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    zmq: u16,
-    replay: u16,
-    http: u16,
-}
-
-impl FakeEngine {
-    fn start(dp: u32, wire: &str) -> Self {
-        let (zmq, replay, http) = (free_ports(dp as u16), free_ports(dp as u16), free_port());
-        Self::start_on([zmq, replay, http], dp, wire, false)
-    }
-
-    /// On these publisher, replay and HTTP ports; with `connect`, its publishers connect to
-    /// a bridge that binds (as vLLM's do for a `tcp://127.0.0.1` endpoint).
-    fn start_on(ports: [u16; 3], dp: u32, wire: &str, connect: bool) -> Self {
-        Self::start_with(ports, dp, wire, connect, None)
-    }
-
-    /// [`FakeEngine::start_on`], publishing on socket files in `ipc_dir` when given.
-    fn start_with(
-        [zmq, replay, http]: [u16; 3],
-        dp: u32,
-        wire: &str,
-        connect: bool,
-        ipc_dir: Option<&std::path::Path>,
-    ) -> Self {
-        let script = repo_file("tests/engines/fake_engine.py");
-        let mut child = Command::new("python3")
-            .arg(&script)
-            .args(connect.then_some("--zmq-connect"))
-            .args(ipc_dir.map(|d| format!("--ipc-dir={}", d.display())))
-            .args([
-                "--zmq-port",
-                &zmq.to_string(),
-                "--replay-port",
-                &replay.to_string(),
-            ])
-            .args([
-                "--http-port",
-                &http.to_string(),
-                "--dp-size",
-                &dp.to_string(),
-            ])
-            .args(["--block-size", &BLOCK.to_string(), "--wire", wire])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 runs (source scripts/setup.sh for msgspec and pyzmq)");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert!(
-            line.contains("ready"),
-            "fake engine did not start: {line:?}"
-        );
-        Self {
-            child,
-            stdin,
-            stdout,
-            zmq,
-            replay,
-            http,
-        }
-    }
-
-    /// How a bridge finds it.
-    fn at(&self, dp: u32, replay: bool) -> EngineAt {
-        EngineAt {
-            kind: "vllm",
-            zmq: self.zmq,
-            replay: replay.then_some(self.replay),
-            http: self.http,
-            dp,
-            capacity_blocks: 1000,
-        }
-    }
-
-    fn cmd(&mut self, c: Value) -> Value {
-        writeln!(self.stdin, "{c}").unwrap();
-        self.stdin.flush().unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
-    }
-
-    fn store(&mut self, rank: u32, tokens: &[u32]) -> Vec<u64> {
-        let v = self.cmd(json!({"store": {"rank": rank, "tokens": tokens, "parent": null}}));
-        serde_json::from_value(v["hashes"].clone()).unwrap()
-    }
-
-    /// [`FakeEngine::store`] as two events (the first half of the blocks, then the rest
-    /// extending it) around the msgpack value `bad_hex`, in one batch.
-    fn store_around(&mut self, rank: u32, tokens: &[u32], bad_hex: &str) {
-        self.cmd(
-            json!({"store": {"rank": rank, "tokens": tokens, "parent": null, "bad": bad_hex}}),
-        );
-    }
-}
-
-impl Drop for FakeEngine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn metric(text: &str, name: &str) -> u64 {
     metric_sum_in(text, name) as u64
@@ -131,11 +18,11 @@ fn metric(text: &str, name: &str) -> u64 {
 #[test]
 fn bridge_feeds_replicas_replays_gaps_and_follows_restarts_and_health() {
     let nats = NatsServer::start();
-    let mut engine = FakeEngine::start(2, "map");
+    let mut engine = Engine::start(VLLM, 2);
     let (a1, a2) = (free_port(), free_port());
     let _r1 = serve(&nats, "r1", a1, &[]);
     let _r2 = serve(&nats, "r2", a2, &[]);
-    let (_bridge, worker, ab) = bridge(&nats, &engine.at(2, true));
+    let (_bridge, worker, ab) = bridge(&nats, &engine.at(true));
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1) && ready(a2));
     let client = E2eClient::new(&nats);
@@ -254,7 +141,13 @@ fn a_bridge_follows_an_engine_over_ipc_socket_files() {
     let dir = tempfile::tempdir().unwrap();
     let (a1, ports) = (free_port(), [free_port(), free_port(), free_port()]);
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let mut engine = FakeEngine::start_with(ports, 1, "map", false, Some(dir.path()));
+    let mut engine = Engine::spawn(
+        VLLM,
+        ports,
+        1,
+        &[format!("--ipc-dir={}", dir.path().display())],
+    )
+    .unwrap();
     let at = EngineAt {
         kind: "vllm",
         zmq: ports[0],
@@ -290,10 +183,10 @@ fn a_bridge_follows_an_engine_over_ipc_socket_files() {
 #[test]
 fn a_busy_engine_whose_events_never_arrive_is_reported_silent() {
     let nats = NatsServer::start();
-    let mut engine = FakeEngine::start(1, "map");
+    let mut engine = Engine::start(VLLM, 1);
     let (_bridge, _worker, ab) = bridge_with(
         &nats,
-        &engine.at(1, true),
+        &engine.at(true),
         &["--topic", "kv@", "--events-silent-secs", "1"],
     );
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
@@ -350,7 +243,7 @@ fn a_bridge_started_before_its_engine_counts_its_start_as_no_restart() {
             && http_get(ab, "/readyz").0 == 503
     }));
     std::thread::sleep(Duration::from_millis(1500));
-    let mut engine = FakeEngine::start_on(ports, 1, "map", false);
+    let mut engine = Engine::spawn(VLLM, ports, 1, &[]).unwrap();
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1));
     let client = E2eClient::new(&nats);
@@ -374,10 +267,10 @@ fn a_bridge_started_before_its_engine_counts_its_start_as_no_restart() {
 #[test]
 fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
     let nats = NatsServer::start();
-    let mut engine = FakeEngine::start(1, "array");
+    let mut engine = Engine::start(STANDIN, 1);
     let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (bridge, worker, ab) = bridge(&nats, &engine.at(1, false));
+    let (bridge, worker, ab) = bridge(&nats, &engine.at(false));
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
     let k0 = WorkerKey::new(worker, 0);
@@ -427,10 +320,10 @@ fn without_replay_a_gap_clears_the_rank_and_a_killed_bridge_leaves() {
 fn a_binding_bridge_takes_events_from_publishers_that_connect_to_it() {
     let nats = NatsServer::start();
     let ports = [free_ports(2), free_ports(2), free_port()];
-    let mut engine = FakeEngine::start_on(ports, 2, "map", true);
+    let mut engine = Engine::spawn(VLLM, ports, 2, &["--zmq-connect".into()]).unwrap();
     let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (_bridge, worker, ab) = bridge_with(&nats, &engine.at(2, true), &["--zmq-bind"]);
+    let (_bridge, worker, ab) = bridge_with(&nats, &engine.at(true), &["--zmq-bind"]);
     // Ready only once both ranks' publishers connected.
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert!(ready(a1));
@@ -469,7 +362,7 @@ fn a_binding_bridge_takes_events_from_publishers_that_connect_to_it() {
     );
     // A new engine process on the same ports connects to the same bound sockets: the old
     // blocks are gone, the new ones land on their ranks.
-    let mut engine = FakeEngine::start_on(ports, 2, "map", true);
+    let mut engine = Engine::spawn(VLLM, ports, 2, &["--zmq-connect".into()]).unwrap();
     assert!(ready(ab), "bridge /readyz: {:?}", http_get(ab, "/readyz"));
     assert_eq!(connected(), 2);
     let c = e2e_tokens(4, 2);
@@ -503,10 +396,10 @@ fn peak_rss(pid: u32) -> u64 {
 #[test]
 fn poison_payloads_are_refused_or_skipped_and_good_events_still_land() {
     let nats = NatsServer::start();
-    let mut engine = FakeEngine::start(1, "array");
+    let mut engine = Engine::start(STANDIN, 1);
     let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let (mut bridge, worker, ab) = bridge(&nats, &engine.at(1, true));
+    let (mut bridge, worker, ab) = bridge(&nats, &engine.at(true));
     assert!(ready(ab) && ready(a1));
     let client = E2eClient::new(&nats);
     let k0 = WorkerKey::new(worker, 0);
@@ -521,7 +414,7 @@ fn poison_payloads_are_refused_or_skipped_and_good_events_still_land() {
     // Good, nil, good: the second good event extends the first, so its blocks are only
     // routable if both landed, in order.
     let a = e2e_tokens(2, 4);
-    engine.store_around(0, &a, "c0");
+    engine.cmd(json!({"store": {"rank": 0, "tokens": a, "parent": null, "bad": "c0"}}));
     assert!(
         client.overlap_becomes(&a, k0, 4),
         "the good events around the bad one"

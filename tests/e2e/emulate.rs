@@ -5,6 +5,7 @@
 use crate::common;
 
 use crate::support::{emulated_engine, emulated_engine_with, EmulatedEngine};
+use common::engine::{engine_hash, ReleaseReader};
 use common::*;
 use kvrouter_protocol::{OverlapRequest, RouteOverrides, TierBlocks, WorkerKey};
 use serde_json::{json, Value};
@@ -51,6 +52,49 @@ fn index_of(admin: u16, worker: u64, rank: u32) -> Vec<Value> {
     let model = E2E_MODEL.replace('/', "%2F");
     let path = format!("/debug/rank?model={model}&worker={worker}&dp_rank={rank}");
     blocks_of(&http_get(admin, &path).1)
+}
+
+/// The emulated engines' frames read by each release's own classes (strictly: every field's
+/// type checked): the emulation cannot drift from what the engines send. Each form the
+/// mocker offers for a release decodes, and the blocks read are the blocks the engine holds.
+#[test]
+fn emulated_frames_decode_with_the_engines_own_classes() {
+    for (kind, wire, release) in [
+        ("vllm", "array-batch", "vllm-0.33.0"),
+        ("vllm", "array-batch", "vllm-0.26.0"),
+        ("sglang", "array-batch", "sglang-0.5.23"),
+        ("sglang", "array", "sglang-0.5.3"),
+    ] {
+        let (zmq, http) = (free_ports(2), free_port());
+        let e = emulated_engine(kind, wire, 1, zmq, http);
+        let reader = ReleaseReader::start(release, &format!("tcp://127.0.0.1:{zmq}"));
+        let a = e2e_tokens(1, 4);
+        complete(&e, 0, &a);
+        let held: Vec<u64> = engine_cache(&e, 0)
+            .iter()
+            .map(|b| engine_hash(&b[0]).unwrap())
+            .collect();
+        assert_eq!(held.len(), 4, "{release}");
+        let mut stored = Vec::new();
+        while stored.len() < held.len() {
+            let Some(m) = reader.next(Duration::from_secs(10)) else {
+                panic!("{release}: {} of the blocks read", stored.len())
+            };
+            assert!(m.get("error").is_none(), "{kind} {wire} as {release}: {m}");
+            assert_eq!(m["rank"], 0, "{release}: {m}");
+            for ev in m["events"].as_array().unwrap() {
+                if ev["type"] == "BlockStored" {
+                    assert_eq!(ev["block_size"], 16, "{release}: {ev}");
+                    let hashes = ev["hashes"].as_array().unwrap();
+                    stored.extend(hashes.iter().map(|h| engine_hash(h).unwrap()));
+                }
+            }
+        }
+        let (mut stored, mut held) = (stored, held);
+        stored.sort_unstable();
+        held.sort_unstable();
+        assert_eq!(stored, held, "{release}");
+    }
 }
 
 #[test]

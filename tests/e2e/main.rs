@@ -7,6 +7,7 @@ mod common;
 mod bridge;
 mod disagg;
 mod emulate;
+mod engines;
 mod frontend;
 mod http_auth;
 mod indexer;

@@ -36,5 +36,5 @@ pub use engine_event::{
     decode_batch, decode_batch_steps, BadEvents, BatchError, EngineBatch, EngineEvent, EventError,
     Stored,
 };
-pub use sequence::{catch_up_run, replay_covers, SeqStep, SeqTracker};
+pub use sequence::{catch_up_run, replay_covers, Rejoined, SeqStep, SeqTracker};
 pub use worker_mirror::{Skip, WorkerMirror};

@@ -146,8 +146,9 @@ impl MirrorTask {
             dp_rank = ?rank,
             old_instance = %old,
             new_instance = %new,
-            "the engine restarted (its sequence numbers went back, or it is back after failing \
-             its health check): its cache is gone; registering as a new instance"
+            "the engine restarted (its sequence numbers went back, its publisher came back as a \
+             new process, or it is back after failing its health check): its cache is gone; \
+             registering as a new instance"
         );
         announce(&self.bus, &self.subjects, &self.info).await;
     }

@@ -17,6 +17,8 @@ pub enum SeqStep {
 #[derive(Debug, Default, Clone)]
 pub struct SeqTracker {
     last: Option<u64>,
+    /// The last batch applied: its number and a digest of its payload.
+    applied: Option<(u64, u64)>,
 }
 
 impl SeqTracker {
@@ -37,6 +39,37 @@ impl SeqTracker {
     /// Forget the stream (a reconnect): the next number is a `First`.
     pub fn reset(&mut self) {
         self.last = None;
+        self.applied = None;
+    }
+
+    /// Batch `seq` with this payload was applied.
+    pub fn applied(&mut self, seq: u64, payload: &[u8]) {
+        self.applied = Some((seq, xxhash_rust::xxh3::xxh3_64(payload)));
+    }
+
+    /// What a replay endpoint sent for "every batch from the last applied one on" (numbers
+    /// and payloads, in the order they came) says about the publisher behind a new
+    /// connection: a publisher that still holds that batch holds it unchanged; a new process
+    /// has other payloads under those numbers, or none that high yet.
+    pub fn rejoined<'a>(&self, got: impl IntoIterator<Item = (u64, &'a [u8])>) -> Rejoined {
+        let Some((last, digest)) = self.applied else {
+            return Rejoined::Unknown;
+        };
+        for (s, payload) in got {
+            if s < last {
+                continue;
+            }
+            if s > last {
+                // The buffer rolled past it: nothing to compare.
+                return Rejoined::Unknown;
+            }
+            return if xxhash_rust::xxh3::xxh3_64(payload) == digest {
+                Rejoined::Same
+            } else {
+                Rejoined::Restarted
+            };
+        }
+        Rejoined::Restarted
     }
 
     /// The last number seen (or caught up to).
@@ -49,6 +82,17 @@ impl SeqTracker {
     pub fn caught_up_to(&mut self, seq: u64) {
         self.last = Some(seq);
     }
+}
+
+/// Who publishes behind a connection made again (see [`SeqTracker::rejoined`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejoined {
+    /// The publisher seen before: its stream goes on after the last batch applied.
+    Same,
+    /// A new process counting from 0 (the engine, or its rank, restarted).
+    Restarted,
+    /// Cannot tell (nothing applied yet, or the replay buffer no longer holds it).
+    Unknown,
 }
 
 /// What a catch-up replay holds: the sequence numbers a replay endpoint sent for "every
@@ -101,6 +145,32 @@ mod tests {
         assert_eq!(t.observe(1), SeqStep::Restart);
         t.reset();
         assert_eq!(t.observe(40), SeqStep::First);
+    }
+
+    /// A reconnection to the same publisher finds the last batch applied unchanged; a
+    /// restarted one has another payload under that number, or no number that high; a
+    /// buffer that rolled past it cannot tell.
+    #[test]
+    fn a_rejoined_publisher_is_told_by_its_last_batch() {
+        let mut t = SeqTracker::default();
+        let got = |v: &[(u64, &'static [u8])]| v.to_vec();
+        assert_eq!(t.rejoined(got(&[(3, b"c")])), Rejoined::Unknown);
+        t.observe(3);
+        t.applied(3, b"c");
+        assert_eq!(t.rejoined(got(&[(3, b"c"), (4, b"d")])), Rejoined::Same);
+        assert_eq!(t.rejoined(got(&[(2, b"x"), (3, b"c")])), Rejoined::Same);
+        assert_eq!(
+            t.rejoined(got(&[(3, b"C"), (4, b"d")])),
+            Rejoined::Restarted
+        );
+        assert_eq!(
+            t.rejoined(got(&[(0, b"a"), (1, b"b")])),
+            Rejoined::Restarted
+        );
+        assert_eq!(t.rejoined(got(&[])), Rejoined::Restarted);
+        assert_eq!(t.rejoined(got(&[(5, b"e")])), Rejoined::Unknown);
+        t.reset();
+        assert_eq!(t.rejoined(got(&[(3, b"C")])), Rejoined::Unknown);
     }
 
     #[test]

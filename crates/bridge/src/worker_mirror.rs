@@ -475,7 +475,7 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
     let Some(m) = medium else {
         return Ok(Tier::Device);
     };
-    const NAMES: [(&str, Tier); 11] = [
+    const NAMES: [(&str, Tier); 13] = [
         ("GPU", Tier::Device),
         ("CPU", Tier::Host),
         ("CPU_PINNED", Tier::Host),
@@ -485,6 +485,9 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<Tier, Ski
         ("NVME", Tier::Disk),
         // vLLM's offloading connector's MEDIUM_STORAGE: the worker's own storage backend.
         ("STORAGE", Tier::Disk),
+        // vLLM 0.26's file-system and object-store tiers (0.33 folds them into STORAGE).
+        ("FS", Tier::Disk),
+        ("OBJ", Tier::Shared),
         ("EXTERNAL", Tier::Shared),
         ("SHARED", Tier::Shared),
         ("REMOTE", Tier::Shared),
@@ -765,7 +768,8 @@ mod tests {
     }
 
     /// Every medium vLLM and SGLang name today has its tier (SGLang's StorageMedium: GPU,
-    /// CPU_PINNED, DISK, EXTERNAL; vLLM's: GPU, CPU, STORAGE), in any case.
+    /// CPU_PINNED, DISK, EXTERNAL; vLLM 0.33's: GPU, CPU, STORAGE; 0.26's FS and OBJ), in
+    /// any case.
     #[test]
     fn the_engines_media_name_tiers() {
         for (m, t) in [
@@ -774,6 +778,8 @@ mod tests {
             ("cpu_pinned", Tier::Host),
             ("DISK", Tier::Disk),
             ("STORAGE", Tier::Disk),
+            ("FS", Tier::Disk),
+            ("OBJ", Tier::Shared),
             ("EXTERNAL", Tier::Shared),
         ] {
             assert_eq!(tier_of(Some(m), None), Ok(t), "{m}");

@@ -5,7 +5,7 @@
 use crate::engine_event::{decode_batch, EngineBatch};
 use crate::metrics::{BridgeMetrics, RankLabel, ReasonLabel};
 use crate::mirror_task::MirrorCmd;
-use crate::sequence::{catch_up_run, replay_covers, SeqStep, SeqTracker};
+use crate::sequence::{catch_up_run, replay_covers, Rejoined, SeqStep, SeqTracker};
 use bytes::Bytes;
 use kvrouter_protocol::DpRank;
 use std::collections::HashMap;
@@ -179,7 +179,21 @@ impl RankStream {
             // running engine would not know what the engine already caches, and nothing
             // would tell it until those blocks were evicted.
             let from = match (from_start, seq.last()) {
-                (false, Some(last)) => last + 1,
+                (false, Some(last)) => match self.rejoin(&seq, last).await {
+                    Rejoined::Restarted => {
+                        if self
+                            .send(MirrorCmd::Restarted { rank: self.rank })
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                        seq.reset();
+                        from_start = true;
+                        0
+                    }
+                    Rejoined::Same | Rejoined::Unknown => last + 1,
+                },
                 _ => 0,
             };
             // Live batches the catch-up already applied (they were queued meanwhile).
@@ -267,6 +281,31 @@ impl RankStream {
         }
     }
 
+    /// Who publishes behind a connection made again after batches were applied: a restarted
+    /// engine's new publisher counts from 0 again, and its first batches may have gone out
+    /// while the bridge reconnected, so the numbers alone cannot tell (asks the replay
+    /// endpoint from the last batch applied; `Unknown` without one).
+    async fn rejoin(&self, seq: &SeqTracker, last: u64) -> Rejoined {
+        let Some(endpoint) = self.replay_endpoint.as_deref() else {
+            return Rejoined::Unknown;
+        };
+        match tokio::time::timeout(self.replay_timeout, replay_from(endpoint, last)).await {
+            Ok(Ok(got)) => {
+                let r = seq.rejoined(got.iter().map(|(s, p)| (*s, &p[..])));
+                if r == Rejoined::Restarted {
+                    tracing::info!(
+                        dp_rank = self.rank,
+                        last,
+                        "the engine's KV event publisher no longer holds the last batch seen \
+                         as it was: a new process (the engine restarted)"
+                    );
+                }
+                r
+            }
+            _ => Rejoined::Unknown,
+        }
+    }
+
     /// Applies every batch the replay endpoint holds from `from` on (the run of consecutive
     /// ones), and has the stream go on after the last. Batches the endpoint no longer holds
     /// are lost: the rank is cleared first when it held anything of this engine (`from` > 0),
@@ -312,12 +351,13 @@ impl RankStream {
             }
         }
         let n = last - first + 1;
-        for (_, payload) in got.into_iter().filter(|(s, _)| (first..=last).contains(s)) {
+        seq.caught_up_to(last);
+        for (s, payload) in got.into_iter().filter(|(s, _)| (first..=last).contains(s)) {
+            seq.applied(s, &payload);
             if !self.apply(payload, logs).await {
                 return CatchUp::MirrorGone;
             }
         }
-        seq.caught_up_to(last);
         self.metrics.caught_up.get_or_create(&label).inc_by(n);
         tracing::info!(
             dp_rank = self.rank,
@@ -450,6 +490,7 @@ impl RankStream {
                 }
             }
         }
+        seq.applied(s, &payload);
         self.apply(payload, logs).await
     }
 

@@ -1,4 +1,5 @@
-//! Payloads made by msgspec exactly as vLLM and SGLang make them (/tests/engines/engine_wire.py)
+//! Payloads made by the pinned vLLM and SGLang releases' own classes (and, for the older forms
+//! no pinned release sends, classes declared field for field: /tests/engines/engine_wire.py)
 //! decode to what the engine meant, in every wire form, and turn into the router's events;
 //! and any payload at all decodes in work and memory linear in its length ([`bounds`]).
 
@@ -30,7 +31,7 @@ fn cases() -> HashMap<String, Vec<u8>> {
         .expect("python3 runs (scripts/setup.sh installs what the tests need)");
     assert!(
         out.status.success(),
-        "engine_wire.py failed (msgspec missing? source scripts/setup.sh): {}",
+        "engine_wire.py failed (msgspec or the engines missing? source scripts/setup.sh): {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout)
@@ -195,8 +196,8 @@ fn lower_tiers_are_forwarded_and_remote_blocks_unknown_media_and_other_groups_sk
     let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
     let out = m.apply(0, &batch(&c, "vllm_cpu").events).unwrap();
     let tiers: Vec<Tier> = out.iter().map(|e| e.tier).collect();
-    use Tier::{Device, Host};
-    assert_eq!(tiers, [Host, Host, Device, Host, Device], "{out:?}");
+    use Tier::{Device, Disk, Host};
+    assert_eq!(tiers, [Host, Host, Device, Host, Device, Disk], "{out:?}");
     // The host copy named by hash alone gets the device copy's local hash.
     let stored_local = |e: &KvEvent| match &e.data {
         KvEventData::Stored { blocks, .. } => blocks[0].local_hash,
@@ -210,8 +211,13 @@ fn lower_tiers_are_forwarded_and_remote_blocks_unknown_media_and_other_groups_sk
     );
     assert_eq!(m.held_blocks(0), 0, "nothing left on the device");
     let (snapshot, _) = m.snapshot(0).unwrap();
-    assert_eq!(snapshot.len(), 1);
-    assert_eq!(snapshot[0].tier, Host, "the mirror keeps the host copy");
+    let mut kept: Vec<Tier> = snapshot.iter().map(|e| e.tier).collect();
+    kept.sort_by_key(|t| t.as_str());
+    assert_eq!(
+        kept,
+        [Disk, Host],
+        "the mirror keeps the host and storage copies"
+    );
     let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
 
     let out = m.apply(0, &batch(&c, "vllm_groups").events).unwrap();
@@ -261,9 +267,20 @@ fn another_block_size_is_refused() {
     assert_eq!(m.skipped(Skip::BlockSize), 1);
 }
 
+/// vLLM 0.26 named its storage tiers FS and OBJ (0.33 has one, STORAGE).
+#[test]
+fn vllm_0_26_storage_media_are_tiers() {
+    let c = cases();
+    let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
+    let out = m.apply(0, &batch(&c, "vllm26_media").events).unwrap();
+    let tiers: Vec<Tier> = out.iter().map(|e| e.tier).collect();
+    assert_eq!(tiers, [Tier::Disk, Tier::Shared], "{out:?}");
+}
+
 #[test]
 fn sglang_forms_signed_hashes_and_salt() {
     let c = cases();
+    // 0.5.3: array events, no medium, the rank as `attn_dp_rank`.
     let b = batch(&c, "sglang_array");
     assert_eq!(b.data_parallel_rank, Some(1));
     let ev = ok_events(&b);
@@ -275,40 +292,57 @@ fn sglang_forms_signed_hashes_and_salt() {
         panic!()
     };
     assert_eq!(second.parent, Some((-5i64) as u64));
-    assert_eq!(second.cache_salt.as_deref(), Some("t"));
-    assert_eq!(second.lora_name, None);
-
-    let mut m = WorkerMirror::new(9, 1, 1, 4, 1000);
-    let out = m.apply(1, &b.events).unwrap();
-    assert_eq!(out.len(), 3);
-    let KvEventData::Stored { blocks, .. } = &out[1].data else {
+    let EngineEvent::Removed {
+        block_hashes,
+        medium,
+        ..
+    } = &ev[2]
+    else {
         panic!()
     };
-    // The salt goes in at the sequence's block 0 only, as a route request puts it: this run
-    // continues another (SGLang names the salt on every run of a salted request).
+    assert_eq!((block_hashes, medium), (&vec![9], &None));
+    let mut m = WorkerMirror::new(9, 1, 1, 4, 1000);
+    assert_eq!(m.apply(1, &b.events).unwrap().len(), 3);
+
+    // The array form with a metadata map (between those releases): the salt is read.
+    let b = batch(&c, "sglang_array_metadata");
+    let EngineEvent::Stored(s) = &ok_events(&b)[1] else {
+        panic!()
+    };
     assert_eq!(
-        blocks[0].local_hash,
-        local_block_hash_with_extras::<&str>(&T8[4..], lora_seed(None), &[])
+        (s.parent, s.cache_salt.as_deref()),
+        (Some((-5i64) as u64), Some("t"))
     );
 
+    // 0.5.23: map events naming the salt on every run of a salted request.
     let b = batch(&c, "sglang_map");
-    let EngineEvent::Stored(s) = &ok_events(&b)[0] else {
+    assert_eq!(b.data_parallel_rank, Some(0));
+    let ev = ok_events(&b);
+    let EngineEvent::Stored(s) = &ev[0] else {
         panic!()
     };
     assert_eq!(
         (s.block_hashes[0], s.cache_salt.as_deref()),
         ((-5i64) as u64, Some("t"))
     );
-    // A root run: salted.
     let mut m = WorkerMirror::new(9, 0, 1, 4, 1000);
     let out = m.apply(0, &b.events).unwrap();
-    let KvEventData::Stored { blocks, .. } = &out[0].data else {
-        panic!()
+    let stored = |i: usize| match &out[i].data {
+        KvEventData::Stored { blocks, .. } => blocks[0].local_hash,
+        other => panic!("{other:?}"),
     };
+    // The root run is salted at its block 0, as a route request salts its prompt's; the
+    // continuation is not (its block is not the sequence's first).
     assert_eq!(
-        blocks[0].local_hash,
+        stored(0),
         local_block_hash_with_extras(&T8[..4], lora_seed(None), &["t"])
     );
+    assert_eq!(
+        stored(1),
+        local_block_hash_with_extras::<&str>(&T8[4..], lora_seed(None), &[])
+    );
+    // CPU_PINNED: the host tier.
+    assert_eq!(out[2].tier, Tier::Host);
 }
 
 /// vLLM 0.33's `lookahead_token_ids` (and `session_id`, ignored): the block hashed with

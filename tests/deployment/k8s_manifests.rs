@@ -724,50 +724,87 @@ fn the_bridge_subscribes_where_vllm_publishes() {
             topic,
             "{who}: {config}"
         );
-        let (bind, events) = host_port(text(&config, "/endpoint"));
-        let (replay_bind, replay) = host_port(text(&config, "/replay_endpoint"));
-        // Both on loopback only (the events carry prompts' token ids). The replay socket is
-        // always bound by vLLM. vLLM binds its publisher only for an endpoint with a wildcard
-        // (`*`, `::`) and connects to any other: to the bridge, which must bind it. (No
-        // NetworkPolicy admits either port either: k8s_locked.rs checks that.)
-        assert_eq!(
-            replay_bind, "127.0.0.1",
-            "{who}: vLLM's replay socket: {config}"
+        let (endpoint, replay_endpoint) = (
+            text(&config, "/endpoint"),
+            text(&config, "/replay_endpoint"),
         );
-        assert_eq!(
-            bind, "127.0.0.1",
-            "{who}: vLLM's publisher must connect over loopback: {config}"
-        );
-        assert_eq!(
-            env.get("KVROUTER_ZMQ_BIND").map(String::as_str),
-            Some("true"),
-            "{who}: vLLM's publisher connects, so the bridge must bind"
-        );
-
-        let (host, port) = host_port(&env["KVROUTER_ZMQ_ENDPOINT"]);
-        assert!(env["KVROUTER_ZMQ_ENDPOINT"].starts_with("tcp://"), "{who}");
-        assert_eq!(
-            host, "127.0.0.1",
-            "{who}: the bridge reads its own pod's engine"
-        );
-        assert_eq!(
-            port, events,
-            "{who}: bridge subscribes to {port}, vLLM publishes on {events}"
-        );
-        let (host, port) = host_port(&env["KVROUTER_REPLAY_ENDPOINT"]);
-        assert_eq!(
-            (host.as_str(), port),
-            ("127.0.0.1", replay),
-            "{who}: replay endpoint"
-        );
-        // Rank r publishes on events + r and replays on replay + r: no overlap.
         let dp: u16 = env
             .get("KVROUTER_DP_SIZE")
             .map_or(1, |d| d.parse().expect("a dp size"));
-        assert!(
-            replay >= events + dp || events >= replay + dp,
-            "{who}: ports collide"
-        );
+        if endpoint.starts_with("ipc://") {
+            // Socket files, which vLLM binds: the bridge connects to the same files, in a
+            // volume both containers mount at the same place. vLLM refuses ipc:// past
+            // data-parallel rank 0.
+            assert!(replay_endpoint.starts_with("ipc://"), "{who}: {config}");
+            assert_eq!(env["KVROUTER_ZMQ_ENDPOINT"], endpoint, "{who}");
+            assert_eq!(env["KVROUTER_REPLAY_ENDPOINT"], replay_endpoint, "{who}");
+            assert_ne!(
+                env.get("KVROUTER_ZMQ_BIND").map(String::as_str),
+                Some("true"),
+                "{who}: vLLM binds socket files; the bridge must connect"
+            );
+            assert_eq!(dp, 1, "{who}: ipc:// serves data-parallel rank 0 only");
+            for path in [endpoint, replay_endpoint] {
+                let dir = std::path::Path::new(&path["ipc://".len()..])
+                    .parent()
+                    .unwrap()
+                    .to_str()
+                    .unwrap()
+                    .to_string();
+                let mounted = |c: &Value| {
+                    list(c, "/volumeMounts")
+                        .iter()
+                        .find(|v| text(v, "/mountPath") == dir)
+                        .map(|v| text(v, "/name").to_string())
+                };
+                let (a, b) = (mounted(engine), mounted(bridge));
+                assert!(
+                    a.is_some() && a == b,
+                    "{who}: {dir} is not one volume mounted in both vLLM ({a:?}) and the bridge ({b:?})"
+                );
+            }
+        } else {
+            let (bind, events) = host_port(endpoint);
+            let (replay_bind, replay) = host_port(replay_endpoint);
+            // Both on loopback only (the events carry prompts' token ids). The replay socket
+            // is always bound by vLLM. vLLM binds its publisher only for an endpoint with a
+            // wildcard (`*`, `::`) and connects to any other: to the bridge, which must bind
+            // it. (No NetworkPolicy admits either port either: k8s_locked.rs checks that.)
+            assert_eq!(
+                replay_bind, "127.0.0.1",
+                "{who}: vLLM's replay socket: {config}"
+            );
+            assert_eq!(
+                bind, "127.0.0.1",
+                "{who}: vLLM's publisher must connect over loopback: {config}"
+            );
+            assert_eq!(
+                env.get("KVROUTER_ZMQ_BIND").map(String::as_str),
+                Some("true"),
+                "{who}: vLLM's publisher connects, so the bridge must bind"
+            );
+            let (host, port) = host_port(&env["KVROUTER_ZMQ_ENDPOINT"]);
+            assert!(env["KVROUTER_ZMQ_ENDPOINT"].starts_with("tcp://"), "{who}");
+            assert_eq!(
+                host, "127.0.0.1",
+                "{who}: the bridge reads its own pod's engine"
+            );
+            assert_eq!(
+                port, events,
+                "{who}: bridge subscribes to {port}, vLLM publishes on {events}"
+            );
+            let (host, port) = host_port(&env["KVROUTER_REPLAY_ENDPOINT"]);
+            assert_eq!(
+                (host.as_str(), port),
+                ("127.0.0.1", replay),
+                "{who}: replay endpoint"
+            );
+            // Rank r publishes on events + r and replays on replay + r: no overlap.
+            assert!(
+                replay >= events + dp || events >= replay + dp,
+                "{who}: ports collide"
+            );
+        }
 
         // Frontends reach the engine at its pod IP on vLLM's port.
         let vllm_port: u16 = flag("--port").parse().expect("a port");

@@ -174,41 +174,46 @@ fn release_follows_its_engine(release: &'static str) {
     }
 
     if vllm {
-        // vLLM's offloading connector, by default: one placeholder per offloaded block (no
-        // tokens, block size 0, no parent), then the device copy goes. The blocks stay
-        // routable on the host tier, under their prefix; repeated announcements of one hash
-        // are counted, so only the last removal takes it away.
-        let o = e2e_tokens(7, 3);
-        let hashes = engine.store(0, &o);
-        assert!(client.overlap_becomes(&o, k0, 3), "{release}");
-        engine.cmd(json!({"offload": {"rank": 0, "hashes": hashes, "medium": "CPU"}}));
-        engine.cmd(json!({"offload": {"rank": 0, "hashes": [hashes[2]], "medium": "CPU"}}));
-        engine.cmd(json!({"remove": {"rank": 0, "hashes": hashes}}));
-        assert!(
-            client.overlap_becomes(&o, k0, 0),
-            "{release}: device copy gone"
-        );
-        assert!(
-            wait_until(Duration::from_secs(10), || {
-                route_as(&client, &o, None, None).tier_overlap_blocks.host == 3
-            }),
-            "{release}: offloaded blocks: {:?}",
-            route_as(&client, &o, None, None)
-        );
-        let removed = json!({"rank": 0, "hashes": [hashes[2]], "medium": "CPU", "removed": true});
-        engine.cmd(json!({ "offload": removed.clone() }));
-        std::thread::sleep(Duration::from_millis(300));
-        assert_eq!(
-            route_as(&client, &o, None, None).tier_overlap_blocks.host,
-            3
-        );
-        engine.cmd(json!({ "offload": removed }));
-        assert!(
-            wait_until(Duration::from_secs(10), || {
-                route_as(&client, &o, None, None).tier_overlap_blocks.host == 2
-            }),
-            "{release}: the last removal"
-        );
+        // vLLM's offloading connector: by default one placeholder per offloaded block (no
+        // tokens, block size 0, no parent); with self-describing events, the blocks' full
+        // payloads. Then the device copies go. The blocks stay routable on the host tier,
+        // under their prefix; a hash announced again (as chunks overlapping a shared prefix
+        // do) is counted, so only its last removal takes it away.
+        for (seed, self_describing) in [(7, false), (11, true)] {
+            let how = if self_describing {
+                "self-describing"
+            } else {
+                "placeholders"
+            };
+            let o = e2e_tokens(seed, 3);
+            let hashes = engine.store(0, &o);
+            assert!(client.overlap_becomes(&o, k0, 3), "{release}");
+            let offload = |hashes: Value, removed: bool| {
+                json!({"offload": {"rank": 0, "hashes": hashes, "medium": "CPU",
+                    "removed": removed, "self_describing": self_describing}})
+            };
+            engine.cmd(offload(json!(hashes), false));
+            engine.cmd(offload(json!([hashes[2]]), false));
+            engine.cmd(json!({"remove": {"rank": 0, "hashes": hashes}}));
+            assert!(
+                client.overlap_becomes(&o, k0, 0),
+                "{release} {how}: device copy gone"
+            );
+            let host = || route_as(&client, &o, None, None).tier_overlap_blocks.host;
+            assert!(
+                wait_until(Duration::from_secs(10), || host() == 3),
+                "{release} {how}: offloaded blocks: {:?}",
+                route_as(&client, &o, None, None)
+            );
+            engine.cmd(offload(json!([hashes[2]]), true));
+            std::thread::sleep(Duration::from_millis(300));
+            assert_eq!(host(), 3, "{release} {how}: removed at its first removal");
+            engine.cmd(offload(json!([hashes[2]]), true));
+            assert!(
+                wait_until(Duration::from_secs(10), || host() == 2),
+                "{release} {how}: the last removal"
+            );
+        }
     }
 
     if release == "vllm-0.33.0" {
@@ -343,4 +348,39 @@ fn vllm_bytes_hashes_chain_and_remove() {
     assert!(routes_to(&client, &s, None, Some("t"), k0, 4));
     engine.cmd(json!({"remove": {"rank": 0, "hashes": [second[1]]}}));
     assert!(routes_to(&client, &s, None, Some("t"), k0, 3));
+}
+
+/// An engine's ranks split between bridges (`--dp-start-rank`), each rank on the port the
+/// engine's own offset gives it.
+#[test]
+fn bridges_for_ranks_past_the_first_find_the_engines_offset_ports() {
+    for release in ["vllm-0.33.0", "sglang-0.5.23"] {
+        let nats = NatsServer::start();
+        let mut engine = Engine::start(release, 3);
+        let a1 = free_port();
+        let _r1 = serve(&nats, "r1", a1, &[]);
+        // Ranks 1 and 2 of 3: the bridge adds its start rank to the endpoints' ports.
+        let mut at = engine.at(true);
+        at.dp = 2;
+        let (_b, worker, ab) = bridge_with(&nats, &at, &["--dp-start-rank", "1"]);
+        assert!(
+            ready(ab),
+            "{release}: bridge /readyz: {:?}",
+            http_get(ab, "/readyz")
+        );
+        let client = E2eClient::new(&nats);
+        let t = e2e_tokens(1, 2);
+        engine.store(2, &t);
+        assert!(
+            client.overlap_becomes(&t, WorkerKey::new(worker, 2), 2),
+            "{release}: rank 2"
+        );
+        assert_eq!(client.overlap(&t, WorkerKey::new(worker, 1)), 0);
+        let u = e2e_tokens(2, 1);
+        engine.store(1, &u);
+        assert!(
+            client.overlap_becomes(&u, WorkerKey::new(worker, 1), 1),
+            "{release}: rank 1"
+        );
+    }
 }

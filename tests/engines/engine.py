@@ -12,9 +12,11 @@ what this engine release cannot express):
       both on every run; hashes are ints, or hex strings for vLLM with --hash bytes
   {"remove": {"rank": R, "hashes": [...], "medium": M}}
   {"clear": {"rank": R}}              AllBlocksCleared
-  {"offload": {"rank": R, "hashes": [...], "medium": "CPU"|"STORAGE", "removed": bool}}
+  {"offload": {"rank": R, "hashes": [...], "medium": "CPU"|"STORAGE", "removed": bool,
+               "self_describing": bool}}
       vLLM's offloading connector reports these blocks stored in (removed from) its tier:
       its own OffloadingEventsTracker turns the manager's event into what it publishes
+      (placeholders by default; full payloads when self-describing)
   {"drop": {"rank": R, "count": N}}   the next N batches of R are lost on the wire (they stay
                                       in the publisher's replay buffer)
   {"restart": {"rank": R}}            a new publisher: sequence numbers from 0, buffer empty
@@ -33,6 +35,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import zmq
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -74,12 +77,17 @@ class RealRank:
         self.vllm = engine.startswith("vllm")
         self.blocks = {}  # the rank's device blocks: JSON hash -> parent
         self.external = {}  # JSON hash -> (the hash as published, its 32-byte digest)
-        self.tracker = None
+        self.run_of = {}  # JSON hash -> (parent JSON hash, the block's tokens)
+        # vLLM's offloading connector's event translation, by default (placeholders) and
+        # with kv_connector_extra_config["self_describing_kv_events"].
+        self.trackers = {}
         if off is not None:
             base = __import__("vllm.v1.kv_offload.base", fromlist=["base"])
             self.offload_base = base
-            self.tracker = off.OffloadingEventsTracker(
-                base.OffloadingKVEventsConfig(True, False))
+            self.trackers = {
+                sd: off.OffloadingEventsTracker(base.OffloadingKVEventsConfig(True, sd))
+                for sd in (False, True)
+            }
         self.start()
 
     def start(self, retry_secs=0.0):
@@ -120,8 +128,8 @@ class RealRank:
     def restart(self):
         self.pub.shutdown()
         self.blocks.clear()
-        if self.tracker is not None:
-            self.tracker.reset()
+        for t in self.trackers.values():
+            t.reset()
         self.start(retry_secs=5.0)
 
     def hashes_for(self, parent, tokens, extras, n):
@@ -157,6 +165,7 @@ class RealRank:
         hashes = self.hashes_for(parent, tokens, [lora, salt, lookahead], n)
         for i, h in enumerate(hashes):
             self.blocks[h] = parent if i == 0 else hashes[i - 1]
+            self.run_of[h] = (self.blocks[h], tokens[i * bs:(i + 1) * bs])
         ext = [self.external[h][0] for h in hashes]
         par = self.external[parent][0] if parent is not None else None
         toks = tokens[: n * bs]
@@ -199,16 +208,38 @@ class RealRank:
         self.publish([self.kv.AllBlocksCleared()])
 
     def offload(self, c):
-        if self.tracker is None:
+        if not self.trackers:
             raise Refused(f"{self.engine} has no offloading connector events")
         base = self.offload_base
+        removed, sd = c.get("removed", False), c.get("self_describing", False)
+        tracker = self.trackers[sd]
         keys = [base.make_offload_key(self.external[h][1], 0) for h in c["hashes"]]
+        if sd and not removed:
+            # The connector's scheduler snapshots each chunk (one block a chunk here) while
+            # its request is alive: the request's hashes and tokens up to that block.
+            for h, key in zip(c["hashes"], keys):
+                chain = []
+                while h is not None:
+                    chain.append(h)
+                    h = self.run_of[h][0]
+                chain.reverse()
+                req = __import__("vllm.v1.request", fromlist=["x"]).Request(
+                    block_hashes=[self.external[x][1] for x in chain],
+                    all_token_ids=[t for x in chain for t in self.run_of[x][1]])
+                group = types.SimpleNamespace(
+                    group_idx=0, tokens_per_block=self.args.block_size,
+                    tokens_per_chunk=self.args.block_size, hashes_per_chunk=1,
+                    kv_event_group_spec=self.off.OffloadingEventGroupSpec("full_attention", None),
+                    sliding_window_size_in_chunks=None)
+                tracker.record_store(req, group, len(chain) - 1, key)
         # 0.33's manager names the tier with its Medium enum, 0.26's with the medium's name.
         medium = c["medium"]
         if hasattr(self.off, "_MEDIUM_TO_EVENT_STR"):
             medium = base.Medium(medium)
-        event = base.OffloadingEvent(keys=keys, medium=medium, removed=c.get("removed", False))
-        self.publish(list(self.tracker.take_events([event])))
+        event = base.OffloadingEvent(keys=keys, medium=medium, removed=removed)
+        if hasattr(event, "removal_expected"):
+            event.removal_expected = not removed
+        self.publish(list(tracker.take_events([event])))
 
 
 def http_server(port, state, ranks):

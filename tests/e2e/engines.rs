@@ -216,6 +216,36 @@ fn release_follows_its_engine(release: &'static str) {
         }
     }
 
+    if vllm {
+        // Blocks an image overlaps carry (identifier, offset) in their extra keys: a prompt
+        // naming the same image at the same place matches them, another image does not.
+        let i = e2e_tokens(12, 2);
+        let mm = json!([["img-abc", 0], ["img-abc", -16]]);
+        engine.store_with(0, &i, json!({ "mm": mm }));
+        let with_image = |id: &str| {
+            let mut req = plain_route(&i);
+            req.extras = Some(PromptExtras {
+                block_extras: vec![vec![id.into(), "0".into()], vec![id.into(), "-16".into()]],
+                cache_salt: None,
+            });
+            req
+        };
+        assert!(
+            wait_until(Duration::from_secs(10), || {
+                let d = client.route_req(with_image("img-abc")).unwrap();
+                d.key() == k0 && d.overlap_blocks == 2
+            }),
+            "{release}: multimodal blocks"
+        );
+        let other = client.route_req(with_image("img-xyz")).unwrap();
+        assert_eq!(other.overlap_blocks, 0, "{release}: another image matched");
+        assert_eq!(
+            client.overlap(&i, k0),
+            0,
+            "{release}: image blocks matched plain"
+        );
+    }
+
     if release == "vllm-0.33.0" {
         // A block hashed with tokens after it (speculative decoding's lookahead) cannot be
         // matched from the prompt's own tokens: the block before it still is.

@@ -6,7 +6,8 @@ instead: only for what the real classes cannot send (malformed frames and payloa
 Driven by JSON lines on stdin, each answered by one JSON line on stdout ({"error": ...} for
 what this engine release cannot express):
   {"store": {"rank": R, "tokens": [...], "parent": H|null, "lora": NAME, "salt": S,
-             "lookahead": [[...], ...], "medium": M}}  -> {"hashes": [...]}
+             "mm": [[ID, OFFSET]|null, ...], "lookahead": [[...], ...], "medium": M}}
+      -> {"hashes": [...]}
       as the engine reports a run of full blocks it cached; vLLM puts the LoRA name in every
       block's extra keys and the salt in the request's first block's, SGLang (0.5.23) names
       both on every run; hashes are ints, or hex strings for vLLM with --hash bytes
@@ -155,14 +156,15 @@ class RealRank:
         kv, bs = self.kv, self.args.block_size
         tokens, parent = c["tokens"], c.get("parent")
         lora, salt, lookahead = c.get("lora"), c.get("salt"), c.get("lookahead")
+        mm = c.get("mm")  # per block: [identifier, offset] of the image it overlaps, or None
         medium = c.get("medium", "GPU")
         n = len(tokens) // bs
         fields = kv.BlockStored.__struct_fields__
         if (salt and not self.vllm and "cache_salt" not in fields) or (
                 lora and "lora_name" not in fields) or (
-                lookahead and "lookahead_token_ids" not in fields):
+                lookahead and "lookahead_token_ids" not in fields) or (mm and not self.vllm):
             raise Refused(f"{self.engine} publishes no such field")
-        hashes = self.hashes_for(parent, tokens, [lora, salt, lookahead], n)
+        hashes = self.hashes_for(parent, tokens, [lora, salt, lookahead, mm], n)
         for i, h in enumerate(hashes):
             self.blocks[h] = parent if i == 0 else hashes[i - 1]
             self.run_of[h] = (self.blocks[h], tokens[i * bs:(i + 1) * bs])
@@ -172,7 +174,9 @@ class RealRank:
         if self.vllm:
             extra = []
             for i in range(n):
+                # vLLM's order: the LoRA name, (mm identifier, offset) pairs, the salt.
                 keys = ((lora,) if lora else ()) + (
+                    tuple(mm[i]) if mm and mm[i] else ()) + (
                     (salt,) if salt and parent is None and i == 0 else ())
                 extra.append(keys or None)
             kw = {"extra_keys": extra if any(extra) else None, "group_idx": 0,

@@ -78,7 +78,7 @@ echo "setup: $(kubectl version --client 2>/dev/null | head -n 1) at $(command -v
 # SGLang wheels, downloaded once (pip download --no-deps, about 680 MB) into a cache outside
 # the clone so that every clone reuses them, and only their event modules extracted into
 # .tools/engines (stubs for the rest: no torch).
-KVROUTER_WHEEL_CACHE="${KVROUTER_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvrouter/wheels}"
-export KVROUTER_ENGINES="$TOOLS/engines"
-python3 "$KVROUTER_ROOT/tests/engines/engines.py" fetch --cache "$KVROUTER_WHEEL_CACHE" \
-  --into "$KVROUTER_ENGINES" || { echo "setup: the engines' wheels could not be fetched" >&2; exit 1; }
+KVROUTER_TEST_WHEEL_CACHE="${KVROUTER_TEST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvrouter/wheels}"
+export KVROUTER_TEST_ENGINES="$TOOLS/engines"
+python3 "$KVROUTER_ROOT/tests/engines/engines.py" fetch --cache "$KVROUTER_TEST_WHEEL_CACHE" \
+  --into "$KVROUTER_TEST_ENGINES" || { echo "setup: the engines' wheels could not be fetched" >&2; exit 1; }

@@ -31,6 +31,7 @@ its configuration (as vLLM does for an ipc:// endpoint past rank 0).
 """
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -82,9 +83,13 @@ class RealRank:
         # vLLM's offloading connector's event translation, by default (placeholders) and
         # with kv_connector_extra_config["self_describing_kv_events"].
         self.trackers = {}
+        if self.vllm:
+            self.config = importlib.import_module("vllm.config.kv_events")
+            self.hash_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         if off is not None:
-            base = __import__("vllm.v1.kv_offload.base", fromlist=["base"])
+            base = importlib.import_module("vllm.v1.kv_offload.base")
             self.offload_base = base
+            self.request = importlib.import_module("vllm.v1.request")
             self.trackers = {
                 sd: off.OffloadingEventsTracker(base.OffloadingKVEventsConfig(True, sd))
                 for sd in (False, True)
@@ -106,7 +111,7 @@ class RealRank:
     def create(self):
         a = self.args
         if self.vllm:
-            cfg = __import__("vllm.config.kv_events", fromlist=["x"]).KVEventsConfig(
+            cfg = self.config.KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=self.endpoint,
                 replay_endpoint=self.replay_endpoint, buffer_steps=a.buffer_steps,
                 topic=a.topic)
@@ -143,8 +148,7 @@ class RealRank:
             prev = hashlib.sha256(
                 prev + json.dumps([tokens[i * bs:(i + 1) * bs], extras]).encode()).digest()
             if self.vllm:
-                conv = __import__("vllm.v1.core.kv_cache_utils", fromlist=["x"])
-                published = conv.maybe_convert_block_hash(prev)
+                published = self.hash_utils.maybe_convert_block_hash(prev)
             else:
                 published = int.from_bytes(prev[:8], "big", signed=True)
             key = published.hex() if isinstance(published, bytes) else published
@@ -227,7 +231,7 @@ class RealRank:
                     chain.append(h)
                     h = self.run_of[h][0]
                 chain.reverse()
-                req = __import__("vllm.v1.request", fromlist=["x"]).Request(
+                req = self.request.Request(
                     block_hashes=[self.external[x][1] for x in chain],
                     all_token_ids=[t for x in chain for t in self.run_of[x][1]])
                 group = types.SimpleNamespace(

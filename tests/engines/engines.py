@@ -110,10 +110,10 @@ def fetch(cache, into):
 
 def load(name):
     """The engine's kv_events module (and vLLM's offloading events module, or None), imported
-    from its tree under $KVROUTER_ENGINES."""
-    root = os.environ.get("KVROUTER_ENGINES")
+    from its tree under $KVROUTER_TEST_ENGINES."""
+    root = os.environ.get("KVROUTER_TEST_ENGINES")
     if not root:
-        sys.exit("KVROUTER_ENGINES is not set: source scripts/setup.sh (it fetches the engines)")
+        sys.exit("KVROUTER_TEST_ENGINES is not set: source scripts/setup.sh (it fetches the engines)")
     tree = Path(root) / name
     if not (tree / "FROM").exists():
         sys.exit(f"no engine tree {tree}: source scripts/setup.sh (it fetches {', '.join(PINNED)})")

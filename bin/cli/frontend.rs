@@ -7,10 +7,9 @@ use super::renamed_env;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use kvrouter_client::KvRouterClient;
-use kvrouter_frontend::auth::MAX_KEYS_FILE_BYTES;
-use kvrouter_frontend::{
-    Access, ApiKeys, Frontend, FrontendConfig, FrontendServer, Grants, ModelFiles, RankConvention,
-};
+use kvrouter_frontend::{Frontend, FrontendConfig, FrontendServer, RankConvention};
+use kvrouter_openai::auth::MAX_KEYS_FILE_BYTES;
+use kvrouter_openai::{Access, ApiKeys, Grants, ModelFiles};
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::SocketAddr;

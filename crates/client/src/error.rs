@@ -96,6 +96,20 @@ pub enum WorkerFailure {
 }
 
 impl ClientError {
+    /// What the failure means in the protocol's terms, for callers that answer clients of
+    /// their own (HTTP statuses, a gateway's answers): a replica's refusal keeps its kind;
+    /// no replica answering in time is `Unavailable`; a prompt the bus cannot carry is
+    /// `PromptTooLong`; the rest are `Internal`.
+    pub fn kind(&self) -> kvrouter_protocol::ErrorKind {
+        use kvrouter_protocol::ErrorKind;
+        match self {
+            Self::Router(e) => e.kind,
+            Self::NoRouter { .. } | Self::Timeout { .. } => ErrorKind::Unavailable,
+            Self::PromptTooLarge { .. } => ErrorKind::PromptTooLong,
+            _ => ErrorKind::Internal,
+        }
+    }
+
     /// A short snake-case label, for counting errors by kind (the router's
     /// [`ErrorKind`](kvrouter_protocol::ErrorKind) for [`ClientError::Router`]).
     pub fn kind_label(&self) -> &'static str {

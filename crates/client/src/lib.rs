@@ -27,6 +27,7 @@ mod client;
 mod disagg;
 mod error;
 mod generate;
+mod route_lease;
 
 pub use booking::Booking;
 pub use client::{
@@ -37,3 +38,4 @@ pub use disagg::{DisaggOutcome, StageOutcome};
 pub use error::{ClientError, WorkerFailure};
 pub use generate::{GenerateOutcome, GenerateParams};
 pub use kvrouter_bus::Bus;
+pub use route_lease::{LeaseCounts, RouteLease};

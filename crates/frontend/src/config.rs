@@ -20,7 +20,7 @@ pub struct FrontendConfig {
     /// Times a request is routed again around an engine that failed it before answering.
     pub route_retries: u32,
     /// Who may call (API keys, none: every caller) and what each caller may use.
-    pub access: crate::auth::Access,
+    pub access: kvrouter_openai::Access,
     pub ranks: RankConvention,
     /// Largest request body read.
     pub max_body_bytes: usize,
@@ -39,7 +39,7 @@ impl Default for FrontendConfig {
             max_inflight: 1024,
             request_timeout: Duration::from_secs(600),
             route_retries: 2,
-            access: crate::auth::Access::default(),
+            access: kvrouter_openai::Access::default(),
             ranks: RankConvention::Vllm,
             max_body_bytes: 32 << 20,
             connect_timeout: Duration::from_secs(2),

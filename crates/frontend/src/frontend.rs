@@ -1,34 +1,26 @@
 //! One request's way through the frontend: check, tokenize, route, send to the chosen
 //! engine (routing again around an engine that fails before answering).
 
-use crate::chat_template::ChatInput;
 use crate::config::{FrontendConfig, RankConvention};
 use crate::metrics::FrontendMetrics;
-use crate::model_dir::ModelFiles;
-use crate::openai::body::with_token_prompt;
-use crate::openai::{ApiError, ClientRequest, Endpoint, Input, Prompt};
-use crate::route_lease::{LeaseCounts, RouteLease};
 use crate::upstream::{Upstream, UpstreamError};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::Response;
 use kvrouter_admin::HttpStats;
-use kvrouter_client::{ClientError, KvRouterClient};
-use kvrouter_protocol::{ErrorKind, PromptExtras, RouteRequest, WorkerId};
+use kvrouter_client::{ClientError, KvRouterClient, LeaseCounts, RouteLease};
+use kvrouter_openai::body::with_token_prompt;
+use kvrouter_openai::{ApiError, ClientRequest, ModelFiles, Models};
+use kvrouter_protocol::{ErrorKind, WorkerId};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Prompts longer than this are tokenized off the async threads.
-const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
-
 pub struct Frontend {
-    pub(crate) models: HashMap<String, Arc<ModelFiles>>,
-    /// LoRA adapter name → the served model it applies to.
-    pub(crate) loras: HashMap<String, String>,
+    pub(crate) models: Models,
     pub(crate) router: KvRouterClient,
     pub(crate) upstream: Upstream,
     pub(crate) config: FrontendConfig,
@@ -43,10 +35,6 @@ pub struct Frontend {
     /// The client listener's connection counts, once it listens.
     pub(crate) http_stats: parking_lot::Mutex<Vec<(std::net::SocketAddr, Arc<HttpStats>)>>,
 }
-
-/// The `model` label of requests for a model the frontend does not serve: one label for
-/// every unknown name, so clients cannot grow `/metrics`.
-pub const UNKNOWN_MODEL_LABEL: &str = "_other";
 
 /// A request's place among the in-flight ones; gives it back (and the gauge) on drop.
 pub struct InFlight {
@@ -74,26 +62,10 @@ impl Frontend {
         router: KvRouterClient,
         config: FrontendConfig,
     ) -> Result<Self, String> {
-        let models: HashMap<_, _> = models
-            .into_iter()
-            .map(|m| (m.name().to_string(), Arc::new(m)))
-            .collect();
-        for (adapter, base) in &loras {
-            if !models.contains_key(base) {
-                return Err(format!(
-                    "LoRA adapter {adapter:?} names model {base:?}, which is not served (--model)"
-                ));
-            }
-            if models.contains_key(adapter) {
-                return Err(format!(
-                    "LoRA adapter {adapter:?} has a served model's name"
-                ));
-            }
-        }
+        let models = Models::new(models, loras, config.max_body_bytes)?;
         let leases = Arc::new(LeaseCounts::default());
         Ok(Self {
             models,
-            loras,
             router,
             upstream: Upstream::new(config.connect_timeout),
             permits: Arc::new(Semaphore::new(config.max_inflight)),
@@ -129,90 +101,12 @@ impl Frontend {
 
     /// Model names as clients may ask for them: served models, then LoRA adapters.
     pub fn model_names(&self) -> Vec<(&str, &ModelFiles)> {
-        let mut out: Vec<_> = self
-            .models
-            .iter()
-            .map(|(n, m)| (n.as_str(), &**m))
-            .collect();
-        out.sort_by_key(|(n, _)| *n);
-        let mut adapters: Vec<_> = self
-            .loras
-            .iter()
-            .filter_map(|(a, b)| Some((a.as_str(), &**self.models.get(b)?)))
-            .collect();
-        adapters.sort_by_key(|(n, _)| *n);
-        out.extend(adapters);
-        out
+        self.models.names()
     }
 
-    /// The served model and LoRA adapter a request names.
-    /// The longest prompt a chat template may render: twice the largest body (templates
-    /// add markup around what the client sent, they do not multiply it) and 1 MiB.
-    fn max_rendered_bytes(&self) -> usize {
-        self.config
-            .max_body_bytes
-            .saturating_mul(2)
-            .saturating_add(1 << 20)
-    }
-
-    /// The metric label for a model as a client named it: the served model it resolves
-    /// to, else [`UNKNOWN_MODEL_LABEL`].
+    /// The metric label for a model as a client named it.
     pub(crate) fn label_for(&self, name: &str) -> String {
-        self.resolve(name).map_or_else(
-            |_| UNKNOWN_MODEL_LABEL.to_string(),
-            |(m, _)| m.name().to_string(),
-        )
-    }
-
-    fn resolve(&self, name: &str) -> Result<(Arc<ModelFiles>, Option<String>), ApiError> {
-        if let Some(m) = self.models.get(name) {
-            return Ok((m.clone(), None));
-        }
-        if let Some(m) = self.loras.get(name).and_then(|b| self.models.get(b)) {
-            return Ok((m.clone(), Some(name.to_string())));
-        }
-        let names: Vec<&str> = self.model_names().into_iter().map(|(n, _)| n).collect();
-        Err(ApiError::model_not_found(name, &names))
-    }
-
-    /// The prompt's token ids, as the engine would make them. A chat template's render and
-    /// a long text's encoding run on the blocking pool, not on the async threads.
-    async fn tokenize(
-        model: &Arc<ModelFiles>,
-        req: &ClientRequest,
-        max_rendered_bytes: usize,
-    ) -> Result<Vec<u32>, ApiError> {
-        let job: Box<dyn FnOnce() -> Result<Vec<u32>, ApiError> + Send> = match &req.input {
-            Input::Prompt(Prompt::Tokens(t)) => return Ok(t.clone()),
-            Input::Prompt(Prompt::Text(t)) => {
-                let (model, text) = (model.clone(), t.clone());
-                let job = move || encode(&model, &text, true);
-                if t.len() <= INLINE_TOKENIZE_BYTES {
-                    return job();
-                }
-                Box::new(job)
-            }
-            Input::Chat(c) => {
-                let (model, c) = (model.clone(), c.clone());
-                Box::new(move || {
-                    let input = ChatInput {
-                        messages: &c.messages,
-                        add_generation_prompt: c.add_generation_prompt,
-                        tools: c.tools.as_deref(),
-                        documents: c.documents.as_deref(),
-                        extra: Some(&c.template_kwargs),
-                        max_output_bytes: max_rendered_bytes,
-                    };
-                    let text = model
-                        .render_chat(&input)
-                        .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-                    encode(&model, &text, false)
-                })
-            }
-        };
-        tokio::task::spawn_blocking(job)
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+        self.models.label_for(name)
     }
 
     /// Checks, tokenizes and routes the request, and sends it to the chosen engine,
@@ -224,51 +118,19 @@ impl Frontend {
         req: &ClientRequest,
         route_id: &str,
     ) -> Result<Routed, ApiError> {
-        let (model, lora) = self.resolve(&req.model)?;
-        let labels = FrontendMetrics::model(model.name());
         let started = Instant::now();
-        let tokens = Self::tokenize(&model, req, self.max_rendered_bytes()).await?;
+        let understood = self.models.understand(req).await?;
+        let model = understood.model.clone();
+        let labels = FrontendMetrics::model(model.name());
         self.metrics
             .tokenize
             .get_or_create(&labels)
             .observe(started.elapsed().as_secs_f64());
-        if tokens.is_empty() {
-            return Err(ApiError::invalid(
-                Some("prompt"),
-                "the prompt has no tokens",
-            ));
-        }
-        if tokens.len() > model.prompt_limit().tokens {
-            let param = match req.endpoint {
-                Endpoint::Chat => "messages",
-                Endpoint::Completions => "prompt",
-            };
-            return Err(ApiError::prompt_too_long(
-                param,
-                tokens.len(),
-                model.prompt_limit().tokens,
-            ));
-        }
         self.metrics
             .input_tokens
             .get_or_create(&labels)
-            .inc_by(tokens.len() as u64);
-        let mut route = RouteRequest::new(model.name(), tokens)
-            .booked(route_id.to_string())
-            .with_lora(lora)
-            .with_allowed_workers(req.router.allowed_workers.clone())
-            .with_pin(req.router.pin)
-            .with_extras(req.cache_salt.as_ref().map(|s| PromptExtras {
-                block_extras: Vec::new(),
-                cache_salt: Some(s.clone()),
-            }))
-            .with_overrides(req.router.overrides)
-            .with_priority_jump(req.router.priority_jump)
-            .with_expected_output_tokens(req.router.expected_output_tokens);
-        // Refused here with a 400 rather than by every replica it would be sent to.
-        route
-            .check_limits()
-            .map_err(|e| ApiError::invalid(Some("kvrouter"), e.to_string()))?;
+            .inc_by(understood.tokens.len() as u64);
+        let mut route = understood.route_request(req, route_id)?;
         let mut body = req.rest.clone();
         body.insert("model".into(), req.model.clone().into());
         body.insert("stream".into(), true.into());
@@ -294,7 +156,7 @@ impl Frontend {
                 {
                     break; // every worker it may use has failed it
                 }
-                Err(e) => return Err(ApiError::from_route(&e)),
+                Err(e) => return Err(ApiError::from_route(e.kind(), e.to_string())),
             };
             self.metrics
                 .route
@@ -394,11 +256,4 @@ fn engine_refusal(status: u16, body: &str) -> ApiError {
         e.kind = "not_found_error";
     }
     e
-}
-
-fn encode(model: &ModelFiles, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
-    model
-        .tokenizer()
-        .encode(text, special)
-        .map_err(|e| ApiError::invalid(Some("prompt"), format!("cannot tokenize the prompt: {e}")))
 }

@@ -1,10 +1,8 @@
 //! The frontend's HTTP server: the OpenAI endpoints, `/v1/models`, `/health`, `/readyz`
 //! and `/metrics`, with the kvrouter headers on routed answers to callers granted them.
 
-use crate::auth::{Grants, Refusal};
 use crate::frontend::{Frontend, Routed};
 use crate::metrics::RequestLabels;
-use crate::openai::{self, ApiError, ClientRequest, Endpoint};
 use crate::relay::Relay;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
@@ -12,6 +10,8 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use kvrouter_admin::HttpServer;
+use kvrouter_openai::auth::{Grants, Refusal};
+use kvrouter_openai::{self as openai, ApiError, ClientRequest, Endpoint};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::net::SocketAddr;

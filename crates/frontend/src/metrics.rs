@@ -1,8 +1,8 @@
 //! What the frontend counts, on its `/metrics` (names in the style of Dynamo's frontend:
 //! requests by status, time to first token, inter-token latency, end-to-end duration).
 
-use crate::auth::Refusal;
-use crate::route_lease::LeaseCounts;
+use kvrouter_client::LeaseCounts;
+use kvrouter_openai::auth::Refusal;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -5,12 +5,12 @@
 
 use crate::frontend::InFlight;
 use crate::metrics::{FrontendMetrics, ModelLabel};
-use crate::openai::{read_chunk, ApiError, Chunk, ChunkShaper, Gathered};
-use crate::route_lease::RouteLease;
-use crate::sse::{self, SseEvent, SseParser};
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use kvrouter_client::RouteLease;
+use kvrouter_openai::sse::{self, SseEvent, SseParser};
+use kvrouter_openai::{read_chunk, ApiError, Chunk, ChunkShaper, Gathered};
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::sync::Arc;

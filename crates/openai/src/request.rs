@@ -1,9 +1,9 @@
 //! What a client asked for: an OpenAI completions or chat request, checked field by field,
 //! with the fields the frontend does not interpret kept for the engine.
 
-use super::body::{Body, RawPrompt, CHAT_ONLY};
-use super::error::ApiError;
 use crate::auth::Grants;
+use crate::body::{Body, RawPrompt, CHAT_ONLY};
+use crate::error::ApiError;
 use kvrouter_protocol::{Pin, RouteOverrides, WorkerId};
 use serde_json::{Map, Value};
 

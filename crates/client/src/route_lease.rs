@@ -2,7 +2,7 @@
 //! `add_output_block` per block of output, `free` exactly once, whether the answer ends, fails, times out or the client leaves
 //! (dropping the lease frees it).
 
-use kvrouter_client::{Booking, ClientError, KvRouterClient};
+use crate::{Booking, ClientError, KvRouterClient};
 use kvrouter_protocol::{ErrorKind, RouteDecision};
 use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;

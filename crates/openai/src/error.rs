@@ -2,7 +2,6 @@
 //! with the HTTP status the SDKs map to their exception types.
 
 use bytes::Bytes;
-use kvrouter_client::ClientError;
 use kvrouter_protocol::ErrorKind;
 use serde_json::json;
 
@@ -124,40 +123,28 @@ impl ApiError {
     }
 
     /// A route failure, as the client should see it: the router's refusals keep their
-    /// meaning (overload and no capacity are 503s a client retries).
-    pub fn from_route(e: &ClientError) -> Self {
-        match e {
-            ClientError::Router(r) => {
-                let m = format!("the router refused the request: {}", r.message);
-                match r.kind {
-                    ErrorKind::Overloaded
-                    | ErrorKind::QueueTimeout
-                    | ErrorKind::NoWorkers
-                    | ErrorKind::Unavailable => Self::overloaded(m),
-                    ErrorKind::UnknownModel => Self {
-                        param: Some("model".into()),
-                        code: Some("model_not_found"),
-                        ..Self::not_found(m)
-                    },
-                    ErrorKind::PromptTooLong | ErrorKind::EmptyPrompt => {
-                        Self::invalid(Some("prompt"), m)
-                    }
-                    ErrorKind::UnknownWorker
-                    | ErrorKind::InvalidRank
-                    | ErrorKind::NoAllowedWorkers
-                    | ErrorKind::InvalidRequest
-                    | ErrorKind::Malformed
-                    | ErrorKind::DuplicateRequest => Self::invalid(Some("kvrouter"), m),
-                    ErrorKind::UnknownRequest | ErrorKind::Internal => Self::internal(m),
-                }
-            }
-            ClientError::NoRouter { .. } | ClientError::Timeout { .. } => {
-                Self::overloaded(format!("no router answered: {e}"))
-            }
-            ClientError::PromptTooLarge {
-                tokens, max_tokens, ..
-            } => Self::prompt_too_long("prompt", *tokens, *max_tokens),
-            other => Self::internal(format!("routing failed: {other}")),
+    /// meaning (overload and no capacity are 503s a client retries). `kind` is the failure's
+    /// kind in the protocol's terms (`kvrouter_client::ClientError::kind`).
+    pub fn from_route(kind: ErrorKind, message: impl Into<String>) -> Self {
+        let m = message.into();
+        match kind {
+            ErrorKind::Overloaded
+            | ErrorKind::QueueTimeout
+            | ErrorKind::NoWorkers
+            | ErrorKind::Unavailable => Self::overloaded(m),
+            ErrorKind::UnknownModel => Self {
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+                ..Self::not_found(m)
+            },
+            ErrorKind::PromptTooLong | ErrorKind::EmptyPrompt => Self::invalid(Some("prompt"), m),
+            ErrorKind::UnknownWorker
+            | ErrorKind::InvalidRank
+            | ErrorKind::NoAllowedWorkers
+            | ErrorKind::InvalidRequest
+            | ErrorKind::Malformed
+            | ErrorKind::DuplicateRequest => Self::invalid(Some("kvrouter"), m),
+            ErrorKind::UnknownRequest | ErrorKind::Internal => Self::internal(m),
         }
     }
 }
@@ -165,24 +152,18 @@ impl ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrouter_protocol::ErrorReply;
-    use std::time::Duration;
 
     #[test]
     fn router_refusals_keep_their_meaning() {
-        let router = |kind| ApiError::from_route(&ClientError::Router(ErrorReply::new(kind, "x")));
+        let router = |kind| ApiError::from_route(kind, "x");
         assert_eq!(router(ErrorKind::Overloaded).status, 503);
         assert_eq!(router(ErrorKind::Overloaded).retry_after, Some(1));
         assert_eq!(router(ErrorKind::QueueTimeout).status, 503);
         assert_eq!(router(ErrorKind::NoWorkers).status, 503);
+        assert_eq!(router(ErrorKind::Unavailable).status, 503);
         assert_eq!(router(ErrorKind::UnknownModel).status, 404);
         assert_eq!(router(ErrorKind::InvalidRank).status, 400);
         assert_eq!(router(ErrorKind::Internal).status, 500);
-        let gone = ClientError::Timeout {
-            subject: "s".into(),
-            after: Duration::from_secs(2),
-        };
-        assert_eq!(ApiError::from_route(&gone).status, 503);
     }
 
     #[test]

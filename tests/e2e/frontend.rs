@@ -4,32 +4,10 @@
 
 use crate::common;
 
-use crate::support::{emulated_engine_with, EmulatedEngine};
+use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
 use common::*;
 use serde_json::Value;
-use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// Runs one scenario of tests/engines/openai_client.py and returns its JSON.
-fn sdk(scenario: &str, port: u16, args: &[&str]) -> Value {
-    let out = Command::new("python3")
-        .arg(repo_file("tests/engines/openai_client.py"))
-        .args([scenario, &format!("http://127.0.0.1:{port}"), E2E_MODEL])
-        .args(args)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "openai_client.py {scenario} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "openai_client.py {scenario}: not JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
 
 /// An emulated vLLM engine (one rank per worker here, two for the first) and its bridge.
 /// A rank's cache holds several 7,000-token answers at once: a full cache would end a held

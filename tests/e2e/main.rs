@@ -8,6 +8,7 @@ mod bridge;
 mod disagg;
 mod emulate;
 mod engines;
+mod epp;
 mod frontend;
 mod http_auth;
 mod indexer;

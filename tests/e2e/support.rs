@@ -1,6 +1,9 @@
-//! What several modules of this suite share: `kvrouter mocker --emulate` engines.
+//! What several modules of this suite share: `kvrouter mocker --emulate` engines, and the
+//! `openai` SDK as a client.
 
-use crate::common::{kvrouter_proc, EngineAt, Proc, E2E_MODEL};
+use crate::common::{kvrouter_proc, repo_file, EngineAt, Proc, E2E_MODEL};
+use serde_json::Value;
+use std::process::Command;
 
 /// `kvrouter mocker --emulate KIND`: an emulated vLLM or SGLang engine of [`E2E_MODEL`] with
 /// 16-token blocks, publishing on `zmq` (a port a rank, then the replay ports) and serving
@@ -91,4 +94,26 @@ impl EmulatedEngine {
             capacity_blocks: self.capacity_blocks,
         }
     }
+}
+
+/// Runs one scenario of tests/engines/openai_client.py (the `openai` SDK) against the
+/// OpenAI door on `port` and returns its JSON.
+pub(crate) fn sdk(scenario: &str, port: u16, args: &[&str]) -> Value {
+    let out = Command::new("python3")
+        .arg(repo_file("tests/engines/openai_client.py"))
+        .args([scenario, &format!("http://127.0.0.1:{port}"), E2E_MODEL])
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "openai_client.py {scenario} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "openai_client.py {scenario}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }

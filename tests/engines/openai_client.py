@@ -92,6 +92,18 @@ def prefix(c, model, rounds):
     return {"rounds": out}
 
 
+def prefix_cached(c, model, rounds):
+    """`prefix`, reading what the engine had cached of each prompt (for callers that get no
+    x-kvrouter-* headers, as behind a gateway)."""
+    base = tokens(7, 16 * 4 * (rounds + 1))
+    out = []
+    for i in range(rounds):
+        r = c.completions.create(model=model, prompt=base[: 16 * 4 * (i + 1)], max_tokens=2)
+        out.append({"cached": cached(r)})
+        time.sleep(0.2)  # the engine's KV events reach the replicas
+    return {"rounds": out}
+
+
 def disconnect(c, model):
     """Reads a few chunks of a long answer, then hangs up."""
     raw = c.completions.with_raw_response.create(model=model, prompt=tokens(9, 64),
@@ -248,6 +260,8 @@ def main(argv):
         out = basic(c, model)
     elif scenario == "prefix":
         out = prefix(c, model, int(argv[4]))
+    elif scenario == "prefix_cached":
+        out = prefix_cached(c, model, int(argv[4]))
     elif scenario == "disconnect":
         out = disconnect(c, model)
     elif scenario == "many":

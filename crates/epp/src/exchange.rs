@@ -58,6 +58,8 @@ pub enum Effect {
 /// A whole request, for routing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RouteAsk {
+    /// The request's path (`/v1/chat/completions`, `/v1/completions`).
+    pub path: Option<String>,
     pub body: Bytes,
     /// The request's `authorization` header, if it had one (API keys).
     pub authorization: Option<String>,
@@ -92,6 +94,7 @@ pub struct Exchange {
     phase: Phase,
     max_body_bytes: usize,
     body: BytesMut,
+    path: Option<String>,
     authorization: Option<String>,
     subset: Option<Vec<String>>,
     picked: Option<String>,
@@ -106,6 +109,7 @@ impl Exchange {
             phase: Phase::Headers,
             max_body_bytes,
             body: BytesMut::new(),
+            path: None,
             authorization: None,
             subset: None,
             picked: None,
@@ -204,6 +208,7 @@ impl Exchange {
         metadata: Option<Metadata>,
     ) -> Result<Vec<Effect>, ExchangeError> {
         self.expect(Phase::Headers, "request headers")?;
+        self.path = header(&h, ":path");
         self.authorization = header(&h, "authorization");
         self.subset = subset_hint(metadata.as_ref());
         if h.end_of_stream {
@@ -236,6 +241,7 @@ impl Exchange {
         }
         self.phase = Phase::Routing;
         Ok(vec![Effect::Route(RouteAsk {
+            path: self.path.take(),
             body: std::mem::take(&mut self.body).freeze(),
             authorization: self.authorization.take(),
             subset: self.subset.take(),
@@ -538,7 +544,12 @@ mod tests {
             list(&["10.0.0.1:8000", "10.0.0.2:8000"]),
         );
         let auth = ("authorization", "Bearer k");
-        assert_eq!(x.on_message(req_headers(&[auth], Some(hint))).unwrap(), []);
+        let path = (":path", "/v1/completions");
+        assert_eq!(
+            x.on_message(req_headers(&[path, auth], Some(hint)))
+                .unwrap(),
+            []
+        );
         assert_eq!(
             x.on_message(body(Request::RequestBody, "{\"a\":", false))
                 .unwrap(),
@@ -550,6 +561,7 @@ mod tests {
         assert_eq!(
             e,
             [Effect::Route(RouteAsk {
+                path: Some("/v1/completions".into()),
                 body: Bytes::from_static(b"{\"a\":1}"),
                 authorization: Some("Bearer k".into()),
                 subset: Some(vec!["10.0.0.1:8000".into(), "10.0.0.2:8000".into()]),

@@ -3,5 +3,11 @@
 
 pub mod exchange;
 pub mod ext_proc;
+pub mod picker;
+pub mod server;
+pub mod service;
 
 pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};
+pub use picker::Picker;
+pub use server::{EppServer, GrpcLimits};
+pub use service::ExtProcService;

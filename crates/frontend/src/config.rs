@@ -2,14 +2,7 @@
 
 use std::time::Duration;
 
-/// How the engines behind the router take a data-parallel rank.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum RankConvention {
-    /// vLLM: the `X-data-parallel-rank` header.
-    Vllm,
-    /// SGLang: the body's `data_parallel_rank` (the header is sent too).
-    Sglang,
-}
+pub use kvrouter_openai::RankConvention;
 
 #[derive(Clone, Debug)]
 pub struct FrontendConfig {

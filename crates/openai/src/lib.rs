@@ -30,7 +30,7 @@ pub use auth::{Access, ApiKeys, Grants, KeyError, KeysError};
 pub use chat_template::{ChatInput, ChatTemplate, ChatTemplateError};
 pub use error::ApiError;
 pub use model_dir::{ModelDirError, ModelFiles, PromptLimit, PromptLimitSource};
-pub use models::{Models, Understood, UNKNOWN_MODEL_LABEL};
+pub use models::{Models, RankConvention, Understood, UNKNOWN_MODEL_LABEL};
 pub use request::{parse, ClientRequest, Conversation, Endpoint, Input, Prompt, RouterExt};
 pub use response::{read_chunk, Chunk, ChunkShaper, Gathered};
 pub use tokenizer::{Tokenizer, TokenizerError};

@@ -17,6 +17,15 @@ const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
 /// unknown name, so clients cannot grow `/metrics`.
 pub const UNKNOWN_MODEL_LABEL: &str = "_other";
 
+/// How the engines behind the router take a data-parallel rank.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RankConvention {
+    /// vLLM: the `X-data-parallel-rank` header.
+    Vllm,
+    /// SGLang: the body's `data_parallel_rank` (the header is sent too).
+    Sglang,
+}
+
 /// The served models and the LoRA adapters that apply to them.
 pub struct Models {
     models: HashMap<String, Arc<ModelFiles>>,

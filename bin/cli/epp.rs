@@ -1,0 +1,124 @@
+//! `kvrouter epp`: kvrouter as a Gateway API Inference Extension endpoint picker. A gateway
+//! (Envoy and the Gateway API implementations built on it) asks it over ext_proc, per
+//! request, which engine should serve; it answers with the engine the router replicas pick.
+
+use super::lifecycle::Lifecycle;
+use super::nats_args::NatsArgs;
+use super::openai_args::{AccessArgs, EngineArg, ModelArgs};
+use anyhow::Context;
+use clap::Args;
+use kvrouter_client::{KvRouterClient, LeaseCounts};
+use kvrouter_epp::{EppServer, ExtProcService, GrpcLimits, Picker};
+use kvrouter_openai::Models;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct EppArgs {
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// Where the gateway's ext_proc filter connects (gRPC over HTTP/2; the Inference
+    /// Extension's convention is 9002).
+    #[arg(long, env = "KVROUTER_EPP_LISTEN", default_value = "0.0.0.0:9002")]
+    listen: SocketAddr,
+    /// The gRPC health service (`liveness`, `readiness`; the convention is 9003).
+    #[arg(
+        long,
+        env = "KVROUTER_EPP_HEALTH_LISTEN",
+        default_value = "0.0.0.0:9003"
+    )]
+    health_listen: SocketAddr,
+    /// Serve ext_proc without TLS. Required for now: TLS on the gRPC port is not built yet,
+    /// so keep the port inside the cluster's network policy.
+    #[arg(long, env = "KVROUTER_EPP_PLAINTEXT")]
+    plaintext: bool,
+    #[command(flatten)]
+    models: ModelArgs,
+    #[command(flatten)]
+    access: AccessArgs,
+    /// How the engines take a data-parallel rank: vllm (header X-data-parallel-rank) or
+    /// sglang (the body's data_parallel_rank).
+    #[arg(long, env = "KVROUTER_ENGINE", value_enum, default_value = "vllm")]
+    engine: EngineArg,
+    /// How long the router replicas may take to answer a route.
+    #[arg(long, env = "KVROUTER_ROUTE_TIMEOUT_MS", default_value_t = 2000)]
+    route_timeout_ms: u64,
+    /// Largest request body accepted (larger: 413).
+    #[arg(long, env = "KVROUTER_MAX_BODY_BYTES", default_value_t = 32 << 20)]
+    max_body_bytes: usize,
+    /// Requests one gateway connection may have in flight.
+    #[arg(long, env = "KVROUTER_EPP_MAX_STREAMS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    max_streams: u32,
+    /// Seconds a shutdown may take: exchanges in flight finish within it.
+    #[arg(long, env = "KVROUTER_DRAIN_TIMEOUT_SECS", default_value_t = 10.0)]
+    drain_timeout_secs: f64,
+}
+
+pub async fn run(args: EppArgs) -> anyhow::Result<()> {
+    if !args.plaintext {
+        anyhow::bail!(
+            "TLS on the ext_proc port is not built yet: pass --plaintext (KVROUTER_EPP_PLAINTEXT) \
+             and keep the port inside the cluster's network policy"
+        );
+    }
+    let models = args.models.load_models()?;
+    let probe_model = models[0].name().to_string();
+    let models = Models::new(models, args.models.loras(), args.max_body_bytes)
+        .map_err(anyhow::Error::msg)?;
+    let access = args.access.access()?;
+    let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
+    let mut life = Lifecycle::install("epp", drain_timeout)?;
+    let server = life
+        .startup(async {
+            let bus = args.nats.connect("kvrouter-epp").await?;
+            let router = KvRouterClient::new(bus, &args.nats.namespace)?
+                .with_timeout(Duration::from_millis(args.route_timeout_ms.max(1)));
+            let picker = Picker {
+                models,
+                access,
+                router: router.clone(),
+                ranks: args.engine.ranks(),
+                leases: Arc::new(LeaseCounts::default()),
+            };
+            let service = ExtProcService::new(Arc::new(picker), args.max_body_bytes);
+            let limits = GrpcLimits {
+                max_concurrent_streams: args.max_streams,
+                ..GrpcLimits::default()
+            };
+            EppServer::start(
+                args.listen,
+                args.health_listen,
+                service,
+                router,
+                probe_model,
+                limits,
+            )
+            .await
+            .with_context(|| {
+                format!(
+                    "cannot listen on {} and {}",
+                    args.listen, args.health_listen
+                )
+            })
+        })
+        .await?;
+    tracing::info!(listen = %server.addr, health = %server.health_addr, "endpoint picker serving");
+    {
+        let line = serde_json::json!({
+            "listen": server.addr.to_string(),
+            "health": server.health_addr.to_string(),
+        });
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").context("cannot write to stdout")?;
+        out.flush().context("cannot write to stdout")?;
+    }
+    life.wait().await;
+    let drain_budget = life.drain_budget();
+    life.shutdown(|| "finishing exchanges in flight".to_string(), async {
+        server.shutdown_within(drain_budget).await;
+        Ok(())
+    })
+    .await
+}

@@ -1,0 +1,151 @@
+//! The endpoint picker's listeners: ext_proc (gRPC, HTTP/2) for the gateway, and the
+//! standard gRPC health service on a port of its own: `liveness` answers while the process
+//! runs; `readiness` (and the empty name, and the ext_proc service's) while a router
+//! replica answers for the model.
+
+use crate::ext_proc::SERVICE_NAME;
+use crate::service::{ExtProcServer, ExtProcService};
+use kvrouter_client::KvRouterClient;
+use kvrouter_protocol::OverlapRequest;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::Server;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+/// How often readiness asks the replicas.
+const READINESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Limits on what the gateway's connections may hold.
+#[derive(Clone, Copy, Debug)]
+pub struct GrpcLimits {
+    /// Streams (requests in flight) one connection may have open.
+    pub max_concurrent_streams: u32,
+    /// Largest header block, in bytes.
+    pub max_header_list_bytes: u32,
+    /// HTTP/2 pings to find dead connections.
+    pub keepalive: Duration,
+}
+
+impl Default for GrpcLimits {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 4096,
+            max_header_list_bytes: 64 << 10,
+            keepalive: Duration::from_secs(20),
+        }
+    }
+}
+
+pub struct EppServer {
+    pub addr: SocketAddr,
+    pub health_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl EppServer {
+    /// Binds both listeners (port 0 picks one) and serves until [`EppServer::shutdown`].
+    /// Readiness asks `router` for an overlap of `probe_model` every second.
+    pub async fn start(
+        listen: SocketAddr,
+        health: SocketAddr,
+        service: ExtProcService,
+        router: KvRouterClient,
+        probe_model: String,
+        limits: GrpcLimits,
+    ) -> std::io::Result<Self> {
+        let incoming = TcpIncoming::bind(listen)?.with_nodelay(Some(true));
+        let addr = incoming.local_addr()?;
+        let health_incoming = TcpIncoming::bind(health)?;
+        let health_addr = health_incoming.local_addr()?;
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        reporter
+            .set_service_status("liveness", ServingStatus::Serving)
+            .await;
+        set_ready(&reporter, false).await;
+        let (stop, stopped) = watch::channel(false);
+        let until = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let mut tasks = Vec::new();
+        let server = Server::builder()
+            .max_concurrent_streams(limits.max_concurrent_streams)
+            .http2_max_header_list_size(limits.max_header_list_bytes)
+            .http2_keepalive_interval(Some(limits.keepalive))
+            .http2_keepalive_timeout(Some(limits.keepalive))
+            .serve_with_incoming_shutdown(ExtProcServer(service), incoming, until(stopped.clone()));
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "the ext_proc listener failed");
+            }
+        }));
+        let health_server = Server::builder().serve_with_incoming_shutdown(
+            health_service,
+            health_incoming,
+            until(stopped.clone()),
+        );
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = health_server.await {
+                tracing::error!(error = %e, "the gRPC health listener failed");
+            }
+        }));
+        let mut stopping = stopped;
+        tasks.push(tokio::spawn(async move {
+            let mut ready = false;
+            loop {
+                let probe = OverlapRequest {
+                    model: probe_model.clone(),
+                    tokens: vec![0],
+                    lora: None,
+                };
+                let now = router.overlap_scores(&probe).await.is_ok();
+                if now != ready {
+                    ready = now;
+                    set_ready(&reporter, ready).await;
+                    tracing::info!(
+                        ready,
+                        "endpoint picker readiness (a router replica answers)"
+                    );
+                }
+                let woke = tokio::select! {
+                    r = stopping.changed() => r.is_err() || *stopping.borrow(),
+                    _ = tokio::time::sleep(READINESS_EVERY) => false,
+                };
+                if woke {
+                    set_ready(&reporter, false).await;
+                    return;
+                }
+            }
+        }));
+        Ok(Self {
+            addr,
+            health_addr,
+            stop,
+            tasks,
+        })
+    }
+
+    /// Stops taking streams; streams in flight get `within` to end.
+    pub async fn shutdown_within(self, within: Duration) {
+        let _ = self.stop.send(true);
+        let all = futures_util::future::join_all(self.tasks);
+        if tokio::time::timeout(within, all).await.is_err() {
+            tracing::warn!(?within, "exchanges still open at the end of the drain");
+        }
+    }
+}
+
+async fn set_ready(reporter: &HealthReporter, ready: bool) {
+    let status = if ready {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    for name in ["", "readiness", SERVICE_NAME] {
+        reporter.set_service_status(name, status).await;
+    }
+}

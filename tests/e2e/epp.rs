@@ -8,6 +8,7 @@ use crate::common;
 
 use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
 use common::*;
+use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
 
@@ -35,6 +36,17 @@ static_resources:
               - match: {{ prefix: "/" }}
                 route: {{ cluster: engines, timeout: 60s }}
           http_filters:
+          # The gateway's subset hint, set here from a test header.
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: x-test-subset
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+                remove: true
           - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
@@ -42,6 +54,9 @@ static_resources:
                 envoy_grpc: {{ cluster_name: epp }}
                 timeout: 10s
               message_timeout: 10s
+              metadata_options:
+                forwarding_namespaces:
+                  untyped: ["envoy.lb.subset_hint"]
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: SEND
@@ -113,8 +128,8 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     let nats = NatsServer::start();
     let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);
-    let _first = bridged(&nats, 2);
-    let _second = bridged(&nats, 1);
+    let (first, _b1) = bridged(&nats, 2);
+    let (second, _b2) = bridged(&nats, 1);
     let dir = model_dir();
     let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
     let mut epp = kvrouter_proc(
@@ -172,6 +187,45 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     for (i, c) in cached.iter().enumerate().skip(1) {
         assert!(*c >= 64 * i as u64 - 16, "round {i} cached {c}: {v}");
     }
+    // A client hanging up mid-answer: its booking ends within a second on the replica.
+    let v = sdk("disconnect", gateway, &[]);
+    assert_eq!(v["chunks"], 3, "{v}");
+    let t = std::time::Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(1), || metric_sum(
+            a1,
+            "kvrouter_worker_active_requests"
+        ) == 0.0),
+        "a hung-up request still booked after {:?}",
+        t.elapsed()
+    );
+    // The gateway's subset hint: every request goes to the one engine it allows; none
+    // allowed is a 503.
+    let held = |e: &EmulatedEngine| -> usize {
+        (0..e.dp)
+            .map(|r| {
+                let body = http_get(e.http, &format!("/kvrouter/test/cache?dp_rank={r}")).1;
+                let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                v["blocks"].as_array().map_or(0, Vec::len)
+            })
+            .sum()
+    };
+    let (before1, before2) = (held(&first), held(&second));
+    let only_second = format!("127.0.0.1:{}", second.http);
+    let v = sdk("subset", gateway, &[&only_second, "5"]);
+    assert_eq!(v["ok"], 5, "{v}");
+    assert!(
+        wait_until(Duration::from_secs(5), || held(&second) >= before2 + 5 * 4),
+        "the allowed engine holds {} blocks (before: {before2})",
+        held(&second)
+    );
+    assert_eq!(
+        held(&first),
+        before1,
+        "a request went outside the subset hint"
+    );
+    let v = sdk("subset", gateway, &["127.0.0.1:1", "1"]);
+    assert_eq!(v["statuses"], serde_json::json!([503]), "{v}");
     // Every booking ended with its answer.
     assert!(
         wait_until(Duration::from_secs(2), || metric_sum(

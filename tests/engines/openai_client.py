@@ -104,6 +104,20 @@ def prefix_cached(c, model, rounds):
     return {"rounds": out}
 
 
+def subset(c, model, endpoints, n):
+    """n requests (4 blocks each, distinct) with the gateway's subset hint set to endpoints
+    (the test's Envoy turns the x-test-subset header into it)."""
+    out = {"ok": 0, "statuses": []}
+    for i in range(n):
+        try:
+            c.completions.create(model=model, prompt=tokens(40 + i, 64), max_tokens=1,
+                                 extra_headers={"x-test-subset": endpoints})
+            out["ok"] += 1
+        except openai.APIStatusError as e:
+            out["statuses"].append(e.status_code)
+    return out
+
+
 def disconnect(c, model):
     """Reads a few chunks of a long answer, then hangs up."""
     raw = c.completions.with_raw_response.create(model=model, prompt=tokens(9, 64),
@@ -260,6 +274,8 @@ def main(argv):
         out = basic(c, model)
     elif scenario == "prefix":
         out = prefix(c, model, int(argv[4]))
+    elif scenario == "subset":
+        out = subset(c, model, argv[4], int(argv[5]))
     elif scenario == "prefix_cached":
         out = prefix_cached(c, model, int(argv[4]))
     elif scenario == "disconnect":

@@ -1,12 +1,14 @@
 //! kvrouter as a Gateway API Inference Extension endpoint picker (`kvrouter epp`): Envoy's
 //! external processor, asked per request which engine should serve it.
 
+pub mod directory;
 pub mod exchange;
 pub mod ext_proc;
 pub mod picker;
 pub mod server;
 pub mod service;
 
+pub use directory::Directory;
 pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};
 pub use picker::Picker;
 pub use server::{EppServer, GrpcLimits};

@@ -3,13 +3,17 @@
 //! prompt tokens, limits), where it goes (a route through the replicas, booked under a
 //! lease), and what the engine gets (its rank as it takes one).
 
+use crate::directory::SharedDirectory;
 use crate::exchange::{Pick, RouteAsk};
 use kvrouter_client::{KvRouterClient, LeaseCounts, RouteLease};
 use kvrouter_openai::{parse, Access, ApiError, Endpoint, Models, RankConvention};
+use kvrouter_protocol::ErrorKind;
 use std::sync::Arc;
 
 pub struct Picker {
     pub models: Models,
+    /// Workers by gateway endpoint, for the gateway's subset hint.
+    pub directory: SharedDirectory,
     pub access: Access,
     pub router: KvRouterClient,
     pub ranks: RankConvention,
@@ -52,17 +56,31 @@ impl Picker {
                 )))
             }
         };
-        if ask.subset.as_ref().is_some_and(Vec::is_empty) {
-            return Err(no_eligible("the gateway's subset hint lists no endpoint"));
-        }
         let req = parse(endpoint, &ask.body, grants)?;
         let understood = self.models.understand(&req).await?;
-        let route = understood.route_request(&req, route_id)?;
-        let decision = self
-            .router
-            .route(&route)
-            .await
-            .map_err(|e| ApiError::from_route(e.kind(), e.to_string()))?;
+        let mut route = understood.route_request(&req, route_id)?;
+        if let Some(subset) = &ask.subset {
+            // Only workers at the endpoints the gateway allows (and the caller's own
+            // allowed workers among them).
+            let mut allowed = self.directory.read().workers_at(subset);
+            if let Some(own) = &route.allowed_workers {
+                allowed.retain(|w| own.contains(w));
+            }
+            if allowed.is_empty() {
+                return Err(no_eligible(&format!(
+                    "no worker of {} at the gateway's endpoints {subset:?}",
+                    understood.model.name()
+                )));
+            }
+            route.allowed_workers = Some(allowed);
+        }
+        let decision = self.router.route(&route).await.map_err(|e| {
+            if ask.subset.is_some() && e.kind() == ErrorKind::NoAllowedWorkers {
+                no_eligible(&e.to_string())
+            } else {
+                ApiError::from_route(e.kind(), e.to_string())
+            }
+        })?;
         let lease = RouteLease::new(
             self.router.clone(),
             understood.model.name().to_string(),
@@ -77,14 +95,6 @@ impl Picker {
                 d.worker_id, d.base_url
             )));
         };
-        if let Some(subset) = &ask.subset {
-            // The router's choice must be one the gateway allows.
-            if !subset.contains(&endpoint) {
-                return Err(no_eligible(&format!(
-                    "the router chose {endpoint}, outside the gateway's subset hint"
-                )));
-            }
-        }
         let headers = vec![
             ("x-data-parallel-rank".to_string(), d.dp_rank.to_string()),
             ("x-request-id".to_string(), route_id.to_string()),

@@ -1,0 +1,147 @@
+//! Which workers answer at a gateway endpoint: the `ip:port` of the base URL each worker's
+//! bridge registers. The gateway names endpoints (its subset hint); the router names
+//! workers (allowed workers). A plain map, fed by the registrations on the bus
+//! ([`follow`]) and read on each request without an actor hop.
+
+use crate::picker::endpoint_of;
+use kvrouter_bus::Bus;
+use kvrouter_protocol::{
+    decode, encode, Deregistration, ModelSubjects, Registration, WhoIsThere, WorkerId,
+    WorkerSubject,
+};
+use parking_lot::RwLock;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+#[derive(Default, Debug)]
+pub struct Directory {
+    at: HashMap<String, BTreeSet<WorkerId>>,
+    of: HashMap<WorkerId, String>,
+}
+
+/// A directory shared by the task that follows registrations and the requests that read it.
+pub type SharedDirectory = Arc<RwLock<Directory>>;
+
+impl Directory {
+    pub fn shared() -> SharedDirectory {
+        Arc::new(RwLock::new(Self::default()))
+    }
+
+    /// A worker (re)announced itself; one without a usable base URL is at no endpoint.
+    pub fn registered(&mut self, r: &Registration) {
+        self.deregistered(r.worker_id);
+        if let Some(endpoint) = endpoint_of(&r.base_url) {
+            self.at
+                .entry(endpoint.clone())
+                .or_default()
+                .insert(r.worker_id);
+            self.of.insert(r.worker_id, endpoint);
+        }
+    }
+
+    pub fn deregistered(&mut self, worker: WorkerId) {
+        if let Some(old) = self.of.remove(&worker) {
+            if let Some(set) = self.at.get_mut(&old) {
+                set.remove(&worker);
+                if set.is_empty() {
+                    self.at.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// The workers at these endpoints.
+    pub fn workers_at(&self, endpoints: &[String]) -> Vec<WorkerId> {
+        let mut out: BTreeSet<WorkerId> = BTreeSet::new();
+        for e in endpoints {
+            if let Some(set) = self.at.get(e) {
+                out.extend(set);
+            }
+        }
+        out.into_iter().collect()
+    }
+}
+
+/// Keeps `dir` up to date with the registrations of `subjects`' model (asking every worker
+/// to announce itself once at the start), until the bus closes.
+pub async fn follow(
+    bus: Bus,
+    subjects: ModelSubjects,
+    dir: SharedDirectory,
+) -> Result<(), kvrouter_bus::BusError> {
+    let mut registers = bus
+        .subscribe(&subjects.every_worker(WorkerSubject::Register))
+        .await?;
+    let mut deregisters = bus
+        .subscribe(&subjects.every_worker(WorkerSubject::Deregister))
+        .await?;
+    let ask = WhoIsThere {
+        replica_id: "epp".to_string(),
+    };
+    if let Ok(bytes) = encode(&ask) {
+        bus.publish(&subjects.who_is_there(), bytes.into()).await?;
+    }
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                m = registers.next() => match m {
+                    Some(m) => match decode::<Registration>(&m.payload) {
+                        Ok(r) => dir.write().registered(&r),
+                        Err(e) => tracing::debug!(error = %e, "undecodable registration"),
+                    },
+                    None => return,
+                },
+                m = deregisters.next() => match m {
+                    Some(m) => {
+                        if let Ok(d) = decode::<Deregistration>(&m.payload) {
+                            dir.write().deregistered(d.worker_id);
+                        }
+                    }
+                    None => return,
+                },
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(worker: WorkerId, base_url: &str) -> Registration {
+        Registration {
+            worker_id: worker,
+            instance_id: uuid::Uuid::nil(),
+            model: "m".into(),
+            role: kvrouter_protocol::WorkerRole::Aggregated,
+            block_size: 16,
+            dp_size: 1,
+            dp_start_rank: 0,
+            live_ranks: vec![0],
+            tp_size: 1,
+            capacity_blocks: 1,
+            heartbeat_interval_ms: 1000,
+            engine: kvrouter_protocol::EngineKind::Vllm,
+            base_url: base_url.into(),
+        }
+    }
+
+    #[test]
+    fn workers_are_found_by_their_endpoint_and_move_with_it() {
+        let mut d = Directory::default();
+        d.registered(&reg(1, "http://10.0.0.1:8000"));
+        d.registered(&reg(2, "http://10.0.0.2:8000"));
+        d.registered(&reg(3, "http://10.0.0.2:8000"));
+        d.registered(&reg(4, ""));
+        let at = |e: &[&str]| d.workers_at(&e.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(at(&["10.0.0.2:8000"]), [2, 3]);
+        assert_eq!(at(&["10.0.0.1:8000", "10.0.0.9:1"]), [1]);
+        assert_eq!(at(&[]), Vec::<WorkerId>::new());
+        d.registered(&reg(2, "http://10.0.0.1:8000"));
+        d.deregistered(3);
+        let at = |e: &[&str]| d.workers_at(&e.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(at(&["10.0.0.2:8000"]), Vec::<WorkerId>::new());
+        assert_eq!(at(&["10.0.0.1:8000"]), [1, 2]);
+    }
+}

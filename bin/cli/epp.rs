@@ -48,6 +48,9 @@ pub struct EppArgs {
     /// Largest request body accepted (larger: 413).
     #[arg(long, env = "KVROUTER_MAX_BODY_BYTES", default_value_t = 32 << 20)]
     max_body_bytes: usize,
+    /// Exchanges (requests) open at once over every gateway connection; more get 503.
+    #[arg(long, env = "KVROUTER_MAX_INFLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    max_inflight: u64,
     /// Requests one gateway connection may have in flight.
     #[arg(long, env = "KVROUTER_EPP_MAX_STREAMS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     max_streams: u32,
@@ -91,7 +94,11 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                 ranks: args.engine.ranks(),
                 leases: Arc::new(LeaseCounts::default()),
             };
-            let service = ExtProcService::new(Arc::new(picker), args.max_body_bytes);
+            let service = ExtProcService::new(
+                Arc::new(picker),
+                args.max_body_bytes,
+                args.max_inflight as usize,
+            );
             let limits = GrpcLimits {
                 max_concurrent_streams: args.max_streams,
                 ..GrpcLimits::default()

@@ -145,6 +145,8 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
             "127.0.0.1:0",
             "--model",
             &model_arg,
+            "--max-inflight",
+            "4",
         ],
     );
     let started = epp.first_json();
@@ -226,6 +228,10 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     );
     let v = sdk("subset", gateway, &["127.0.0.1:1", "1"]);
     assert_eq!(v["statuses"], serde_json::json!([503]), "{v}");
+    // Four answers held open fill --max-inflight 4: one more is a 503 with Retry-After.
+    let v = sdk("overload", gateway, &["4"]);
+    assert_eq!(v["status"], 503, "{v}");
+    assert_eq!(v["retry_after"], "1", "{v}");
     // Every booking ended with its answer.
     assert!(
         wait_until(Duration::from_secs(2), || metric_sum(

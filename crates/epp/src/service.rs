@@ -7,9 +7,10 @@ use crate::exchange::{Effect, Exchange};
 use crate::ext_proc::{ProcessingRequest, ProcessingResponse, PROCESS_PATH, SERVICE_NAME};
 use crate::picker::Picker;
 use kvrouter_client::RouteLease;
+use kvrouter_openai::ApiError;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -24,14 +25,24 @@ const ANSWERS_QUEUED: usize = 8;
 pub struct ExtProcService {
     picker: Arc<Picker>,
     max_body_bytes: usize,
+    /// Exchanges open at once, over every gateway connection; past them, 503.
+    permits: Arc<Semaphore>,
+    max_inflight: usize,
 }
 
 impl ExtProcService {
-    pub fn new(picker: Arc<Picker>, max_body_bytes: usize) -> Self {
+    pub fn new(picker: Arc<Picker>, max_body_bytes: usize, max_inflight: usize) -> Self {
         Self {
             picker,
             max_body_bytes,
+            permits: Arc::new(Semaphore::new(max_inflight)),
+            max_inflight,
         }
+    }
+
+    /// Exchanges open now.
+    pub fn in_flight(&self) -> usize {
+        self.max_inflight - self.permits.available_permits()
     }
 
     async fn process(
@@ -41,7 +52,15 @@ impl ExtProcService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(ANSWERS_QUEUED);
         let (picker, max) = (self.picker.clone(), self.max_body_bytes);
-        tokio::spawn(async move { exchange(picker, max, inbound, tx).await });
+        let (permit, full) = match self.permits.clone().try_acquire_owned() {
+            Ok(p) => (Some(p), None),
+            Err(_) => (None, Some(self.max_inflight)),
+        };
+        tokio::spawn(async move {
+            // Held to the exchange's end.
+            let _permit = permit;
+            exchange(picker, max, inbound, tx, full).await
+        });
         let answers =
             futures_util::stream::unfold(
                 rx,
@@ -59,6 +78,7 @@ async fn exchange(
     max_body_bytes: usize,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    full: Option<usize>,
 ) {
     let mut x = Exchange::new(max_body_bytes);
     let mut lease: Option<RouteLease> = None;
@@ -73,6 +93,11 @@ async fn exchange(
             }
         };
         let mut effects = match x.on_message(msg) {
+            // No room: the first message is answered with a 503.
+            Ok(_) if full.is_some() && !x.is_done() => x.refused(&ApiError::overloaded(format!(
+                "the endpoint picker has {} exchanges open already (--max-inflight)",
+                full.unwrap_or_default()
+            ))),
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!(route_id, error = %e, "ext_proc stream refused");

@@ -8,7 +8,7 @@ use super::openai_args::{AccessArgs, EngineArg, ModelArgs};
 use anyhow::Context;
 use clap::Args;
 use kvrouter_client::{KvRouterClient, LeaseCounts};
-use kvrouter_epp::{Directory, EppServer, ExtProcService, GrpcLimits, Picker};
+use kvrouter_epp::{Directory, EppMetrics, EppServer, ExtProcService, GrpcLimits, Picker};
 use kvrouter_openai::Models;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -30,6 +30,9 @@ pub struct EppArgs {
         default_value = "0.0.0.0:9003"
     )]
     health_listen: SocketAddr,
+    /// The admin listener: /metrics, /healthz, /readyz (the convention is 9090).
+    #[arg(long, env = "KVROUTER_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
+    admin_addr: SocketAddr,
     /// Serve ext_proc without TLS. Required for now: TLS on the gRPC port is not built yet,
     /// so keep the port inside the cluster's network policy.
     #[arg(long, env = "KVROUTER_EPP_PLAINTEXT")]
@@ -73,7 +76,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
     let access = args.access.access()?;
     let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
     let mut life = Lifecycle::install("epp", drain_timeout)?;
-    let server = life
+    let (server, admin, admin_task) = life
         .startup(async {
             let bus = args.nats.connect("kvrouter-epp").await?;
             let router = KvRouterClient::new(bus, &args.nats.namespace)?
@@ -86,16 +89,26 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                     .await
                     .context("cannot follow the workers' registrations")?;
             }
+            let leases = Arc::new(LeaseCounts::default());
+            let metrics = Arc::new(EppMetrics::new(leases.clone()));
             let picker = Picker {
                 directory,
                 models,
                 access,
                 router: router.clone(),
                 ranks: args.engine.ranks(),
-                leases: Arc::new(LeaseCounts::default()),
+                leases,
             };
+            let (admin, _, admin_task) = kvrouter_admin::serve(
+                args.admin_addr,
+                kvrouter_admin::HttpLimits::default(),
+                metrics.clone(),
+            )
+            .await
+            .with_context(|| format!("cannot listen on {} (--admin-addr)", args.admin_addr))?;
             let service = ExtProcService::new(
                 Arc::new(picker),
+                metrics.clone(),
                 args.max_body_bytes,
                 args.max_inflight as usize,
             );
@@ -103,13 +116,14 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                 max_concurrent_streams: args.max_streams,
                 ..GrpcLimits::default()
             };
-            EppServer::start(
+            let server = EppServer::start(
                 args.listen,
                 args.health_listen,
                 service,
                 router,
                 probe_model,
                 limits,
+                metrics,
             )
             .await
             .with_context(|| {
@@ -117,14 +131,16 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                     "cannot listen on {} and {}",
                     args.listen, args.health_listen
                 )
-            })
+            })?;
+            anyhow::Ok((server, admin, admin_task))
         })
         .await?;
-    tracing::info!(listen = %server.addr, health = %server.health_addr, "endpoint picker serving");
+    tracing::info!(listen = %server.addr, health = %server.health_addr, admin = %admin, "endpoint picker serving");
     {
         let line = serde_json::json!({
             "listen": server.addr.to_string(),
             "health": server.health_addr.to_string(),
+            "admin": admin.to_string(),
         });
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}").context("cannot write to stdout")?;
@@ -134,6 +150,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
     let drain_budget = life.drain_budget();
     life.shutdown(|| "finishing exchanges in flight".to_string(), async {
         server.shutdown_within(drain_budget).await;
+        admin_task.abort();
         Ok(())
     })
     .await

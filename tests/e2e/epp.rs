@@ -147,6 +147,8 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
             &model_arg,
             "--max-inflight",
             "4",
+            "--admin-addr",
+            "127.0.0.1:0",
         ],
     );
     let started = epp.first_json();
@@ -156,10 +158,16 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
             .and_then(|a| a.rsplit(':').next()?.parse().ok())
             .unwrap_or_else(|| panic!("the picker prints its {k} address: {started}"))
     };
+    let admin = port_of("admin");
     let gateway = free_port();
     let cfg = tempfile::tempdir().unwrap();
     let _envoy = envoy(gateway, port_of("listen"), cfg.path());
     assert!(ready(a1));
+    assert!(
+        ready(admin),
+        "the picker's /readyz: {:?}",
+        http_get(admin, "/readyz")
+    );
     assert!(wait_until(Duration::from_secs(10), || metric_sum(
         a1,
         "kvrouter_worker_ranks"
@@ -241,4 +249,27 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
         "bookings left: {}",
         metric_sum(a1, "kvrouter_worker_active_requests")
     );
+    // The picker's own count: every route it took, freed; picks and refusals by status.
+    let m = metrics(admin);
+    assert!(
+        wait_until(Duration::from_secs(2), || metric_sum(
+            admin,
+            "kvrouter_epp_routes_taken_total"
+        ) == metric_sum(
+            admin,
+            "kvrouter_epp_routes_freed_total"
+        )),
+        "{m}"
+    );
+    assert!(
+        metric_sum(admin, "kvrouter_epp_routes_taken_total") >= 14.0,
+        "{m}"
+    );
+    for line in [
+        "kvrouter_epp_exchanges_total{outcome=\"refused\",status=\"503\"}",
+        "kvrouter_epp_exchanges_total{outcome=\"refused\",status=\"404\"}",
+        "kvrouter_epp_exchanges_total{outcome=\"picked\",status=\"200\"}",
+    ] {
+        assert!(m.contains(line), "{line} in {m}");
+    }
 }

@@ -4,12 +4,14 @@
 pub mod directory;
 pub mod exchange;
 pub mod ext_proc;
+pub mod metrics;
 pub mod picker;
 pub mod server;
 pub mod service;
 
 pub use directory::Directory;
 pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};
+pub use metrics::EppMetrics;
 pub use picker::Picker;
 pub use server::{EppServer, GrpcLimits};
 pub use service::ExtProcService;

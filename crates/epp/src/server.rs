@@ -4,10 +4,13 @@
 //! replica answers for the model.
 
 use crate::ext_proc::SERVICE_NAME;
+use crate::metrics::EppMetrics;
 use crate::service::{ExtProcServer, ExtProcService};
 use kvrouter_client::KvRouterClient;
 use kvrouter_protocol::OverlapRequest;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -57,6 +60,7 @@ impl EppServer {
         router: KvRouterClient,
         probe_model: String,
         limits: GrpcLimits,
+        metrics: Arc<EppMetrics>,
     ) -> std::io::Result<Self> {
         let incoming = TcpIncoming::bind(listen)?.with_nodelay(Some(true));
         let addr = incoming.local_addr()?;
@@ -103,6 +107,7 @@ impl EppServer {
                     lora: None,
                 };
                 let now = router.overlap_scores(&probe).await.is_ok();
+                metrics.ready.store(now, Ordering::Relaxed);
                 if now != ready {
                     ready = now;
                     set_ready(&reporter, ready).await;
@@ -116,6 +121,7 @@ impl EppServer {
                     _ = tokio::time::sleep(READINESS_EVERY) => false,
                 };
                 if woke {
+                    metrics.ready.store(false, Ordering::Relaxed);
                     set_ready(&reporter, false).await;
                     return;
                 }

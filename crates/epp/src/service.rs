@@ -4,7 +4,9 @@
 //! writes for a bidirectional method, written here for the one method.
 
 use crate::exchange::{Effect, Exchange};
+use crate::ext_proc::processing_response::Response as Answer;
 use crate::ext_proc::{ProcessingRequest, ProcessingResponse, PROCESS_PATH, SERVICE_NAME};
+use crate::metrics::EppMetrics;
 use crate::picker::Picker;
 use kvrouter_client::RouteLease;
 use kvrouter_openai::ApiError;
@@ -24,6 +26,7 @@ const ANSWERS_QUEUED: usize = 8;
 #[derive(Clone)]
 pub struct ExtProcService {
     picker: Arc<Picker>,
+    metrics: Arc<EppMetrics>,
     max_body_bytes: usize,
     /// Exchanges open at once, over every gateway connection; past them, 503.
     permits: Arc<Semaphore>,
@@ -31,9 +34,15 @@ pub struct ExtProcService {
 }
 
 impl ExtProcService {
-    pub fn new(picker: Arc<Picker>, max_body_bytes: usize, max_inflight: usize) -> Self {
+    pub fn new(
+        picker: Arc<Picker>,
+        metrics: Arc<EppMetrics>,
+        max_body_bytes: usize,
+        max_inflight: usize,
+    ) -> Self {
         Self {
             picker,
+            metrics,
             max_body_bytes,
             permits: Arc::new(Semaphore::new(max_inflight)),
             max_inflight,
@@ -52,6 +61,7 @@ impl ExtProcService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(ANSWERS_QUEUED);
         let (picker, max) = (self.picker.clone(), self.max_body_bytes);
+        let metrics = self.metrics.clone();
         let (permit, full) = match self.permits.clone().try_acquire_owned() {
             Ok(p) => (Some(p), None),
             Err(_) => (None, Some(self.max_inflight)),
@@ -59,7 +69,9 @@ impl ExtProcService {
         tokio::spawn(async move {
             // Held to the exchange's end.
             let _permit = permit;
-            exchange(picker, max, inbound, tx, full).await
+            metrics.open.inc();
+            exchange(picker, &metrics, max, inbound, tx, full).await;
+            metrics.open.dec();
         });
         let answers =
             futures_util::stream::unfold(
@@ -75,6 +87,7 @@ impl ExtProcService {
 /// dropping the lease frees it.
 async fn exchange(
     picker: Arc<Picker>,
+    metrics: &EppMetrics,
     max_body_bytes: usize,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
@@ -110,12 +123,22 @@ async fn exchange(
             for effect in effects {
                 match effect {
                     Effect::Send(answer) => {
+                        if let Some(Answer::ImmediateResponse(i)) = &answer.response {
+                            let status = i.status.as_ref().map_or(0, |s| s.code);
+                            metrics.refused(u16::try_from(status).unwrap_or(0));
+                        }
                         if tx.send(Ok(answer)).await.is_err() {
                             return; // Envoy is gone; the lease drops and frees
                         }
                     }
-                    Effect::Route(ask) => match picker.pick(ask, &route_id).await {
+                    Effect::Route(ask) => match {
+                        let t = std::time::Instant::now();
+                        let picked = picker.pick(ask, &route_id).await;
+                        metrics.pick_seconds.observe(t.elapsed().as_secs_f64());
+                        picked
+                    } {
                         Ok((pick, l)) => {
+                            metrics.picked();
                             tracing::debug!(route_id, endpoint = ?pick.endpoints, "picked");
                             lease = Some(l);
                             next.extend(x.picked_route(pick));

@@ -1,0 +1,107 @@
+//! What the endpoint picker counts, on its admin listener's `/metrics` (the Inference
+//! Extension's convention is port 9090), and its `/readyz`.
+
+use kvrouter_admin::AdminView;
+use kvrouter_client::LeaseCounts;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `picked`, or `refused` (an immediate answer with `status`).
+    pub outcome: &'static str,
+    pub status: u16,
+}
+
+pub struct EppMetrics {
+    registry: Registry,
+    pub exchanges: Family<OutcomeLabels, Counter>,
+    pub open: Gauge,
+    pub pick_seconds: Histogram,
+    pub leases: Arc<LeaseCounts>,
+    /// A router replica answered the last readiness probe.
+    pub ready: AtomicBool,
+}
+
+impl EppMetrics {
+    pub fn new(leases: Arc<LeaseCounts>) -> Self {
+        let mut registry = Registry::with_prefix("kvrouter_epp");
+        let exchanges = Family::<OutcomeLabels, Counter>::default();
+        let open = Gauge::default();
+        // 100 µs .. ~100 s.
+        let pick_seconds = Histogram::new(
+            prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.5, 16),
+        );
+        registry.register(
+            "exchanges",
+            "Requests the gateway asked about: picked, or refused with an HTTP status",
+            exchanges.clone(),
+        );
+        registry.register("exchanges_open", "Exchanges open now", open.clone());
+        registry.register(
+            "pick_seconds",
+            "From the request's last body byte to the pick (parse, tokenize, route)",
+            pick_seconds.clone(),
+        );
+        registry.register(
+            "routes_taken",
+            "Route decisions holding router load",
+            leases.taken.clone(),
+        );
+        registry.register(
+            "routes_freed",
+            "Route decisions freed (equal to routes_taken at rest)",
+            leases.freed.clone(),
+        );
+        Self {
+            registry,
+            exchanges,
+            open,
+            pick_seconds,
+            leases,
+            ready: AtomicBool::new(false),
+        }
+    }
+
+    pub fn picked(&self) {
+        self.exchanges
+            .get_or_create(&OutcomeLabels {
+                outcome: "picked",
+                status: 200,
+            })
+            .inc();
+    }
+
+    pub fn refused(&self, status: u16) {
+        self.exchanges
+            .get_or_create(&OutcomeLabels {
+                outcome: "refused",
+                status,
+            })
+            .inc();
+    }
+}
+
+impl AdminView for EppMetrics {
+    fn readiness(&self) -> (bool, String) {
+        if self.ready.load(Ordering::Relaxed) {
+            (true, "ready: a router replica answers".into())
+        } else {
+            (false, "no router replica answers".into())
+        }
+    }
+
+    fn metrics(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "cannot render metrics");
+        }
+        out
+    }
+}

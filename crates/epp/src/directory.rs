@@ -3,7 +3,6 @@
 //! workers (allowed workers). A plain map, fed by the registrations on the bus
 //! ([`follow`]) and read on each request without an actor hop.
 
-use crate::picker::endpoint_of;
 use kvrouter_bus::Bus;
 use kvrouter_protocol::{
     decode, encode, Deregistration, ModelSubjects, Registration, WhoIsThere, WorkerId,
@@ -12,6 +11,16 @@ use kvrouter_protocol::{
 use parking_lot::RwLock;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+
+/// The `ip:port` an engine's base URL names (`http://10.0.0.5:8000` → `10.0.0.5:8000`): the
+/// gateway's endpoint for it.
+pub fn endpoint_of(base_url: &str) -> Option<String> {
+    let rest = base_url.split_once("://").map_or(base_url, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    let (_, port) = authority.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    Some(authority.to_string())
+}
 
 #[derive(Default, Debug)]
 pub struct Directory {
@@ -143,5 +152,23 @@ mod tests {
         let at = |e: &[&str]| d.workers_at(&e.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         assert_eq!(at(&["10.0.0.2:8000"]), Vec::<WorkerId>::new());
         assert_eq!(at(&["10.0.0.1:8000"]), [1, 2]);
+    }
+
+    #[test]
+    fn endpoints_are_the_base_urls_host_and_port() {
+        assert_eq!(
+            endpoint_of("http://10.0.0.5:8000").as_deref(),
+            Some("10.0.0.5:8000")
+        );
+        assert_eq!(
+            endpoint_of("http://10.0.0.5:8000/v1").as_deref(),
+            Some("10.0.0.5:8000")
+        );
+        assert_eq!(
+            endpoint_of("http://[fd00::1]:8000").as_deref(),
+            Some("[fd00::1]:8000")
+        );
+        assert_eq!(endpoint_of("http://engine"), None);
+        assert_eq!(endpoint_of("http://engine:port"), None);
     }
 }

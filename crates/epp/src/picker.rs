@@ -3,7 +3,7 @@
 //! prompt tokens, limits), where it goes (a route through the replicas, booked under a
 //! lease), and what the engine gets (its rank as it takes one).
 
-use crate::directory::SharedDirectory;
+use crate::directory::{endpoint_of, SharedDirectory};
 use crate::exchange::{Pick, RouteAsk};
 use kvrouter_client::{KvRouterClient, LeaseCounts, RouteLease};
 use kvrouter_openai::{parse, Access, ApiError, Endpoint, Models, RankConvention};
@@ -18,16 +18,6 @@ pub struct Picker {
     pub router: KvRouterClient,
     pub ranks: RankConvention,
     pub leases: Arc<LeaseCounts>,
-}
-
-/// The `ip:port` an engine's base URL names (`http://10.0.0.5:8000` → `10.0.0.5:8000`): the
-/// gateway's endpoint for it.
-pub fn endpoint_of(base_url: &str) -> Option<String> {
-    let rest = base_url.split_once("://").map_or(base_url, |(_, r)| r);
-    let authority = rest.split('/').next()?;
-    let (_, port) = authority.rsplit_once(':')?;
-    port.parse::<u16>().ok()?;
-    Some(authority.to_string())
 }
 
 impl Picker {
@@ -127,27 +117,4 @@ fn no_eligible(why: &str) -> ApiError {
     let mut e = ApiError::overloaded(format!("no eligible endpoint: {why}"));
     e.retry_after = None;
     e
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn endpoints_are_the_base_urls_host_and_port() {
-        assert_eq!(
-            endpoint_of("http://10.0.0.5:8000").as_deref(),
-            Some("10.0.0.5:8000")
-        );
-        assert_eq!(
-            endpoint_of("http://10.0.0.5:8000/v1").as_deref(),
-            Some("10.0.0.5:8000")
-        );
-        assert_eq!(
-            endpoint_of("http://[fd00::1]:8000").as_deref(),
-            Some("[fd00::1]:8000")
-        );
-        assert_eq!(endpoint_of("http://engine"), None);
-        assert_eq!(endpoint_of("http://engine:port"), None);
-    }
 }

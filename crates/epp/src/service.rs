@@ -131,23 +131,23 @@ async fn exchange(
                             return; // Envoy is gone; the lease drops and frees
                         }
                     }
-                    Effect::Route(ask) => match {
+                    Effect::Route(ask) => {
                         let t = std::time::Instant::now();
                         let picked = picker.pick(ask, &route_id).await;
                         metrics.pick_seconds.observe(t.elapsed().as_secs_f64());
-                        picked
-                    } {
-                        Ok((pick, l)) => {
-                            metrics.picked();
-                            tracing::debug!(route_id, endpoint = ?pick.endpoints, "picked");
-                            lease = Some(l);
-                            next.extend(x.picked_route(pick));
+                        match picked {
+                            Ok((pick, l)) => {
+                                metrics.picked();
+                                tracing::debug!(route_id, endpoint = ?pick.endpoints, "picked");
+                                lease = Some(l);
+                                next.extend(x.picked_route(pick));
+                            }
+                            Err(e) => {
+                                tracing::debug!(route_id, status = e.status, error = %e.message, "refused");
+                                next.extend(x.refused(&e));
+                            }
                         }
-                        Err(e) => {
-                            tracing::debug!(route_id, status = e.status, error = %e.message, "refused");
-                            next.extend(x.refused(&e));
-                        }
-                    },
+                    }
                     Effect::PrefillDone => {
                         if let Some(l) = lease.as_mut() {
                             l.mark_prefill();

@@ -119,59 +119,95 @@ fn bridged(nats: &NatsServer, dp: u32) -> (EmulatedEngine, Proc) {
     (engine, bridge)
 }
 
+/// A fleet behind Envoy and the picker: a replica, two emulated vLLM engines (dp 2 and 1)
+/// behind bridges, `kvrouter epp` (with `epp_args`), Envoy in front; everything ready.
+struct Gateway {
+    nats: NatsServer,
+    replica: u16,
+    engines: Vec<(EmulatedEngine, Proc)>,
+    epp: Proc,
+    /// The picker's admin port and Envoy's listener.
+    admin: u16,
+    port: u16,
+    _envoy: Proc,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+    _serve: Proc,
+}
+
+impl Gateway {
+    fn start(epp_args: &[&str]) -> Self {
+        let nats = NatsServer::start();
+        let replica = free_port();
+        let serve = serve(&nats, "r1", replica, &[]);
+        let engines = vec![bridged(&nats, 2), bridged(&nats, 1)];
+        let dir = model_dir();
+        let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
+        let url = nats.url();
+        let mut args = vec![
+            "epp",
+            "--nats",
+            &url,
+            "--plaintext",
+            "--listen",
+            "127.0.0.1:0",
+            "--health-listen",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--model",
+            &model_arg,
+        ];
+        args.extend_from_slice(epp_args);
+        let mut epp = kvrouter_proc("epp", &args);
+        let started = epp.first_json();
+        let port_of = |k: &str| -> u16 {
+            started[k]
+                .as_str()
+                .and_then(|a| a.rsplit(':').next()?.parse().ok())
+                .unwrap_or_else(|| panic!("the picker prints its {k} address: {started}"))
+        };
+        let admin = port_of("admin");
+        let port = free_port();
+        let cfg = tempfile::tempdir().unwrap();
+        let envoy = envoy(port, port_of("listen"), cfg.path());
+        assert!(ready(replica));
+        assert!(
+            ready(admin),
+            "the picker's /readyz: {:?}",
+            http_get(admin, "/readyz")
+        );
+        assert!(wait_until(Duration::from_secs(10), || metric_sum(
+            replica,
+            "kvrouter_worker_ranks"
+        ) >= 3.0));
+        Self {
+            nats,
+            replica,
+            engines,
+            epp,
+            admin,
+            port,
+            _envoy: envoy,
+            _dirs: (dir, cfg),
+            _serve: serve,
+        }
+    }
+
+    /// Requests the replica holds booked now.
+    fn booked(&self) -> f64 {
+        metric_sum(self.replica, "kvrouter_worker_active_requests")
+    }
+}
+
 /// Completions and chat, streaming and not, through Envoy and the picker to the engines and
 /// back whole; a growing conversation goes back to its rank with its cached prefix; every
 /// booking ends with its answer; unknown models and overlong prompts are the client's
 /// errors, answered by the picker.
 #[test]
 fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
-    let nats = NatsServer::start();
-    let a1 = free_port();
-    let _r1 = serve(&nats, "r1", a1, &[]);
-    let (first, _b1) = bridged(&nats, 2);
-    let (second, _b2) = bridged(&nats, 1);
-    let dir = model_dir();
-    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
-    let mut epp = kvrouter_proc(
-        "epp",
-        &[
-            "epp",
-            "--nats",
-            &nats.url(),
-            "--plaintext",
-            "--listen",
-            "127.0.0.1:0",
-            "--health-listen",
-            "127.0.0.1:0",
-            "--model",
-            &model_arg,
-            "--max-inflight",
-            "4",
-            "--admin-addr",
-            "127.0.0.1:0",
-        ],
-    );
-    let started = epp.first_json();
-    let port_of = |k: &str| -> u16 {
-        started[k]
-            .as_str()
-            .and_then(|a| a.rsplit(':').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("the picker prints its {k} address: {started}"))
-    };
-    let admin = port_of("admin");
-    let gateway = free_port();
-    let cfg = tempfile::tempdir().unwrap();
-    let _envoy = envoy(gateway, port_of("listen"), cfg.path());
-    assert!(ready(a1));
-    assert!(
-        ready(admin),
-        "the picker's /readyz: {:?}",
-        http_get(admin, "/readyz")
-    );
-    assert!(wait_until(Duration::from_secs(10), || metric_sum(
-        a1,
-        "kvrouter_worker_ranks"
-    ) >= 3.0));
+    let g = Gateway::start(&["--max-inflight", "4"]);
+    let (gateway, a1, admin) = (g.port, g.replica, g.admin);
+    let (first, second) = (&g.engines[0].0, &g.engines[1].0);
 
     let v = sdk("basic", gateway, &[]);
     assert_eq!(v["completion"]["text"], " tok tok tok tok", "{v}");
@@ -220,17 +256,17 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
             })
             .sum()
     };
-    let (before1, before2) = (held(&first), held(&second));
+    let (before1, before2) = (held(first), held(second));
     let only_second = format!("127.0.0.1:{}", second.http);
     let v = sdk("subset", gateway, &[&only_second, "5"]);
     assert_eq!(v["ok"], 5, "{v}");
     assert!(
-        wait_until(Duration::from_secs(5), || held(&second) >= before2 + 5 * 4),
+        wait_until(Duration::from_secs(5), || held(second) >= before2 + 5 * 4),
         "the allowed engine holds {} blocks (before: {before2})",
-        held(&second)
+        held(second)
     );
     assert_eq!(
-        held(&first),
+        held(first),
         before1,
         "a request went outside the subset hint"
     );
@@ -272,4 +308,34 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     ] {
         assert!(m.contains(line), "{line} in {m}");
     }
+}
+
+/// SIGTERM with an answer streaming: the picker stops taking exchanges, gives the open one
+/// half its drain budget, then ends it and frees its booking (not the replica's request
+/// timeout, minutes away), and exits 0 within the budget.
+#[test]
+fn on_sigterm_the_picker_frees_the_bookings_it_holds() {
+    let mut g = Gateway::start(&["--drain-timeout-secs", "2"]);
+    let port = g.port;
+    let held = std::thread::spawn(move || sdk("hold", port, &["20"]));
+    assert!(
+        wait_until(Duration::from_secs(10), || g.booked() == 1.0),
+        "no booking held"
+    );
+    g.epp.signal(libc::SIGTERM);
+    let t = std::time::Instant::now();
+    let status = g.epp.wait_exit(Duration::from_secs(5));
+    assert!(status.is_some_and(|s| s.success()), "SIGTERM -> {status:?}");
+    assert!(
+        wait_until(Duration::from_secs(1), || g.booked() == 0.0),
+        "booked after the picker left: {}",
+        g.booked()
+    );
+    eprintln!(
+        "picker gone and booking freed {:?} after SIGTERM",
+        t.elapsed()
+    );
+    let v = held.join().unwrap();
+    assert!(v["chunks"].as_u64().unwrap_or(0) >= 1, "{v}");
+    let _ = &g.nats;
 }

@@ -118,6 +118,21 @@ def subset(c, model, endpoints, n):
     return out
 
 
+def hold(c, model, secs):
+    """Reads a long answer for up to secs seconds (or until the stream ends or breaks)."""
+    stream = c.completions.create(model=model, prompt=tokens(9, 64), max_tokens=7000,
+                                  stream=True)
+    got, end = 0, time.time() + secs
+    try:
+        for _ in stream:
+            got += 1
+            if time.time() > end:
+                break
+    except openai.APIError as e:
+        return {"chunks": got, "error": str(e)}
+    return {"chunks": got}
+
+
 def disconnect(c, model):
     """Reads a few chunks of a long answer, then hangs up."""
     raw = c.completions.with_raw_response.create(model=model, prompt=tokens(9, 64),
@@ -274,6 +289,8 @@ def main(argv):
         out = basic(c, model)
     elif scenario == "prefix":
         out = prefix(c, model, int(argv[4]))
+    elif scenario == "hold":
+        out = hold(c, model, float(argv[4]))
     elif scenario == "subset":
         out = subset(c, model, argv[4], int(argv[5]))
     elif scenario == "prefix_cached":

@@ -91,26 +91,24 @@ impl RouteLease {
         self.release();
     }
 
+    /// The request is over; freed before this returns (a shutdown must not leave bookings
+    /// to the replicas' request-timeout sweep).
+    pub async fn free_now(mut self) {
+        if std::mem::replace(&mut self.freed, true) {
+            return;
+        }
+        self.counts.freed.inc();
+        let (client, booking) = self.parts();
+        send_free(client, booking).await;
+    }
+
     fn release(&mut self) {
         if std::mem::replace(&mut self.freed, true) {
             return;
         }
         self.counts.freed.inc();
         let (client, booking) = self.parts();
-        spawn(async move {
-            let (id, replica) = (&booking.request_id, &booking.replica_id);
-            match client.free_until_delivered(&booking).await {
-                Ok(()) => {}
-                // Already gone there (its worker left, or the sweep took it): nothing held.
-                Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest => {
-                    tracing::debug!(request_id = %id, replica = %replica, "free: the replica no longer tracks it");
-                }
-                // The replica's request-timeout sweep frees it eventually.
-                Err(e) => {
-                    tracing::warn!(request_id = %id, replica = %replica, error = %e, "free failed")
-                }
-            }
-        });
+        spawn(send_free(client, booking));
     }
 
     fn parts(&self) -> (KvRouterClient, Booking) {
@@ -121,6 +119,21 @@ impl RouteLease {
 impl Drop for RouteLease {
     fn drop(&mut self) {
         self.release();
+    }
+}
+
+async fn send_free(client: KvRouterClient, booking: Booking) {
+    let (id, replica) = (&booking.request_id, &booking.replica_id);
+    match client.free_until_delivered(&booking).await {
+        Ok(()) => {}
+        // Already gone there (its worker left, or the sweep took it): nothing held.
+        Err(ClientError::Router(e)) if e.kind == ErrorKind::UnknownRequest => {
+            tracing::debug!(request_id = %id, replica = %replica, "free: the replica no longer tracks it");
+        }
+        // The replica's request-timeout sweep frees it eventually.
+        Err(e) => {
+            tracing::warn!(request_id = %id, replica = %replica, error = %e, "free failed")
+        }
     }
 }
 

@@ -48,6 +48,8 @@ pub struct EppServer {
     pub health_addr: SocketAddr,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    service: ExtProcService,
+    metrics: Arc<EppMetrics>,
 }
 
 impl EppServer {
@@ -81,7 +83,11 @@ impl EppServer {
             .http2_max_header_list_size(limits.max_header_list_bytes)
             .http2_keepalive_interval(Some(limits.keepalive))
             .http2_keepalive_timeout(Some(limits.keepalive))
-            .serve_with_incoming_shutdown(ExtProcServer(service), incoming, until(stopped.clone()));
+            .serve_with_incoming_shutdown(
+                ExtProcServer(service.clone()),
+                incoming,
+                until(stopped.clone()),
+            );
         tasks.push(tokio::spawn(async move {
             if let Err(e) = server.await {
                 tracing::error!(error = %e, "the ext_proc listener failed");
@@ -98,7 +104,9 @@ impl EppServer {
             }
         }));
         let mut stopping = stopped;
+        let probe_metrics = metrics.clone();
         tasks.push(tokio::spawn(async move {
+            let metrics = probe_metrics;
             let mut ready = false;
             loop {
                 let probe = OverlapRequest {
@@ -132,15 +140,34 @@ impl EppServer {
             health_addr,
             stop,
             tasks,
+            service,
+            metrics,
         })
     }
 
-    /// Stops taking streams; streams in flight get `within` to end.
+    /// Stops taking exchanges; those open get half of `within` to end by themselves, then
+    /// are ended, each freeing its booking before the rest of `within` runs out.
     pub async fn shutdown_within(self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
         let _ = self.stop.send(true);
+        let patience = tokio::time::Instant::now() + within / 2;
+        while self.metrics.open.get() > 0 && tokio::time::Instant::now() < patience {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let open = self.metrics.open.get();
+        if open > 0 {
+            tracing::info!(
+                open,
+                "ending the exchanges still open; their bookings are freed"
+            );
+        }
+        self.service.end_all();
+        while self.metrics.open.get() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let all = futures_util::future::join_all(self.tasks);
-        if tokio::time::timeout(within, all).await.is_err() {
-            tracing::warn!(?within, "exchanges still open at the end of the drain");
+        if tokio::time::timeout_at(deadline, all).await.is_err() {
+            tracing::warn!(?within, "listeners still open at the end of the drain");
         }
     }
 }

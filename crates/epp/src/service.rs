@@ -12,7 +12,7 @@ use kvrouter_client::RouteLease;
 use kvrouter_openai::ApiError;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, watch, Semaphore};
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -31,6 +31,9 @@ pub struct ExtProcService {
     /// Exchanges open at once, over every gateway connection; past them, 503.
     permits: Arc<Semaphore>,
     max_inflight: usize,
+    /// Set at shutdown, once the drain's patience is spent: open exchanges end and free
+    /// their bookings.
+    ending: watch::Sender<bool>,
 }
 
 impl ExtProcService {
@@ -46,7 +49,13 @@ impl ExtProcService {
             max_body_bytes,
             permits: Arc::new(Semaphore::new(max_inflight)),
             max_inflight,
+            ending: watch::channel(false).0,
         }
+    }
+
+    /// Ends every open exchange (each frees its booking before its task ends).
+    pub fn end_all(&self) {
+        let _ = self.ending.send(true);
     }
 
     /// Exchanges open now.
@@ -62,6 +71,7 @@ impl ExtProcService {
         let (tx, rx) = mpsc::channel(ANSWERS_QUEUED);
         let (picker, max) = (self.picker.clone(), self.max_body_bytes);
         let metrics = self.metrics.clone();
+        let ending = self.ending.subscribe();
         let (permit, full) = match self.permits.clone().try_acquire_owned() {
             Ok(p) => (Some(p), None),
             Err(_) => (None, Some(self.max_inflight)),
@@ -70,7 +80,7 @@ impl ExtProcService {
             // Held to the exchange's end.
             let _permit = permit;
             metrics.open.inc();
-            exchange(picker, &metrics, max, inbound, tx, full).await;
+            exchange(picker, &metrics, max, inbound, tx, full, ending).await;
             metrics.open.dec();
         });
         let answers =
@@ -92,12 +102,20 @@ async fn exchange(
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     full: Option<usize>,
+    mut ending: watch::Receiver<bool>,
 ) {
     let mut x = Exchange::new(max_body_bytes);
     let mut lease: Option<RouteLease> = None;
     let route_id = kvrouter_client::new_request_id();
     loop {
-        let msg = match inbound.message().await {
+        let next = tokio::select! {
+            m = inbound.message() => m,
+            _ = ending.wait_for(|e| *e) => {
+                let _ = tx.try_send(Err(Status::unavailable("the endpoint picker is shutting down")));
+                break;
+            }
+        };
+        let msg = match next {
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(status) => {
@@ -166,11 +184,10 @@ async fn exchange(
             effects = next;
         }
     }
-    for effect in x.broken() {
-        if effect == Effect::Finish {
-            if let Some(l) = lease.take() {
-                l.free();
-            }
+    // The stream ended before the answer did: the booking ends now, before the task does.
+    if x.broken().contains(&Effect::Finish) {
+        if let Some(l) = lease.take() {
+            l.free_now().await;
         }
     }
 }

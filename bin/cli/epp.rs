@@ -7,11 +7,15 @@ use super::nats_args::NatsArgs;
 use super::openai_args::{AccessArgs, EngineArg, ModelArgs};
 use anyhow::Context;
 use clap::Args;
+use kvrouter_admin::tls::{ServerTls, TlsFiles};
 use kvrouter_client::{KvRouterClient, LeaseCounts};
-use kvrouter_epp::{Directory, EppMetrics, EppServer, ExtProcService, GrpcLimits, Picker};
+use kvrouter_epp::{
+    Directory, EppMetrics, EppServer, ExtProcService, GrpcLimits, Listeners, Picker,
+};
 use kvrouter_openai::Models;
 use std::io::Write;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,8 +37,22 @@ pub struct EppArgs {
     /// The admin listener: /metrics, /healthz, /readyz (the convention is 9090).
     #[arg(long, env = "KVROUTER_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
     admin_addr: SocketAddr,
-    /// Serve ext_proc without TLS. Required for now: TLS on the gRPC port is not built yet,
-    /// so keep the port inside the cluster's network policy.
+    /// The ext_proc listener's TLS certificate chain (PEM); the gateway connects over TLS
+    /// (h2). Without it, --plaintext must be given.
+    #[arg(
+        long,
+        env = "KVROUTER_EPP_TLS_CERT",
+        requires = "tls_key",
+        conflicts_with = "plaintext"
+    )]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "KVROUTER_EPP_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// With --tls-cert: the gateway must present a certificate this CA signed (mTLS).
+    #[arg(long, env = "KVROUTER_EPP_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve ext_proc without TLS (a gateway beside it on a trusted network, local use).
     #[arg(long, env = "KVROUTER_EPP_PLAINTEXT")]
     plaintext: bool,
     #[command(flatten)]
@@ -63,12 +81,24 @@ pub struct EppArgs {
 }
 
 pub async fn run(args: EppArgs) -> anyhow::Result<()> {
-    if !args.plaintext {
-        anyhow::bail!(
-            "TLS on the ext_proc port is not built yet: pass --plaintext (KVROUTER_EPP_PLAINTEXT) \
-             and keep the port inside the cluster's network policy"
-        );
-    }
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            ServerTls::load_for(
+                &TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: args.tls_client_ca.clone(),
+                },
+                &[b"h2"],
+            )
+            .context("cannot use the ext_proc listener's TLS files (--tls-cert, --tls-key)")?,
+        ),
+        _ if args.plaintext => None,
+        _ => anyhow::bail!(
+            "the ext_proc listener needs --tls-cert and --tls-key (KVROUTER_EPP_TLS_CERT, \
+             KVROUTER_EPP_TLS_KEY), or --plaintext for a gateway on a trusted network"
+        ),
+    };
     let models = args.models.load_models()?;
     let probe_model = models[0].name().to_string();
     let models = Models::new(models, args.models.loras(), args.max_body_bytes)
@@ -116,22 +146,20 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                 max_concurrent_streams: args.max_streams,
                 ..GrpcLimits::default()
             };
-            let server = EppServer::start(
-                args.listen,
-                args.health_listen,
-                service,
-                router,
-                probe_model,
+            let at = Listeners {
+                ext_proc: args.listen,
+                health: args.health_listen,
+                tls,
                 limits,
-                metrics,
-            )
-            .await
-            .with_context(|| {
-                format!(
-                    "cannot listen on {} and {}",
-                    args.listen, args.health_listen
-                )
-            })?;
+            };
+            let server = EppServer::start(at, service, router, probe_model, metrics)
+                .await
+                .with_context(|| {
+                    format!(
+                        "cannot listen on {} and {}",
+                        args.listen, args.health_listen
+                    )
+                })?;
             anyhow::Ok((server, admin, admin_task))
         })
         .await?;

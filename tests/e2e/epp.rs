@@ -8,6 +8,7 @@ use crate::common;
 
 use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
 use common::*;
+use kvrouter_testkit::TestCerts;
 use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
@@ -15,7 +16,31 @@ use std::time::Duration;
 /// Envoy in front of the engines: a listener on `port`, ext_proc (FULL_DUPLEX_STREAMED
 /// bodies both ways) asking the picker on `epp`, an original-destination cluster taking the
 /// picked endpoint from the picker's header.
-fn envoy(port: u16, epp: u16, dir: &std::path::Path) -> Proc {
+fn envoy(port: u16, epp: u16, dir: &std::path::Path, tls: Option<&TestCerts>) -> Proc {
+    // Over TLS (h2) with the gateway's client certificate, when the picker asks for one.
+    let epp_tls = tls.map_or(String::new(), |c| {
+        format!(
+            r#"
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        sni: localhost
+        common_tls_context:
+          alpn_protocols: ["h2"]
+          tls_certificates:
+          - certificate_chain: {{ filename: "{}" }}
+            private_key: {{ filename: "{}" }}
+          validation_context:
+            trusted_ca: {{ filename: "{}" }}
+            match_typed_subject_alt_names:
+            - san_type: DNS
+              matcher: {{ exact: localhost }}"#,
+            c.client_cert.display(),
+            c.client_key.display(),
+            c.ca.display()
+        )
+    });
     let config = format!(
         r#"
 static_resources:
@@ -74,7 +99,7 @@ static_resources:
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
+        explicit_http_config: {{ http2_protocol_options: {{}} }}{epp_tls}
     load_assignment:
       cluster_name: epp
       endpoints:
@@ -126,7 +151,8 @@ struct Gateway {
     replica: u16,
     engines: Vec<(EmulatedEngine, Proc)>,
     epp: Proc,
-    /// The picker's admin port and Envoy's listener.
+    /// The picker's ext_proc and admin ports, and Envoy's listener.
+    listen: u16,
     admin: u16,
     port: u16,
     _envoy: Proc,
@@ -135,7 +161,9 @@ struct Gateway {
 }
 
 impl Gateway {
-    fn start(epp_args: &[&str]) -> Self {
+    /// With `tls`, the picker takes the gateway over TLS and requires its client
+    /// certificate; else plaintext.
+    fn start(tls: bool, epp_args: &[&str]) -> Self {
         let nats = NatsServer::start();
         let replica = free_port();
         let serve = serve(&nats, "r1", replica, &[]);
@@ -143,11 +171,24 @@ impl Gateway {
         let dir = model_dir();
         let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
         let url = nats.url();
+        let cfg = tempfile::tempdir().unwrap();
+        let certs =
+            tls.then(|| TestCerts::generate(cfg.path()).expect("openssl makes test certificates"));
+        let tls_args: Vec<String> = match &certs {
+            Some(c) => vec![
+                "--tls-cert".into(),
+                c.server_cert.display().to_string(),
+                "--tls-key".into(),
+                c.server_key.display().to_string(),
+                "--tls-client-ca".into(),
+                c.ca.display().to_string(),
+            ],
+            None => vec!["--plaintext".into()],
+        };
         let mut args = vec![
             "epp",
             "--nats",
             &url,
-            "--plaintext",
             "--listen",
             "127.0.0.1:0",
             "--health-listen",
@@ -157,6 +198,7 @@ impl Gateway {
             "--model",
             &model_arg,
         ];
+        args.extend(tls_args.iter().map(String::as_str));
         args.extend_from_slice(epp_args);
         let mut epp = kvrouter_proc("epp", &args);
         let started = epp.first_json();
@@ -168,8 +210,7 @@ impl Gateway {
         };
         let admin = port_of("admin");
         let port = free_port();
-        let cfg = tempfile::tempdir().unwrap();
-        let envoy = envoy(port, port_of("listen"), cfg.path());
+        let envoy = envoy(port, port_of("listen"), cfg.path(), certs.as_ref());
         assert!(ready(replica));
         assert!(
             ready(admin),
@@ -185,6 +226,7 @@ impl Gateway {
             replica,
             engines,
             epp,
+            listen: port_of("listen"),
             admin,
             port,
             _envoy: envoy,
@@ -205,7 +247,7 @@ impl Gateway {
 /// errors, answered by the picker.
 #[test]
 fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
-    let g = Gateway::start(&["--max-inflight", "4"]);
+    let g = Gateway::start(false, &["--max-inflight", "4"]);
     let (gateway, a1, admin) = (g.port, g.replica, g.admin);
     let (first, second) = (&g.engines[0].0, &g.engines[1].0);
 
@@ -310,12 +352,27 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     }
 }
 
-/// SIGTERM with an answer streaming: the picker stops taking exchanges, gives the open one
-/// half its drain budget, then ends it and frees its booking (not the replica's request
-/// timeout, minutes away), and exits 0 within the budget.
+/// The gateway over mutual TLS (h2): requests go through. SIGTERM with an answer
+/// streaming: the picker stops taking exchanges, gives the open one half its drain budget,
+/// then ends it and frees its booking (not the replica's request timeout, minutes away), and
+/// exits 0 within the budget.
 #[test]
-fn on_sigterm_the_picker_frees_the_bookings_it_holds() {
-    let mut g = Gateway::start(&["--drain-timeout-secs", "2"]);
+fn over_tls_and_on_sigterm_the_picker_frees_the_bookings_it_holds() {
+    let mut g = Gateway::start(true, &["--drain-timeout-secs", "2"]);
+    let v = sdk("basic", g.port, &[]);
+    assert_eq!(v["completion"]["text"], " tok tok tok tok", "{v}");
+    // Without the gateway's client certificate, no connection.
+    let ca = g._dirs.1.path().join("ca.pem");
+    let out = Command::new("curl")
+        .args(["-s", "--http2", "--cacert"])
+        .arg(&ca)
+        .arg(format!("https://localhost:{}/", g.listen))
+        .output()
+        .expect("curl runs");
+    assert!(
+        !out.status.success(),
+        "a client without a certificate got in"
+    );
     let port = g.port;
     let held = std::thread::spawn(move || sdk("hold", port, &["20"]));
     assert!(

@@ -108,6 +108,11 @@ impl ServerTls {
     /// Reads and checks `files`: the key must match the certificate, the client CA must
     /// hold at least one usable certificate.
     pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
+        Self::load_for(files, &[b"http/1.1"])
+    }
+
+    /// [`ServerTls::load`] for a listener speaking these ALPN protocols (`h2` for gRPC).
+    pub fn load_for(files: &TlsFiles, alpn: &[&[u8]]) -> Result<Self, TlsError> {
         let chain = certs("the certificate", &files.cert)?;
         let key_pem = read("the key", &files.key)?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| match e {
@@ -152,7 +157,7 @@ impl ServerTls {
             }
         };
         let mut config = builder.with_single_cert(chain, key).map_err(config_error)?;
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         Ok(Self {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             client_auth: files.client_ca.is_some(),
@@ -166,6 +171,14 @@ impl ServerTls {
 
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {
         &self.acceptor
+    }
+
+    /// The server side of a TLS handshake on `stream`.
+    pub async fn accept<S>(&self, stream: S) -> std::io::Result<tokio_rustls::server::TlsStream<S>>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        self.acceptor.accept(stream).await
     }
 }
 

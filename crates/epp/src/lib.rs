@@ -8,10 +8,11 @@ pub mod metrics;
 pub mod picker;
 pub mod server;
 pub mod service;
+pub mod tls_incoming;
 
 pub use directory::Directory;
 pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};
 pub use metrics::EppMetrics;
 pub use picker::Picker;
-pub use server::{EppServer, GrpcLimits};
+pub use server::{EppServer, GrpcLimits, Listeners};
 pub use service::ExtProcService;

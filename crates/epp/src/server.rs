@@ -6,6 +6,8 @@
 use crate::ext_proc::SERVICE_NAME;
 use crate::metrics::EppMetrics;
 use crate::service::{ExtProcServer, ExtProcService};
+use crate::tls_incoming::tls_incoming;
+use kvrouter_admin::tls::ServerTls;
 use kvrouter_client::KvRouterClient;
 use kvrouter_protocol::OverlapRequest;
 use std::net::SocketAddr;
@@ -52,20 +54,38 @@ pub struct EppServer {
     metrics: Arc<EppMetrics>,
 }
 
+/// Where and how the picker listens.
+pub struct Listeners {
+    /// ext_proc, for the gateway.
+    pub ext_proc: SocketAddr,
+    /// The gRPC health service.
+    pub health: SocketAddr,
+    /// ext_proc over TLS (h2); `None`: plaintext.
+    pub tls: Option<ServerTls>,
+    pub limits: GrpcLimits,
+}
+
 impl EppServer {
-    /// Binds both listeners (port 0 picks one) and serves until [`EppServer::shutdown`].
-    /// Readiness asks `router` for an overlap of `probe_model` every second.
+    /// Binds both listeners (port 0 picks one) and serves until
+    /// [`EppServer::shutdown_within`]. Readiness asks `router` for an overlap of
+    /// `probe_model` every second.
     pub async fn start(
-        listen: SocketAddr,
-        health: SocketAddr,
+        at: Listeners,
         service: ExtProcService,
         router: KvRouterClient,
         probe_model: String,
-        limits: GrpcLimits,
         metrics: Arc<EppMetrics>,
     ) -> std::io::Result<Self> {
-        let incoming = TcpIncoming::bind(listen)?.with_nodelay(Some(true));
-        let addr = incoming.local_addr()?;
+        let Listeners {
+            ext_proc: listen,
+            health,
+            tls,
+            limits,
+        } = at;
+        let listener = std::net::TcpListener::bind(listen)?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let addr = listener.local_addr()?;
         let health_incoming = TcpIncoming::bind(health)?;
         let health_addr = health_incoming.local_addr()?;
         let (reporter, health_service) = tonic_health::server::health_reporter();
@@ -78,21 +98,33 @@ impl EppServer {
             let _ = rx.wait_for(|s| *s).await;
         };
         let mut tasks = Vec::new();
-        let server = Server::builder()
+        let builder = Server::builder()
             .max_concurrent_streams(limits.max_concurrent_streams)
             .http2_max_header_list_size(limits.max_header_list_bytes)
             .http2_keepalive_interval(Some(limits.keepalive))
-            .http2_keepalive_timeout(Some(limits.keepalive))
-            .serve_with_incoming_shutdown(
-                ExtProcServer(service.clone()),
-                incoming,
-                until(stopped.clone()),
-            );
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = server.await {
-                tracing::error!(error = %e, "the ext_proc listener failed");
-            }
-        }));
+            .http2_keepalive_timeout(Some(limits.keepalive));
+        let svc = ExtProcServer(service.clone());
+        let stop_serving = until(stopped.clone());
+        tasks.push(match tls {
+            Some(tls) => tokio::spawn(async move {
+                let incoming = tls_incoming(listener, tls);
+                if let Err(e) = builder
+                    .serve_with_incoming_shutdown(svc, incoming, stop_serving)
+                    .await
+                {
+                    tracing::error!(error = %e, "the ext_proc listener failed");
+                }
+            }),
+            None => tokio::spawn(async move {
+                let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+                if let Err(e) = builder
+                    .serve_with_incoming_shutdown(svc, incoming, stop_serving)
+                    .await
+                {
+                    tracing::error!(error = %e, "the ext_proc listener failed");
+                }
+            }),
+        });
         let health_server = Server::builder().serve_with_incoming_shutdown(
             health_service,
             health_incoming,

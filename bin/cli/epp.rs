@@ -4,7 +4,7 @@
 
 use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
-use super::openai_args::{AccessArgs, EngineArg, ModelArgs};
+use super::openai_args::{AccessArgs, DoorArgs, ModelArgs};
 use anyhow::Context;
 use clap::Args;
 use kvrouter_admin::tls::{ServerTls, TlsFiles};
@@ -59,16 +59,8 @@ pub struct EppArgs {
     models: ModelArgs,
     #[command(flatten)]
     access: AccessArgs,
-    /// How the engines take a data-parallel rank: vllm (header X-data-parallel-rank) or
-    /// sglang (the body's data_parallel_rank).
-    #[arg(long, env = "KVROUTER_ENGINE", value_enum, default_value = "vllm")]
-    engine: EngineArg,
-    /// How long the router replicas may take to answer a route.
-    #[arg(long, env = "KVROUTER_ROUTE_TIMEOUT_MS", default_value_t = 2000)]
-    route_timeout_ms: u64,
-    /// Largest request body accepted (larger: 413).
-    #[arg(long, env = "KVROUTER_MAX_BODY_BYTES", default_value_t = 32 << 20)]
-    max_body_bytes: usize,
+    #[command(flatten)]
+    doors: DoorArgs,
     /// Exchanges (requests) open at once over every gateway connection; more get 503.
     #[arg(long, env = "KVROUTER_MAX_INFLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
     max_inflight: u64,
@@ -101,7 +93,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
     };
     let models = args.models.load_models()?;
     let probe_model = models[0].name().to_string();
-    let models = Models::new(models, args.models.loras(), args.max_body_bytes)
+    let models = Models::new(models, args.models.loras(), args.doors.max_body_bytes)
         .map_err(anyhow::Error::msg)?;
     let access = args.access.access()?;
     let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
@@ -110,7 +102,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
         .startup(async {
             let bus = args.nats.connect("kvrouter-epp").await?;
             let router = KvRouterClient::new(bus, &args.nats.namespace)?
-                .with_timeout(Duration::from_millis(args.route_timeout_ms.max(1)));
+                .with_timeout(Duration::from_millis(args.doors.route_timeout_ms.max(1)));
             // Workers by endpoint, for the gateway's subset hints.
             let directory = Directory::shared();
             for (name, _) in models.names() {
@@ -126,7 +118,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                 models,
                 access,
                 router: router.clone(),
-                ranks: args.engine.ranks(),
+                ranks: args.doors.engine.ranks(),
                 leases,
             };
             let (admin, _, admin_task) = kvrouter_admin::serve(
@@ -139,7 +131,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
             let service = ExtProcService::new(
                 Arc::new(picker),
                 metrics.clone(),
-                args.max_body_bytes,
+                args.doors.max_body_bytes,
                 args.max_inflight as usize,
             );
             let limits = GrpcLimits {

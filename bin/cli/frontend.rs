@@ -3,7 +3,7 @@
 
 use super::lifecycle::Lifecycle;
 use super::nats_args::NatsArgs;
-use super::openai_args::{AccessArgs, EngineArg, ModelArgs};
+use super::openai_args::{AccessArgs, DoorArgs, ModelArgs};
 use super::renamed_env;
 use anyhow::Context;
 use clap::Args;
@@ -35,16 +35,8 @@ pub struct FrontendArgs {
     route_retries: u32,
     #[command(flatten)]
     access: AccessArgs,
-    /// How the engines take a data-parallel rank: vllm (header X-data-parallel-rank) or
-    /// sglang (the body's data_parallel_rank).
-    #[arg(long, env = "KVROUTER_ENGINE", value_enum, default_value = "vllm")]
-    engine: EngineArg,
-    /// How long the router replicas may take to answer a route.
-    #[arg(long, env = "KVROUTER_ROUTE_TIMEOUT_MS", default_value_t = 2000)]
-    route_timeout_ms: u64,
-    /// Largest request body accepted.
-    #[arg(long, env = "KVROUTER_MAX_BODY_BYTES", default_value_t = 32 << 20)]
-    max_body_bytes: usize,
+    #[command(flatten)]
+    doors: DoorArgs,
     /// Request body bytes held at once over all client connections (read, not yet
     /// parsed); a body that finds them spent gets 503 with Retry-After.
     #[arg(long, env = "KVROUTER_MAX_BUFFERED_BODY_BYTES", default_value_t = 512 << 20)]
@@ -61,8 +53,8 @@ impl FrontendArgs {
             request_timeout: super::serve::secs("request-timeout-secs", self.request_timeout_secs)?,
             route_retries: self.route_retries,
             access: self.access.access()?,
-            ranks: self.engine.ranks(),
-            max_body_bytes: self.max_body_bytes,
+            ranks: self.doors.engine.ranks(),
+            max_body_bytes: self.doors.max_body_bytes,
             http_limits: self.http.limits()?,
             max_buffered_body_bytes: self.max_buffered_body_bytes,
             ..FrontendConfig::default()
@@ -81,7 +73,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         .startup(async {
             let bus = args.nats.connect("kvrouter-frontend").await?;
             let client = KvRouterClient::new(bus, &args.nats.namespace)?
-                .with_timeout(Duration::from_millis(args.route_timeout_ms.max(1)));
+                .with_timeout(Duration::from_millis(args.doors.route_timeout_ms.max(1)));
             let frontend =
                 Frontend::new(models, loras, client, config).map_err(anyhow::Error::msg)?;
             FrontendServer::start(args.listen, frontend)

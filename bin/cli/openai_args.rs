@@ -25,6 +25,21 @@ impl EngineArg {
     }
 }
 
+/// How a door routes what it takes.
+#[derive(Args)]
+pub struct DoorArgs {
+    /// How the engines take a data-parallel rank: vllm (header X-data-parallel-rank) or
+    /// sglang (the body's data_parallel_rank).
+    #[arg(long, env = "KVROUTER_ENGINE", value_enum, default_value = "vllm")]
+    pub engine: EngineArg,
+    /// How long the router replicas may take to answer a route.
+    #[arg(long, env = "KVROUTER_ROUTE_TIMEOUT_MS", default_value_t = 2000)]
+    pub route_timeout_ms: u64,
+    /// Largest request body accepted (larger: 413).
+    #[arg(long, env = "KVROUTER_MAX_BODY_BYTES", default_value_t = 32 << 20)]
+    pub max_body_bytes: usize,
+}
+
 #[derive(Args)]
 pub struct ModelArgs {
     /// A served model, NAME=MODEL_DIR (repeatable): NAME as the router and the engines know

@@ -63,10 +63,15 @@ pub struct CredsArgs {
         value_name = "ID,..."
     )]
     pub worker_ids: Vec<u64>,
-    /// Frontend identities (frontend-0, ...): OpenAI frontends, endpoint pickers, `kvrouter
-    /// route` and `generate`.
+    /// Frontend identities (frontend-0, ...): OpenAI frontends, `kvrouter route` and
+    /// `generate`.
     #[arg(long, env = "KVROUTER_FRONTENDS", default_value_t = 1)]
     pub frontends: u32,
+    /// Endpoint-picker identities (epp-0, ...): `kvrouter epp` behind a gateway. A
+    /// frontend's permissions, and it follows the workers' registrations (for the gateway's
+    /// subset hints).
+    #[arg(long, env = "KVROUTER_EPPS", default_value_t = 0)]
+    pub epps: u32,
     /// Peer-router identities (peer-0, ...): routers that call the replicas with the client
     /// library. Same permissions as a frontend.
     #[arg(long, env = "KVROUTER_PEERS", default_value_t = 0)]
@@ -84,16 +89,19 @@ pub struct CredsArgs {
 pub enum Role {
     Replica(String),
     Frontend(u32),
+    Epp(u32),
     Bridge(u64),
     Peer(u32),
 }
 
 impl Role {
-    /// `replica-a`, `frontend-0`, `bridge-10`, `peer-0`: the seed file's name without `.nk`.
+    /// `replica-a`, `frontend-0`, `epp-0`, `bridge-10`, `peer-0`: the seed file's name
+    /// without `.nk`.
     pub fn name(&self) -> String {
         match self {
             Role::Replica(id) => format!("replica-{id}"),
             Role::Frontend(i) => format!("frontend-{i}"),
+            Role::Epp(i) => format!("epp-{i}"),
             Role::Bridge(id) => format!("bridge-{id}"),
             Role::Peer(i) => format!("peer-{i}"),
         }
@@ -185,7 +193,7 @@ pub fn permissions(
                 responds: true,
             }
         }
-        Role::Frontend(_) | Role::Peer(_) => {
+        Role::Frontend(_) | Role::Peer(_) | Role::Epp(_) => {
             let mut publish = vec![
                 s.route(),
                 s.route_disagg(),
@@ -197,9 +205,19 @@ pub fn permissions(
                 s.abandon(),
                 any(stand_in.every_worker(WorkerSubject::Generate)),
             ]);
+            let mut subscribe = vec![inbox];
+            if matches!(role, Role::Epp(_)) {
+                // Which workers answer at which endpoint: their registrations, read only,
+                // and a roll call at start.
+                publish.push(any(stand_in.who_is_there()));
+                subscribe.extend([
+                    any(stand_in.every_worker(WorkerSubject::Register)),
+                    any(stand_in.every_worker(WorkerSubject::Deregister)),
+                ]);
+            }
             Permissions {
                 publish,
-                subscribe: vec![inbox],
+                subscribe,
                 responds: false,
             }
         }
@@ -262,6 +280,7 @@ pub fn roles(args: &CredsArgs) -> anyhow::Result<Vec<Role>> {
     let total = args.replica_ids.len()
         + args.worker_ids.len()
         + args.frontends as usize
+        + args.epps as usize
         + args.peers as usize;
     ensure!(
         total <= MAX_IDENTITIES,
@@ -275,6 +294,7 @@ pub fn roles(args: &CredsArgs) -> anyhow::Result<Vec<Role>> {
         .map(Role::Replica)
         .collect();
     roles.extend((0..args.frontends).map(Role::Frontend));
+    roles.extend((0..args.epps).map(Role::Epp));
     roles.extend(args.worker_ids.iter().copied().map(Role::Bridge));
     roles.extend((0..args.peers).map(Role::Peer));
     Ok(roles)
@@ -473,12 +493,14 @@ pub fn run(args: CredsArgs) -> anyhow::Result<()> {
     write_file(&k8s_path, &yaml, 0o600)?;
     let count = |f: fn(&Role) -> bool| ids.iter().filter(|i| f(&i.role)).count();
     println!(
-        "wrote {} NATS identities for namespace {} (replicas {}, frontends {}, bridges {}, \
-         peers {}) to {}: seeds/*.nk, nats-users.conf, kubernetes.yaml ({secrets} Secrets)",
+        "wrote {} NATS identities for namespace {} (replicas {}, frontends {}, endpoint \
+         pickers {}, bridges {}, peers {}) to {}: seeds/*.nk, nats-users.conf, kubernetes.yaml \
+         ({secrets} Secrets)",
         ids.len(),
         args.namespace,
         count(|r| matches!(r, Role::Replica(_))),
         count(|r| matches!(r, Role::Frontend(_))),
+        count(|r| matches!(r, Role::Epp(_))),
         count(|r| matches!(r, Role::Bridge(_))),
         count(|r| matches!(r, Role::Peer(_))),
         args.out.display()
@@ -510,6 +532,7 @@ mod tests {
         for role in [
             Role::Replica("a".into()),
             Role::Frontend(0),
+            Role::Epp(0),
             Role::Bridge(10),
             Role::Peer(1),
         ] {
@@ -546,6 +569,36 @@ mod tests {
         assert_eq!(p.subscribe, ["_INBOX.UKEY.>"]);
         assert!(!p.responds, "cannot answer a route request");
         assert_eq!(perms(Role::Peer(3), None), p);
+    }
+
+    /// An endpoint picker asks as a frontend does, and reads the workers' registrations
+    /// (never their events, loads or generate streams), and calls the roll.
+    #[test]
+    fn an_endpoint_picker_asks_and_follows_registrations_only() {
+        let p = perms(Role::Epp(0), None);
+        let s = Subjects::new("ns").unwrap();
+        let frontend = perms(Role::Frontend(0), None);
+        for f in &frontend.publish {
+            assert!(p.publish.contains(f), "{f}");
+        }
+        assert!(covers(&p.publish, "ns.model.M.discovery.who_is_there"));
+        for ok in [
+            "ns.model.M.worker.10.register",
+            "ns.model.M.worker.10.deregister",
+        ] {
+            assert!(covers(&p.subscribe, ok), "{ok}");
+        }
+        for no in [
+            "ns.model.M.worker.10.kv_events",
+            "ns.model.M.worker.10.load",
+            "ns.model.M.worker.10.generate",
+            "ns.model.M.worker.10.heartbeat",
+        ] {
+            assert!(!covers(&p.subscribe, no), "{no}");
+        }
+        assert!(!covers(&p.subscribe, &s.route()));
+        assert!(!covers(&p.publish, "ns.model.M.worker.10.register"));
+        assert!(!p.responds);
     }
 
     #[test]
@@ -597,6 +650,7 @@ mod tests {
             replica_ids: replicas.iter().map(|s| s.to_string()).collect(),
             worker_ids: workers.to_vec(),
             frontends: 2,
+            epps: 1,
             peers: 1,
             model: None,
             force: false,
@@ -610,6 +664,7 @@ mod tests {
                 "replica-b",
                 "frontend-0",
                 "frontend-1",
+                "epp-0",
                 "bridge-10",
                 "peer-0"
             ]

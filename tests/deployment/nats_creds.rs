@@ -204,7 +204,7 @@ fn the_shipped_least_privilege_file_is_the_generators_block() {
         without_keys(authorization_block(&shipped)),
         without_keys(authorization_block(&generated)),
         "deploy/nats/least-privilege.conf is out of date: regenerate its block with \
-         `kvrouter creds --out DIR --replica-ids a,b --worker-ids 10,11 --peers 1` \
+         `kvrouter creds --out DIR --replica-ids a,b --worker-ids 10,11 --peers 1 --epps 1` \
          (DIR/nats-users.conf)"
     );
     assert!(!shipped.contains("\"_INBOX.>\""));

@@ -25,7 +25,7 @@ use uuid::Uuid;
 
 /// Identities written by `kvrouter creds` into a temporary directory, for the example fleet
 /// of deploy/nats/least-privilege.conf: replicas a and b, frontend-0, bridges 10 and 11,
-/// peer-0.
+/// peer-0, and an endpoint picker, epp-0.
 pub struct Creds {
     pub dir: tempfile::TempDir,
 }
@@ -42,6 +42,8 @@ impl Creds {
                 "--worker-ids",
                 "10,11",
                 "--peers",
+                "1",
+                "--epps",
                 "1",
             ])
             .output()
@@ -500,6 +502,57 @@ fn a_frontend_reads_only_its_own_replies_and_cannot_answer_routes_or_sync() {
         "its own inbox: {:?}",
         frontend.errors()
     );
+}
+
+/// An endpoint picker reads the workers' registrations and calls the roll (its directory of
+/// endpoints), and can neither read their events nor answer routes.
+#[test]
+fn an_endpoint_picker_follows_registrations_and_nothing_else() {
+    let creds = Creds::generate();
+    let nats = server(&creds);
+    let s = Subjects::new("kvrouter").unwrap();
+    let m = e2e_model_subjects();
+    let epp = Party::connect(&nats, &creds, "epp-0");
+    let mut regs = epp.subscribe_all([m.every_worker(WorkerSubject::Register)]);
+    let bridge = Party::connect(&nats, &creds, "bridge-10");
+    let mut roll = bridge.subscribe_all([m.who_is_there()]);
+    epp.publish(
+        &m.who_is_there(),
+        encode(&kvrouter_protocol::WhoIsThere {
+            replica_id: "epp".into(),
+        })
+        .unwrap(),
+    );
+    let calls = roll.get_mut(&m.who_is_there()).unwrap();
+    assert_eq!(
+        bridge.subjects_until(calls, &m.who_is_there()),
+        vec![m.who_is_there()]
+    );
+    bridge.publish(&m.register(10), encode(&fresh_registration(10)).unwrap());
+    let heard = regs
+        .get_mut(&m.every_worker(WorkerSubject::Register))
+        .unwrap();
+    assert_eq!(
+        epp.subjects_until(heard, &m.register(10)),
+        vec![m.register(10)]
+    );
+    let mut raw = Raw::connect(&nats, &creds, "epp-0");
+    for (subject, queue) in [
+        (m.kv_events(10), None),
+        (m.load(10), None),
+        (
+            s.route(),
+            Some(kvrouter_protocol::subjects::ROUTER_QUEUE_GROUP),
+        ),
+        ("_INBOX.>".to_string(), None),
+    ] {
+        raw.subscribe(&subject, queue);
+        assert!(
+            raw.refused(&format!("Subscription to \"{subject}\"")),
+            "the picker may subscribe {subject}: {:?}",
+            raw.errors()
+        );
+    }
 }
 
 #[test]

@@ -7,7 +7,6 @@ use anyhow::Context;
 use clap::Args;
 use kvrouter_bridge::{Bridge, BridgeConfig};
 use kvrouter_protocol::{EngineKind, WorkerRole};
-use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -149,9 +148,7 @@ pub async fn run(args: BridgeArgs) -> anyhow::Result<()> {
         "admin": bridge.admin_addr().map(|a| a.to_string()),
     });
     {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{line}").context("cannot write to stdout")?;
-        out.flush().context("cannot write to stdout")?;
+        super::print_start_line(line)?;
     }
     life.wait().await;
     let drain_budget = life.drain_budget();

@@ -13,7 +13,6 @@ use kvrouter_epp::{
     Directory, EppMetrics, EppServer, ExtProcService, GrpcLimits, Listeners, Picker,
 };
 use kvrouter_openai::Models;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -162,9 +161,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
             "health": server.health_addr.to_string(),
             "admin": admin.to_string(),
         });
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{line}").context("cannot write to stdout")?;
-        out.flush().context("cannot write to stdout")?;
+        super::print_start_line(line)?;
     }
     life.wait().await;
     let drain_budget = life.drain_budget();

@@ -9,7 +9,6 @@ use anyhow::Context;
 use clap::Args;
 use kvrouter_client::KvRouterClient;
 use kvrouter_frontend::{Frontend, FrontendConfig, FrontendServer};
-use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -84,9 +83,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     tracing::info!(listen = %server.addr, "frontend serving");
     {
         let line = serde_json::json!({ "listen": server.addr.to_string() });
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{line}").context("cannot write to stdout")?;
-        out.flush().context("cannot write to stdout")?;
+        super::print_start_line(line)?;
     }
     life.wait().await;
     let drain_budget = life.drain_budget();

@@ -187,9 +187,7 @@ pub async fn run(args: MockerArgs) -> anyhow::Result<()> {
         serde_json::to_string(&instance_ids)?
     );
     {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{line}").context("cannot write to stdout")?;
-        out.flush().context("cannot write to stdout")?;
+        super::print_start_line(line)?;
     }
     life.wait().await;
     let drain_budget = life.drain_budget();

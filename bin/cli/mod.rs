@@ -115,6 +115,16 @@ pub fn block_on<T>(fut: impl std::future::Future<Output = anyhow::Result<T>>) ->
 }
 
 /// Parses a u64 written in decimal or as 0x-prefixed hex.
+/// The start line a long-running command prints on stdout once it serves (addresses and
+/// ids, one JSON value), flushed at once: scripts and tests wait for it.
+pub fn print_start_line(line: impl std::fmt::Display) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").context("cannot write to stdout")?;
+    out.flush().context("cannot write to stdout")
+}
+
 pub fn parse_u64(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {

@@ -71,8 +71,54 @@ impl Creds {
     }
 }
 
+/// A nats-server and its monitoring port: a client's flush only writes its subscriptions
+/// out, so a party asks the server (`/connz`) whether they are in place before anyone
+/// publishes to them.
+struct Server {
+    nats: NatsServer,
+    monitor: u16,
+}
+
+impl std::ops::Deref for Server {
+    type Target = NatsServer;
+    fn deref(&self) -> &NatsServer {
+        &self.nats
+    }
+}
+
+impl Server {
+    /// Waits (5 s) until one connection holds every subject of `subjects`.
+    fn await_subscribed(&self, subjects: &[String]) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let (status, body) = http_get(self.monitor, "/connz?subs=1");
+            if status == 200 {
+                let connz: serde_json::Value = serde_json::from_str(&body).unwrap();
+                let holds_all = connz["connections"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| {
+                        let held = c["subscriptions_list"].as_array();
+                        subjects
+                            .iter()
+                            .all(|s| held.is_some_and(|h| h.iter().any(|x| x.as_str() == Some(s))))
+                    });
+                if holds_all {
+                    return;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server did not hold {subjects:?} within 5 s: {body}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// nats-server with a configuration that only includes the generated users file.
-fn server(creds: &Creds) -> NatsServer {
+fn server(creds: &Creds) -> Server {
     let conf = creds.dir.path().join("nats.conf");
     std::fs::write(&conf, "include \"nats-users.conf\"\n").unwrap();
     let check = std::process::Command::new("nats-server")
@@ -85,7 +131,10 @@ fn server(creds: &Creds) -> NatsServer {
         "nats-server refuses the generated users: {}",
         String::from_utf8_lossy(&check.stderr)
     );
-    NatsServer::start_with_args(&["-c", conf.to_str().unwrap()])
+    let monitor = free_port();
+    let nats =
+        NatsServer::start_with_args(&["-c", conf.to_str().unwrap(), "-m", &monitor.to_string()]);
+    Server { nats, monitor }
 }
 
 fn e2e_model_subjects() -> ModelSubjects {
@@ -135,13 +184,14 @@ fn sync_batch(replica_id: &str) -> SyncBatch {
 }
 
 /// A party on the bus with one identity, through kvrouter's bus (as the processes are).
-struct Party {
+struct Party<'s> {
     rt: tokio::runtime::Runtime,
     bus: Bus,
+    server: &'s Server,
 }
 
-impl Party {
-    fn connect(nats: &NatsServer, creds: &Creds, who: &str) -> Self {
+impl<'s> Party<'s> {
+    fn connect(nats: &'s Server, creds: &Creds, who: &str) -> Self {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -151,7 +201,11 @@ impl Party {
         let bus = rt
             .block_on(Bus::connect(&opts))
             .unwrap_or_else(|e| panic!("{who} connects: {e}"));
-        Self { rt, bus }
+        Self {
+            rt,
+            bus,
+            server: nats,
+        }
     }
 
     /// One subscription per subject, all in place on the server when it returns.
@@ -159,7 +213,7 @@ impl Party {
         &self,
         subjects: impl IntoIterator<Item = String>,
     ) -> BTreeMap<String, Subscription> {
-        self.rt.block_on(async {
+        let subs = self.rt.block_on(async {
             let mut subs = BTreeMap::new();
             for subject in subjects {
                 let sub = self.bus.subscribe(&subject).await.unwrap();
@@ -167,16 +221,21 @@ impl Party {
             }
             self.bus.flush().await.unwrap();
             subs
-        })
+        });
+        self.server
+            .await_subscribed(&subs.keys().cloned().collect::<Vec<_>>());
+        subs
     }
 
     /// A queue subscription in `group`, in place on the server when it returns.
     fn queue_subscribe(&self, subject: &str, group: &str) -> Subscription {
-        self.rt.block_on(async {
+        let sub = self.rt.block_on(async {
             let sub = self.bus.queue_subscribe(subject, group).await.unwrap();
             self.bus.flush().await.unwrap();
             sub
-        })
+        });
+        self.server.await_subscribed(&[subject.to_string()]);
+        sub
     }
 
     /// No subscription holds a message. Called once a message published after the forged

@@ -5,6 +5,7 @@
 mod common;
 
 mod image;
+mod k8s_gateway;
 mod k8s_locked;
 mod k8s_manifests;
 mod nats_creds;

@@ -206,6 +206,7 @@ mod tests {
             base_url: String::new(),
             block_size: 16,
             lease: kvrouter_protocol::Lease::NONE,
+            fallbacks: Vec::new(),
         };
         let s = disagg_json(
             "q",

@@ -139,8 +139,8 @@ pub struct ServeArgs {
     /// before it is logged and counted as overdue (kvrouter_transfers_overdue_total).
     #[arg(long, env = "KVROUTER_TRANSFER_TIMEOUT_SECS", default_value_t = 10.0)]
     transfer_timeout_secs: f64,
-    /// Book routes that come without a lease (callers of wire format 5, which know none)
-    /// and let any caller end them: only for a rolling upgrade from the previous release.
+    /// Book routes that come without a lease (callers built before leases, format 5, know
+    /// none) and let any caller end them: only while such callers are being replaced.
     #[arg(long, env = "KVROUTER_ALLOW_UNLEASED")]
     allow_unleased: bool,
     /// Remote lookups timing out in a row (a hung serving indexer) after which routes skip

@@ -111,11 +111,12 @@ fn only_the_lease_holder_ends_a_request_and_unleased_bookings_wait_for_an_upgrad
     owner.publish(&subjects.abandon(), encode(&abandon).unwrap());
     assert!(wait_until(Duration::from_secs(3), || sum(pa, ACTIVE) == 0.0));
 
-    // A booking without a lease (what a format-version-5 caller sends) is refused...
+    // A booking without a lease (what a caller that knows no leases sends) is refused, in
+    // either version read...
     let old = RouteRequest::new(MODEL, tokens(3, 2))
         .with_request_id("old")
         .with_update_states(true);
-    for payload in [encode(&old).unwrap(), encode_as(&old, 5).unwrap()] {
+    for payload in [encode(&old).unwrap(), encode_as(&old, 6).unwrap()] {
         match intruder.raw::<RouteDecision>(&subjects.route(), payload) {
             Reply::Err(e) => {
                 assert_eq!(e.kind, ErrorKind::InvalidRequest);
@@ -126,12 +127,12 @@ fn only_the_lease_holder_ends_a_request_and_unleased_bookings_wait_for_an_upgrad
     }
     assert_eq!(sum(pa, ACTIVE), 0.0);
 
-    // ...unless the replica is started for a rolling upgrade: then its version-5 caller
-    // books and frees as before.
+    // ...unless the replica is started with --allow-unleased: then such a caller books and
+    // frees as before leases existed.
     drop(_a);
     let _b = serve(&nats, "b", pb, &["--allow-unleased"]);
     assert!(ready(pb), "replica b turns ready");
-    let d = match intruder.raw::<RouteDecision>(&subjects.route(), encode_as(&old, 5).unwrap()) {
+    let d = match intruder.raw::<RouteDecision>(&subjects.route(), encode(&old).unwrap()) {
         Reply::Ok(d) => d,
         Reply::Err(e) => panic!("refused: {e:?}"),
     };
@@ -142,9 +143,9 @@ fn only_the_lease_holder_ends_a_request_and_unleased_bookings_wait_for_an_upgrad
         request_id: "old".into(),
         lease: Lease::NONE,
     };
-    match intruder.raw::<()>(&subjects.free("b"), encode_as(&free, 5).unwrap()) {
+    match intruder.raw::<()>(&subjects.free("b"), encode(&free).unwrap()) {
         Reply::Ok(()) => {}
-        Reply::Err(e) => panic!("the version-5 free was refused: {e:?}"),
+        Reply::Err(e) => panic!("the unleased free was refused: {e:?}"),
     }
     assert!(wait_until(Duration::from_secs(3), || sum(pb, ACTIVE) == 0.0));
 }

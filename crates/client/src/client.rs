@@ -509,6 +509,7 @@ mod tests {
                             tier_overlap_blocks: Default::default(),
                             block_size: 16,
                             lease: kvrouter_protocol::Lease::NONE,
+                            fallbacks: Vec::new(),
                         });
                         let reply = Bytes::from(encode(&decision).unwrap());
                         bus.publish(&msg.reply.unwrap(), reply).await.unwrap();

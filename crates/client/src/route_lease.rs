@@ -201,6 +201,7 @@ mod tests {
             base_url: String::new(),
             block_size: 2,
             lease,
+            fallbacks: Vec::new(),
         }
     }
 

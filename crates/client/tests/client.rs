@@ -28,6 +28,7 @@ fn decision(replica: &str) -> RouteDecision {
         base_url: String::new(),
         block_size: 0,
         lease: kvrouter_protocol::Lease::NONE,
+        fallbacks: Vec::new(),
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 
 /// The format version this build writes.
-pub const FORMAT_VERSION: u8 = 6;
+pub const FORMAT_VERSION: u8 = 7;
 /// The oldest version this build still reads: the previous one, read through [`Wire`].
 pub const MIN_READ_VERSION: u8 = FORMAT_VERSION - 1;
 /// Upper bound on an encoded message and on what decoding may allocate for it.
@@ -178,7 +178,7 @@ mod tests {
     use crate::lease::Lease;
     use crate::messages::*;
     use crate::types::*;
-    use crate::v5;
+    use crate::v6;
     use crate::wire::Wire;
     use proptest::prelude::*;
     use uuid::Uuid;
@@ -282,26 +282,26 @@ mod tests {
     }
 
     proptest! {
-        /// A registration is unchanged since version 5: the same bytes behind either version
+        /// A registration is unchanged since version 6: the same bytes behind either version
         /// byte, read back whole from both.
         #[test]
         fn registrations_round_trip_in_both_versions(reg in arb_registration()) {
             let now = encode(&reg).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 6));
-            let old = encode_as(&reg, 5).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 5));
+            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 7));
+            let old = encode_as(&reg, 6).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 6));
             prop_assert_eq!(&old[1..], &now[1..]);
         }
 
         #[test]
-        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..7) {
+        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..8) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             prop_assert!(decode_within_bounds::<Registration>(&bytes));
         }
 
         #[test]
-        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..7) {
+        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..8) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             prop_assert!(decode_within_bounds::<RouteRequest>(&bytes));
@@ -360,35 +360,33 @@ mod tests {
         allocated <= bound
     }
 
-    /// Routes cross versions: a version-5 request books without a lease; a version-5 peer
-    /// reads exactly what version 5 wrote.
+    /// Routes cross versions: a version-6 request asks for no fallbacks; a version-6 peer
+    /// reads exactly what version 6 wrote.
     #[test]
     fn route_requests_in_both_versions() {
-        let req = v6_route_request();
+        let req = v7_route_request();
         assert_eq!(
             decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
-            (req.clone(), 6)
+            (req.clone(), 7)
         );
-        let old = v5_codec_read::<v5::RouteRequest>(&encode_as(&req, 5).unwrap());
+        let old = v6_codec_read::<v6::RouteRequest>(&encode_as(&req, 6).unwrap());
         assert_eq!(old, req.to_previous());
-        assert_eq!(old.call_id, req.call_id);
-        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 5).unwrap()).unwrap();
-        assert_eq!(v, 5);
-        assert_eq!(back.lease, Lease::NONE);
+        assert_eq!((old.call_id, old.lease), (req.call_id, req.lease));
+        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 6).unwrap()).unwrap();
+        assert_eq!((v, back.fallbacks), (6, 0));
         assert_eq!(
             RouteRequest {
-                lease: req.lease,
+                fallbacks: 3,
                 ..back
             },
             req
         );
     }
 
-    /// A version-5 decision carries no lease; leases and abandons lose theirs on the way to a
-    /// version-5 peer and come back as none.
+    /// A version-6 decision carries no fallbacks; leases cross unchanged.
     #[test]
-    fn leases_in_both_versions() {
-        let d = v6_decision();
+    fn decisions_in_both_versions() {
+        let d = v7_decision();
         let both = DisaggDecision {
             prefill: d.clone(),
             decode: d.clone(),
@@ -397,46 +395,24 @@ mod tests {
         assert_eq!(
             decode_versioned::<Reply<DisaggDecision>>(&encode(&Reply::Ok(both.clone())).unwrap())
                 .unwrap(),
-            (Reply::Ok(both.clone()), 6)
+            (Reply::Ok(both.clone()), 7)
         );
-        let old: v5::DisaggDecision = v5_codec_read(&encode_as(&both, 5).unwrap());
-        assert_eq!(old.decode.block_size, 16);
-        let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 5).unwrap()).unwrap();
-        assert_eq!(
-            (back.prefill.lease, back.decode.lease),
-            (Lease::NONE, Lease::NONE)
-        );
-        let unleased = RouteDecision {
-            lease: Lease::NONE,
+        let old: v6::DisaggDecision = v6_codec_read(&encode_as(&both, 6).unwrap());
+        assert_eq!((old.decode.block_size, old.decode.lease), (16, d.lease));
+        let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 6).unwrap()).unwrap();
+        let bare = RouteDecision {
+            fallbacks: Vec::new(),
             ..d
         };
-        assert_eq!((back.prefill, back.decode), (unleased.clone(), unleased));
+        assert_eq!((back.prefill, back.decode), (bare.clone(), bare));
 
-        let lease = Lease::random();
         let update = RequestUpdate {
             model: "m".into(),
             request_id: "req-1".into(),
-            lease,
+            lease: Lease::random(),
         };
-        assert_eq!(
-            decode::<RequestUpdate>(&encode(&update).unwrap()).unwrap(),
-            update
-        );
-        let back: RequestUpdate = decode(&encode_as(&update, 5).unwrap()).unwrap();
-        assert_eq!(back.lease, Lease::NONE);
-        let abandon = Abandon {
-            model: "m".into(),
-            request_id: "req-1".into(),
-            call_id: 9,
-            kept_by: None,
-            lease,
-        };
-        assert_eq!(
-            decode::<Abandon>(&encode(&abandon).unwrap()).unwrap(),
-            abandon
-        );
-        let back: Abandon = decode(&encode_as(&abandon, 5).unwrap()).unwrap();
-        assert_eq!((back.call_id, back.lease), (9, Lease::NONE));
+        let back: RequestUpdate = decode(&encode_as(&update, 6).unwrap()).unwrap();
+        assert_eq!(back, update);
     }
 
     #[test]
@@ -498,24 +474,24 @@ mod tests {
         ));
     }
 
-    /// What the version-5 codec wrote: the version byte, then bincode of the v5 type.
-    fn v5_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
-        let mut out = vec![5u8];
+    /// What the version-6 codec wrote: the version byte, then bincode of the v6 type.
+    fn v6_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+        let mut out = vec![6u8];
         let config = config::standard().with_fixed_int_encoding();
         out.extend(bincode::serde::encode_to_vec(value, config).unwrap());
         out
     }
 
-    /// What a version-5 peer reads.
-    fn v5_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
-        assert_eq!(bytes[0], 5, "a version-5 peer reads only version 5");
+    /// What a version-6 peer reads.
+    fn v6_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
+        assert_eq!(bytes[0], 6, "a version-6 peer reads only version 6");
         let config = config::standard().with_fixed_int_encoding();
         let (v, n) = bincode::serde::decode_from_slice(&bytes[1..], config).unwrap();
         assert_eq!(n, bytes.len() - 1);
         v
     }
 
-    fn v6_route_request() -> RouteRequest {
+    fn v7_route_request() -> RouteRequest {
         RouteRequest {
             model: "llama".into(),
             request_id: "req-1".into(),
@@ -542,11 +518,12 @@ mod tests {
             priority_jump: 2.5,
             expected_output_tokens: Some(300),
             call_id: 0x1122_3344_5566_7788,
-            lease: Lease::random(),
+            lease: Lease::from_bits(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff),
+            fallbacks: 3,
         }
     }
 
-    fn v6_decision() -> RouteDecision {
+    fn v7_decision() -> RouteDecision {
         RouteDecision {
             worker_id: 7,
             dp_rank: 1,
@@ -555,21 +532,17 @@ mod tests {
             base_url: "http://10.0.0.5:8000".into(),
             tier_overlap_blocks: TierBlocks::on_device(3),
             block_size: 16,
-            lease: Lease::random(),
+            lease: Lease::from_bits(0xfeed_0000_0000_0000_0000_0000_0000_beef),
+            fallbacks: vec![Fallback {
+                worker_id: 8,
+                dp_rank: 0,
+                overlap_blocks: 2,
+                base_url: "http://10.0.0.6:8000".into(),
+            }],
         }
     }
 
-    fn v6_abandon() -> Abandon {
-        Abandon {
-            model: "m".into(),
-            request_id: "req-1".into(),
-            call_id: 0x1122_3344_5566_7788,
-            kept_by: Some("r2".into()),
-            lease: Lease::random(),
-        }
-    }
-
-    fn v6_sync_batch() -> SyncBatch {
+    fn v7_sync_batch() -> SyncBatch {
         let id = || "r1:a".to_string();
         SyncBatch {
             replica_id: "r1".into(),
@@ -594,26 +567,23 @@ mod tests {
         }
     }
 
-    /// `v6_route_request()`, `v6_decision()` and `v6_abandon()` (less their leases) as the
-    /// version-5 codec encoded them, captured by running the code before version 6 existed.
-    /// Never update these: a mismatch means v5 types changed.
-    const V5_REQUEST_HEX: &str = concat!(
-        "0505000000000000006c6c616d6105000000000000007265712d310300000000",
+    /// `v7_route_request()` and `v7_decision()` (less their fallbacks) as the version-6
+    /// codec encoded them, captured by running the code before version 7 existed. Never
+    /// update these: a mismatch means v6 types changed.
+    const V6_REQUEST_HEX: &str = concat!(
+        "0605000000000000006c6c616d6105000000000000007265712d310300000000",
         "0000000100000002000000efbeadde0101000000000000006101020000000000",
         "0000040000000000000008070605040302010109000000000000000103000000",
         "0101020000000000000002000000000000000300000000000000696d67010000",
         "0000000000320000000000000000010100000000000000730200000000000000",
         "050000000000000006000000000000000101000000000000e03f0001cdcccccc",
-        "ccccec3f00000000000000000440012c0100008877665544332211",
+        "ccccec3f00000000000000000440012c0100008877665544332211ffeeddccbb",
+        "aa99887766554433221100",
     );
-    const V5_DECISION_HEX: &str = concat!(
-        "0507000000000000000100000003000000020000000000000072311400000000",
+    const V6_DECISION_HEX: &str = concat!(
+        "0607000000000000000100000003000000020000000000000072311400000000",
         "000000687474703a2f2f31302e302e302e353a38303030030000000000000000",
-        "0000000000000010000000",
-    );
-    const V5_ABANDON_HEX: &str = concat!(
-        "0501000000000000006d05000000000000007265712d31887766554433221101",
-        "02000000000000007232",
+        "0000000000000010000000efbe000000000000000000000000edfe",
     );
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -624,32 +594,25 @@ mod tests {
     }
 
     #[test]
-    fn version_5_bytes_are_frozen() {
-        let frozen = unhex(V5_REQUEST_HEX);
-        let req = v6_route_request();
-        assert_eq!(v5_codec_bytes(&req.to_previous()), frozen);
-        assert_eq!(encode_as(&req, 5).unwrap(), frozen);
+    fn version_6_bytes_are_frozen() {
+        let frozen = unhex(V6_REQUEST_HEX);
+        let req = v7_route_request();
+        assert_eq!(v6_codec_bytes(&req.to_previous()), frozen);
+        assert_eq!(encode_as(&req, 6).unwrap(), frozen);
         let back = decode::<RouteRequest>(&frozen).unwrap();
         assert_eq!(back.to_previous(), req.to_previous());
 
-        let frozen = unhex(V5_DECISION_HEX);
-        let d = v6_decision();
-        assert_eq!(encode_as(&d, 5).unwrap(), frozen);
+        let frozen = unhex(V6_DECISION_HEX);
+        let d = v7_decision();
+        assert_eq!(encode_as(&d, 6).unwrap(), frozen);
         let (back, v) = decode_versioned::<RouteDecision>(&frozen).unwrap();
-        assert_eq!((v, back.lease), (5, Lease::NONE));
+        assert_eq!((v, back.fallbacks.len()), (6, 0));
         assert_eq!(back.to_previous(), d.to_previous());
 
-        let frozen = unhex(V5_ABANDON_HEX);
-        let a = v6_abandon();
-        assert_eq!(encode_as(&a, 5).unwrap(), frozen);
-        assert_eq!(
-            decode::<Abandon>(&frozen).unwrap().to_previous(),
-            a.to_previous()
-        );
         // ...and a sync batch, unchanged, is the same bytes behind either version byte.
-        let batch = v6_sync_batch();
+        let batch = v7_sync_batch();
         assert_eq!(
-            encode_as(&batch, 5).unwrap()[1..],
+            encode_as(&batch, 6).unwrap()[1..],
             encode(&batch).unwrap()[1..]
         );
     }
@@ -657,47 +620,47 @@ mod tests {
     #[test]
     fn containers_convert_their_items() {
         let replies = vec![
-            Reply::Ok(v6_decision()),
+            Reply::Ok(v7_decision()),
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x")),
         ];
-        let seen: Vec<Reply<v5::RouteDecision>> = v5_codec_read(&encode_as(&replies, 5).unwrap());
-        assert_eq!(seen[0], Reply::Ok(v6_decision().to_previous()));
+        let seen: Vec<Reply<v6::RouteDecision>> = v6_codec_read(&encode_as(&replies, 6).unwrap());
+        assert_eq!(seen[0], Reply::Ok(v7_decision().to_previous()));
         assert_eq!(
             seen[1],
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x"))
         );
         let back: Vec<Option<RouteDecision>> =
-            decode(&encode_as(&vec![Some(v6_decision()), None], 5).unwrap()).unwrap();
-        assert_eq!(back[0].as_ref().map(|d| d.lease), Some(Lease::NONE));
+            decode(&encode_as(&vec![Some(v7_decision()), None], 6).unwrap()).unwrap();
+        assert_eq!(back[0].as_ref().map(|d| d.fallbacks.len()), Some(0));
         assert_eq!(back[1], None);
         // An unchanged message is the same bytes behind either version byte.
         let q = StateQuery { dp_rank: 4 };
-        assert_eq!(encode_as(&q, 5).unwrap()[1..], encode(&q).unwrap()[1..]);
+        assert_eq!(encode_as(&q, 6).unwrap()[1..], encode(&q).unwrap()[1..]);
         assert_eq!(encode(&q).unwrap()[0], FORMAT_VERSION);
     }
 
     #[test]
     fn only_the_current_and_previous_versions_are_read_and_written() {
-        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (5, 6));
-        let req = v6_route_request();
+        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (6, 7));
+        let req = v7_route_request();
         let bytes = encode(&req).unwrap();
-        for v in [0u8, 1, 2, 3, 4, 7, 255] {
+        for v in [0u8, 1, 2, 3, 4, 5, 8, 255] {
             let mut bad = bytes.clone();
             bad[0] = v;
             assert_eq!(
                 decode::<RouteRequest>(&bad),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 5,
-                    max: 6
+                    min: 6,
+                    max: 7
                 })
             );
             assert_eq!(
                 encode_as(&req, v),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 5,
-                    max: 6
+                    min: 6,
+                    max: 7
                 })
             );
         }
@@ -706,18 +669,18 @@ mod tests {
     #[test]
     fn replies_go_out_in_the_request_version() {
         let q = StateQuery { dp_rank: 1 };
-        assert_eq!(reply_version(&encode(&q).unwrap()), 6);
-        assert_eq!(reply_version(&encode_as(&q, 5).unwrap()), 5);
+        assert_eq!(reply_version(&encode(&q).unwrap()), 7);
+        assert_eq!(reply_version(&encode_as(&q, 6).unwrap()), 6);
         assert_eq!(reply_version(&[]), FORMAT_VERSION);
         assert_eq!(reply_version(&[0, 1, 2]), FORMAT_VERSION);
-        assert_eq!(reply_version(&[4]), FORMAT_VERSION);
-        // Even an undecodable request in version 5 is answered in version 5.
-        assert_eq!(reply_version(&[5, 0xff]), 5);
+        assert_eq!(reply_version(&[5]), FORMAT_VERSION);
+        // Even an undecodable request in version 6 is answered in version 6.
+        assert_eq!(reply_version(&[6, 0xff]), 6);
     }
 
     #[test]
     fn encoded_len_is_the_payload_size() {
-        let req = v6_route_request();
+        let req = v7_route_request();
         assert_eq!(encoded_len(&req).unwrap(), encode(&req).unwrap().len() - 1);
     }
 

@@ -5,7 +5,7 @@
 //! - [`subjects`]: where on the bus each message travels.
 //! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
 //! - [`wire`]: the [`Wire`] trait: a message's current and previous-version shapes.
-//! - [`v5`]: the frozen version-5 shapes of the types version 6 changed.
+//! - [`v6`]: the frozen version-6 shapes of the types version 7 changed.
 //! - [`lease`]: route leases, what a route answer grants its caller.
 //! - [`limits`]: how large a caller's input may be, and the checks ([`LimitError`]).
 //! - [`chunk`]: splitting lists into messages under a byte budget.
@@ -19,7 +19,7 @@ pub mod limits;
 pub mod messages;
 pub mod subjects;
 pub mod types;
-pub mod v5;
+pub mod v6;
 pub mod wire;
 
 pub use chunk::chunk_by_budget;

@@ -46,6 +46,10 @@ pub const MAX_EXTRAS_BYTES: usize = 256 * 1024;
 /// registered KV capacity, which no single request can outgrow.
 pub const MAX_EXPECTED_OUTPUT_TOKENS: u32 = 1 << 20;
 
+/// Most fallbacks a route decision carries (`RouteRequest::fallbacks`): more asked for are
+/// clamped to it. A gateway tries few endpoints before it gives up.
+pub const MAX_FALLBACKS: u8 = 8;
+
 /// Default of a replica's `--max-priority-jump-secs`: a `priority_jump` above it counts as
 /// this much. Far longer than any request may wait in the queue (`--max-queue-wait-ms`).
 pub const DEFAULT_MAX_PRIORITY_JUMP_SECS: f64 = 60.0;

@@ -308,6 +308,11 @@ pub struct RouteRequest {
     /// [`Lease::NONE`] from a version-5 caller; replicas refuse a booking without a lease
     /// unless started with `--allow-unleased`. New in format version 6.
     pub lease: Lease,
+    /// Up to this many next-best workers beside the choice, by cost, for a caller that can
+    /// fall back (a gateway retrying elsewhere): other workers than the chosen one, the best
+    /// rank of each (0: none; at most [`crate::limits::MAX_FALLBACKS`] are given). They are
+    /// not booked. New in format version 7.
+    pub fallbacks: u8,
 }
 
 /// Building a request: [`RouteRequest::new`] is a plain lookup (no request id, nothing
@@ -344,6 +349,12 @@ impl RouteRequest {
     /// The lease a booking is held under (see [`RouteRequest::lease`]).
     pub fn with_lease(mut self, lease: Lease) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// Ask for up to `n` fallbacks beside the choice (see [`RouteRequest::fallbacks`]).
+    pub fn with_fallbacks(mut self, n: u8) -> Self {
+        self.fallbacks = n;
         self
     }
 
@@ -472,6 +483,20 @@ pub struct RouteDecision {
     /// The lease the booking is held under: the request's ([`Lease::NONE`] when nothing was
     /// booked, or from a version-5 replica). New in format version 6.
     pub lease: Lease,
+    /// The next-best workers, best first, when the request asked for them (none from a
+    /// version-6 replica). New in format version 7.
+    pub fallbacks: Vec<Fallback>,
+}
+
+/// A worker a request may fall back to when its choice fails it (not booked).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fallback {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// Leading blocks of the request cached on the rank's device.
+    pub overlap_blocks: u32,
+    /// The worker's HTTP address from its registration (empty for the mocker).
+    pub base_url: String,
 }
 
 impl RouteDecision {
@@ -502,6 +527,8 @@ pub struct RouteAnswer {
     /// The booking's lease (32 hexadecimal digits): send it with `prefill_done`,
     /// `output_block` and `free`; `null` when nothing was booked.
     pub lease: Option<String>,
+    /// The next-best workers, best first (`fallbacks` in the request; empty otherwise).
+    pub fallbacks: Vec<Fallback>,
 }
 
 impl RouteAnswer {
@@ -516,6 +543,7 @@ impl RouteAnswer {
             replica_id: d.replica_id,
             block_size: d.block_size,
             lease: (!d.lease.is_none()).then(|| d.lease.to_hex()),
+            fallbacks: d.fallbacks,
         }
     }
 }
@@ -973,6 +1001,7 @@ mod tests {
                 expected_output_tokens: None,
                 call_id: 0,
                 lease: crate::Lease::NONE,
+                fallbacks: 0,
             }
         );
         let pin = Pin {
@@ -997,7 +1026,8 @@ mod tests {
             .with_overrides(overrides)
             .with_priority_jump(2.5)
             .with_expected_output_tokens(64)
-            .with_call_id(42);
+            .with_call_id(42)
+            .with_fallbacks(2);
         assert_eq!(
             full,
             RouteRequest {
@@ -1015,6 +1045,7 @@ mod tests {
                 expected_output_tokens: Some(64),
                 call_id: 42,
                 lease: full.lease,
+                fallbacks: 2,
             }
         );
         assert!(!full.lease.is_none(), "a booked route is leased");
@@ -1054,6 +1085,12 @@ mod tests {
             },
             block_size: 0,
             lease: crate::Lease::NONE,
+            fallbacks: vec![Fallback {
+                worker_id: 9,
+                dp_rank: 0,
+                overlap_blocks: 2,
+                base_url: "http://10.0.0.9:8000".into(),
+            }],
         });
         let back: Reply<RouteDecision> = decode(&encode(&ok).unwrap()).unwrap();
         assert_eq!(back, ok);
@@ -1161,6 +1198,7 @@ mod tests {
             tier_overlap_blocks: TierBlocks::default(),
             block_size: 0,
             lease: crate::Lease::NONE,
+            fallbacks: Vec::new(),
         };
         let ok: Reply<DisaggDecision> = Reply::Ok(DisaggDecision {
             prefill: d(1, 2),

@@ -1,7 +1,7 @@
 //! The process-wide write version (its own test binary: it is global state).
 
 use kvrouter_protocol::{
-    decode, decode_versioned, encode, set_write_version, v5, write_version, Lease, RouteOverrides,
+    decode, decode_versioned, encode, set_write_version, v6, write_version, Lease, RouteOverrides,
     RouteRequest, FORMAT_VERSION,
 };
 
@@ -26,6 +26,7 @@ fn request_with_every_field() -> RouteRequest {
         expected_output_tokens: Some(64),
         call_id: 3,
         lease: Lease::parse_hex("0123456789abcdef0123456789abcdef").unwrap(),
+        fallbacks: 2,
     }
 }
 
@@ -39,7 +40,7 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     let old = encode(&request_with_every_field()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
-    let seen: v5::RouteRequest = bincode::serde::decode_from_slice(
+    let seen: v6::RouteRequest = bincode::serde::decode_from_slice(
         &old[1..],
         bincode::config::standard().with_fixed_int_encoding(),
     )
@@ -58,7 +59,8 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
         ),
         (1.5, Some(64), 3)
     );
-    assert_eq!(back.lease, Lease::NONE);
+    assert_eq!(back.lease, request_with_every_field().lease);
+    assert_eq!(back.fallbacks, 0);
 
     assert!(set_write_version(FORMAT_VERSION + 1).is_err());
     assert!(set_write_version(0).is_err());

@@ -239,8 +239,8 @@ pub struct ReplicaConfig {
     /// How long a disaggregated request may wait for its KV transfer reports before it is
     /// logged and counted as overdue (`--transfer-timeout-secs`).
     pub transfer_timeout: Duration,
-    /// Book routes without a lease (`--allow-unleased`: a rolling upgrade from format
-    /// version 5); otherwise a booked route without one is refused.
+    /// Book routes without a lease (`--allow-unleased`: a fleet upgraded from one whose
+    /// callers knew none); otherwise a booked route without one is refused.
     pub allow_unleased: bool,
 }
 

@@ -269,6 +269,7 @@ async fn route_disagg(
         base_url: m.status.layouts.base_url(sel.key.worker_id),
         block_size: m.status.block_size().unwrap_or(0),
         lease: booked_lease(req.update_states, req.lease),
+        fallbacks: Vec::new(),
     };
     tracing::debug!(model = %req.model, request_id = %req.request_id, prefill = %pre.key, decode = %dec.key, "disaggregated route");
     Ok((

@@ -9,9 +9,9 @@ use crate::serve::{serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
-    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, Lease, LimitError,
-    LocalBlockHash, OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad, PromptExtras,
-    RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier,
+    prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, Fallback, Lease,
+    LimitError, LocalBlockHash, OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad,
+    PromptExtras, RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier,
 };
 use kvrouter_scheduler::{RouteFilters, Selection};
 use std::sync::Arc;
@@ -323,6 +323,7 @@ pub(crate) async fn route(
     );
     job.token.call_id = req.call_id;
     job.lease = req.lease;
+    job.fallbacks = req.fallbacks;
     // Aggregated workers only, when the model also has prefill/decode ones.
     let allowed = aggregated_workers(&m.status.layouts, req.allowed_workers, req.pin.is_some());
     job.filters = RouteFilters::from_request(allowed, req.excluded_workers, req.pin);
@@ -345,12 +346,22 @@ pub(crate) async fn route(
             base_url: m.status.layouts.base_url(sel.key.worker_id),
             block_size: m.status.block_size().unwrap_or(0),
             lease: booked_lease(req.update_states, req.lease),
+            fallbacks: sel
+                .fallbacks
+                .iter()
+                .map(|&(key, overlap_blocks)| Fallback {
+                    worker_id: key.worker_id,
+                    dp_rank: key.dp_rank,
+                    overlap_blocks,
+                    base_url: m.status.layouts.base_url(key.worker_id),
+                })
+                .collect(),
         },
     ))
 }
 
-/// A booking needs a lease, unless the replica takes unleased ones (`--allow-unleased`: a
-/// rolling upgrade from format version 5, whose callers know no leases).
+/// A booking needs a lease, unless the replica takes unleased ones (`--allow-unleased`: for
+/// callers that know no leases).
 pub(crate) fn check_lease(
     shared: &ReplicaShared,
     model: &str,
@@ -365,7 +376,7 @@ pub(crate) fn check_lease(
         model,
         ErrorReply::new(
             ErrorKind::InvalidRequest,
-            "a booked route (update_states) needs a lease: 128 random bits the caller keeps and presents to mark, extend, free or abandon the request (a caller of format version 5 knows none: this replica was not started with --allow-unleased)",
+            "a booked route (update_states) needs a lease: 128 random bits the caller keeps and presents to mark, extend, free or abandon the request (a caller without one is taken only by a replica started with --allow-unleased)",
         ),
     ))
 }

@@ -84,6 +84,7 @@ pub fn route_job(
         priority_jump: 0.0,
         expected_output_tokens: None,
         lease: Lease::NONE,
+        fallbacks: 0,
         enqueued_at: crate::clock::now(),
         order: 0.0, // set by the scheduler's queue policy if it is queued
         token: RouteToken {

@@ -29,6 +29,8 @@ pub struct Queued<P> {
     pub expected_output_tokens: Option<u32>,
     /// The lease its booking will be held under (see [`RouteQuery`]).
     pub lease: Lease,
+    /// Fallbacks wanted (see [`RouteQuery`]).
+    pub fallbacks: u8,
     pub enqueued_at: Instant,
     /// Retry order: lower first, ties in arrival order (set by the scheduler's queue policy).
     pub order: f64,
@@ -58,6 +60,7 @@ impl<P> Queued<P> {
             priority_jump: query.priority_jump,
             expected_output_tokens: query.expected_output_tokens,
             lease: query.lease,
+            fallbacks: query.fallbacks,
             enqueued_at,
             order: 0.0,
             token,
@@ -75,6 +78,7 @@ impl<P> Queued<P> {
             priority_jump: self.priority_jump,
             expected_output_tokens: self.expected_output_tokens,
             lease: self.lease,
+            fallbacks: self.fallbacks,
             ..RouteQuery::default()
         }
         .with_filters(self.filters.view())

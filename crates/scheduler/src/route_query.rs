@@ -27,6 +27,8 @@ pub struct RouteQuery<'a> {
     pub expected_output_tokens: Option<u32>,
     /// The lease a booking is held under ([`Lease::NONE`]: none; any caller may end it).
     pub lease: Lease,
+    /// Next-best workers wanted beside the choice ([`crate::Selection::fallbacks`]).
+    pub fallbacks: u8,
 }
 
 impl<'a> RouteQuery<'a> {

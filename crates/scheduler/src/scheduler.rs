@@ -8,12 +8,12 @@ use crate::error::ScheduleError;
 use crate::queue::{Overloaded, Queued, RequestQueue};
 use crate::route_query::RouteQuery;
 use fastrand::Rng;
-use kvrouter_protocol::limits::MAX_EXPECTED_OUTPUT_TOKENS;
+use kvrouter_protocol::limits::{MAX_EXPECTED_OUTPUT_TOKENS, MAX_FALLBACKS};
 use kvrouter_protocol::{Lease, SequenceHash, TierBlocks, WorkerId, WorkerKey};
 use std::time::{Duration, Instant};
 
 /// The chosen worker key and why.
-#[derive(Copy, Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Selection {
     pub key: WorkerKey,
     /// Leading blocks of the request cached on the key's device.
@@ -23,6 +23,10 @@ pub struct Selection {
     pub cost: f64,
     pub prefill_blocks: f64,
     pub decode_blocks: u64,
+    /// The next-best keys by cost, best first, with their device overlap: other workers
+    /// than the chosen key's, the cheapest rank of each, as many as the query asked for (at
+    /// most [`MAX_FALLBACKS`]). Not booked.
+    pub fallbacks: Vec<(WorkerKey, u32)>,
 }
 
 /// What a key's load would be if the request went there.
@@ -645,6 +649,33 @@ impl<P> Scheduler<P> {
         (cached, c)
     }
 
+    /// Up to `wanted` (at most [`MAX_FALLBACKS`]) of the scored candidates, cheapest first,
+    /// one key per worker and none of `chosen`'s: where a caller may go if its choice fails.
+    /// Reorders `scored`.
+    fn fallbacks(
+        &self,
+        scored: &mut [(Slot, TierBlocks, KeyCost)],
+        chosen: WorkerId,
+        wanted: u8,
+    ) -> Vec<(WorkerKey, u32)> {
+        let wanted = usize::from(wanted.min(MAX_FALLBACKS));
+        if wanted == 0 {
+            return Vec::new();
+        }
+        scored.sort_unstable_by(|a, b| a.2.cost.total_cmp(&b.2.cost));
+        let mut out: Vec<(WorkerKey, u32)> = Vec::with_capacity(wanted);
+        for (slot, cached, _) in scored.iter() {
+            let key = self.active.state(*slot).key;
+            if key.worker_id != chosen && out.iter().all(|(k, _)| k.worker_id != key.worker_id) {
+                out.push((key, cached.device));
+                if out.len() == wanted {
+                    break;
+                }
+            }
+        }
+        out
+    }
+
     fn select_slot(
         &mut self,
         req: &RouteQuery<'_>,
@@ -714,14 +745,17 @@ impl<P> Scheduler<P> {
             }
         };
         let (slot, cached, c) = scored[i];
+        let key = self.active.state(slot).key;
+        let fallbacks = self.fallbacks(&mut scored, key.worker_id, req.fallbacks);
         self.scored = scored;
         let sel = Selection {
-            key: self.active.state(slot).key,
+            key,
             overlap_blocks: cached.device,
             tier_overlap_blocks: cached,
             cost: c.cost,
             prefill_blocks: c.prefill_blocks,
             decode_blocks: c.decode_blocks,
+            fallbacks,
         };
         tracing::trace!(key = %sel.key, cost = sel.cost, overlap = cached.device, lower = cached.lower(), "selected");
         Ok((sel, slot))
@@ -766,6 +800,7 @@ mod tests {
     use super::*;
     use crate::FilterView;
     use kvrouter_protocol::RouteOverrides;
+    use std::collections::BTreeMap;
     use std::time::Duration;
 
     const BS: u32 = 4;
@@ -813,6 +848,76 @@ mod tests {
         assert_eq!(s.lease_admits("peer:x", Lease::NONE), Some(true));
         assert!(s.free("a"));
         assert_eq!(s.lease_admits("a", lease), None);
+    }
+
+    proptest::proptest! {
+        /// Fallbacks, against a reference: each candidate worker's cost is the cheapest of
+        /// its keys as a pinned selection prices it; the fallbacks are the cheapest workers
+        /// but the chosen one's, best first, as many as asked for (at most MAX_FALLBACKS),
+        /// each at its cheapest key.
+        #[test]
+        fn fallbacks_are_the_next_cheapest_workers(
+            ranks in proptest::collection::vec(1u32..4, 1..12),
+            overlaps in proptest::collection::vec((0u64..12, 0u32..3, 0u32..6), 0..24),
+            booked in proptest::collection::vec((0u64..12, 0u32..3, 1u64..40), 0..12),
+            wanted in 0u8..12,
+        ) {
+            let mut s = sched(|c| c.temperature = 0.0);
+            let now = Instant::now();
+            for (w, &n) in ranks.iter().enumerate() {
+                for r in 0..n {
+                    s.add_worker_key(k(w as u64, r), 1000);
+                }
+            }
+            let has = |w: u64, r: u32| ranks.get(w as usize).is_some_and(|&n| r < n);
+            for (i, &(w, r, tokens)) in booked.iter().enumerate() {
+                if has(w, r) {
+                    s.add_request(format!("b{i}"), k(w, r), &[], tokens, now).unwrap();
+                }
+            }
+            let mut ov: Vec<(WorkerKey, u32)> = Vec::new();
+            for &(w, r, o) in &overlaps {
+                if has(w, r) && !ov.iter().any(|(key, _)| *key == k(w, r)) {
+                    ov.push((k(w, r), o));
+                }
+            }
+            let h = hs(&[1, 2, 3, 4, 5, 6]);
+            let q = RouteQuery { fallbacks: wanted, ..RouteQuery::new(24, &h) };
+            let sel = s.select(&q, &ov).unwrap();
+            let mut cheapest: BTreeMap<u64, f64> = BTreeMap::new();
+            for key in s.worker_keys().collect::<Vec<_>>() {
+                let pinned = RouteQuery {
+                    filters: FilterView { pinned: Some(key), ..q.filters },
+                    fallbacks: 0,
+                    ..q
+                };
+                let c = s.select(&pinned, &ov).unwrap().cost;
+                let e = cheapest.entry(key.worker_id).or_insert(f64::INFINITY);
+                *e = e.min(c);
+            }
+            let mut others: Vec<f64> = cheapest
+                .iter()
+                .filter(|(w, _)| **w != sel.key.worker_id)
+                .map(|(_, c)| *c)
+                .collect();
+            others.sort_by(f64::total_cmp);
+            let n = usize::from(wanted.min(MAX_FALLBACKS)).min(others.len());
+            proptest::prop_assert_eq!(sel.fallbacks.len(), n);
+            let mut seen = std::collections::BTreeSet::new();
+            for (i, &(key, overlap)) in sel.fallbacks.iter().enumerate() {
+                proptest::prop_assert!(key.worker_id != sel.key.worker_id);
+                proptest::prop_assert!(seen.insert(key.worker_id), "one key per worker");
+                let pinned = RouteQuery {
+                    filters: FilterView { pinned: Some(key), ..q.filters },
+                    fallbacks: 0,
+                    ..q
+                };
+                let at = s.select(&pinned, &ov).unwrap();
+                proptest::prop_assert_eq!(at.cost, cheapest[&key.worker_id], "its cheapest key");
+                proptest::prop_assert_eq!(at.cost, others[i], "best first");
+                proptest::prop_assert_eq!(overlap, at.overlap_blocks);
+            }
+        }
     }
 
     #[test]

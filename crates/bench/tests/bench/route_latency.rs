@@ -29,6 +29,7 @@ async fn fake_route_replica(bus: &Bus) -> Arc<Mutex<Vec<RouteRequest>>> {
         base_url: String::new(),
         block_size: 0,
         lease: kvrouter_protocol::Lease::NONE,
+        fallbacks: Vec::new(),
     };
     let answer = Bytes::from(encode(&Reply::Ok(decision)).expect("encodes"));
     let (bus, seen2) = (bus.clone(), seen.clone());

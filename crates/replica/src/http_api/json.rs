@@ -74,6 +74,9 @@ pub struct RouteBody {
     /// it either way).
     #[serde(default)]
     pub lease: Option<String>,
+    /// Next-best workers wanted beside the choice (0 to 8; more count as 8).
+    #[serde(default)]
+    pub fallbacks: u8,
 }
 
 /// `kvrouter` in a route body: each `None` keeps the replica's setting.
@@ -153,7 +156,8 @@ impl RouteBody {
             .with_overrides(overrides)
             .with_priority_jump(self.priority_jump)
             .with_expected_output_tokens(self.expected_output_tokens)
-            .with_lease(lease))
+            .with_lease(lease)
+            .with_fallbacks(self.fallbacks))
     }
 }
 
@@ -454,6 +458,12 @@ mod tests {
             base_url: "http://w".into(),
             block_size: 16,
             lease: Lease::from_bits(0xab),
+            fallbacks: vec![kvrouter_protocol::Fallback {
+                worker_id: 8,
+                dp_rank: 0,
+                overlap_blocks: 1,
+                base_url: "http://v".into(),
+            }],
         };
         let json = serde_json::to_string(&RouteAnswer::new(d.clone(), "q")).unwrap();
         assert_eq!(
@@ -462,7 +472,8 @@ mod tests {
                 r#"{"worker_id":7,"dp_rank":1,"overlap_blocks":3,"#,
                 r#""tier_overlap_blocks":{"device":3,"host":2,"disk":0,"shared":1},"#,
                 r#""base_url":"http://w","request_id":"q","replica_id":"r","block_size":16,"#,
-                r#""lease":"000000000000000000000000000000ab"}"#
+                r#""lease":"000000000000000000000000000000ab","#,
+                r#""fallbacks":[{"worker_id":8,"dp_rank":0,"overlap_blocks":1,"base_url":"http://v"}]}"#
             )
         );
         let unbooked = RouteDecision {

@@ -1,14 +1,12 @@
-//! Format version 5, the previous version: the types version 6 changed, as version 5 encodes
-//! them, and how they convert. Version 6 added route leases: `lease` on `RouteRequest`,
-//! `DisaggRouteRequest`, `RouteDecision` (so `DisaggDecision`), `RequestUpdate`,
-//! `OutputBlock` and `Abandon`. A version-5 peer's booking is unleased ([`Lease::NONE`]):
-//! replicas refuse it unless started with `--allow-unleased` (a rolling upgrade), and any
-//! caller may then end it, as before leases existed.
+//! Format version 6, the previous version: the types version 7 changed, as version 6 encodes
+//! them, and how they convert. Version 7 added fallbacks: `fallbacks` (how many are wanted)
+//! on `RouteRequest`, and the next-best workers on `RouteDecision` (so `DisaggDecision`). A
+//! version-6 caller asks for none; a version-6 replica gives none.
 //!
-//! FROZEN: these types are what version-5 peers send and read. Never change them (fields,
+//! FROZEN: these types are what version-6 peers send and read. Never change them (fields,
 //! their order, their types, enum variants); a test pins their bytes. The current types they
-//! borrow (`Pin`, `RouteOverrides`, ...) encode as in version 5, as every type not listed
-//! here does.
+//! borrow (`Pin`, `RouteOverrides`, `Lease`, ...) encode as in version 6, as every type not
+//! listed here does.
 
 use crate::lease::Lease;
 use crate::messages::*;
@@ -16,7 +14,7 @@ use crate::types::{DpRank, PromptExtras, TierBlocks, WorkerId};
 use crate::wire::{unchanged_since_previous, Wire};
 use serde::{Deserialize, Serialize};
 
-/// [`crate::RouteRequest`] in version 5.
+/// [`crate::RouteRequest`] in version 6.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
     pub model: String,
@@ -32,9 +30,10 @@ pub struct RouteRequest {
     pub priority_jump: f64,
     pub expected_output_tokens: Option<u32>,
     pub call_id: u64,
+    pub lease: Lease,
 }
 
-/// A version-5 request books without a lease.
+/// A version-6 request asks for no fallbacks.
 impl Wire for crate::messages::RouteRequest {
     type Previous = RouteRequest;
 
@@ -53,7 +52,8 @@ impl Wire for crate::messages::RouteRequest {
             priority_jump: p.priority_jump,
             expected_output_tokens: p.expected_output_tokens,
             call_id: p.call_id,
-            lease: Lease::NONE,
+            lease: p.lease,
+            fallbacks: 0,
         }
     }
 
@@ -72,49 +72,12 @@ impl Wire for crate::messages::RouteRequest {
             priority_jump: self.priority_jump,
             expected_output_tokens: self.expected_output_tokens,
             call_id: self.call_id,
+            lease: self.lease,
         }
     }
 }
 
-/// [`crate::DisaggRouteRequest`] in version 5.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DisaggRouteRequest {
-    pub model: String,
-    pub request_id: String,
-    pub tokens: Vec<u32>,
-    pub lora: Option<String>,
-    pub allowed_workers: Option<Vec<WorkerId>>,
-    pub update_states: bool,
-}
-
-impl Wire for crate::messages::DisaggRouteRequest {
-    type Previous = DisaggRouteRequest;
-
-    fn from_previous(p: DisaggRouteRequest) -> Self {
-        Self {
-            model: p.model,
-            request_id: p.request_id,
-            tokens: p.tokens,
-            lora: p.lora,
-            allowed_workers: p.allowed_workers,
-            update_states: p.update_states,
-            lease: Lease::NONE,
-        }
-    }
-
-    fn to_previous(&self) -> DisaggRouteRequest {
-        DisaggRouteRequest {
-            model: self.model.clone(),
-            request_id: self.request_id.clone(),
-            tokens: self.tokens.clone(),
-            lora: self.lora.clone(),
-            allowed_workers: self.allowed_workers.clone(),
-            update_states: self.update_states,
-        }
-    }
-}
-
-/// [`crate::RouteDecision`] in version 5: no lease.
+/// [`crate::RouteDecision`] in version 6: no fallbacks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RouteDecision {
     pub worker_id: WorkerId,
@@ -124,6 +87,7 @@ pub struct RouteDecision {
     pub base_url: String,
     pub tier_overlap_blocks: TierBlocks,
     pub block_size: u32,
+    pub lease: Lease,
 }
 
 impl Wire for crate::messages::RouteDecision {
@@ -138,7 +102,8 @@ impl Wire for crate::messages::RouteDecision {
             base_url: p.base_url,
             tier_overlap_blocks: p.tier_overlap_blocks,
             block_size: p.block_size,
-            lease: Lease::NONE,
+            lease: p.lease,
+            fallbacks: Vec::new(),
         }
     }
 
@@ -151,11 +116,12 @@ impl Wire for crate::messages::RouteDecision {
             base_url: self.base_url.clone(),
             tier_overlap_blocks: self.tier_overlap_blocks,
             block_size: self.block_size,
+            lease: self.lease,
         }
     }
 }
 
-/// [`crate::DisaggDecision`] in version 5.
+/// [`crate::DisaggDecision`] in version 6.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DisaggDecision {
     pub prefill: RouteDecision,
@@ -183,95 +149,12 @@ impl Wire for crate::messages::DisaggDecision {
     }
 }
 
-/// [`crate::RequestUpdate`] in version 5.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RequestUpdate {
-    pub model: String,
-    pub request_id: String,
-}
-
-impl Wire for crate::messages::RequestUpdate {
-    type Previous = RequestUpdate;
-
-    fn from_previous(p: RequestUpdate) -> Self {
-        Self {
-            model: p.model,
-            request_id: p.request_id,
-            lease: Lease::NONE,
-        }
-    }
-
-    fn to_previous(&self) -> RequestUpdate {
-        RequestUpdate {
-            model: self.model.clone(),
-            request_id: self.request_id.clone(),
-        }
-    }
-}
-
-/// [`crate::OutputBlock`] in version 5.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct OutputBlock {
-    pub model: String,
-    pub request_id: String,
-    pub decay_fraction: Option<f64>,
-}
-
-impl Wire for crate::messages::OutputBlock {
-    type Previous = OutputBlock;
-
-    fn from_previous(p: OutputBlock) -> Self {
-        Self {
-            model: p.model,
-            request_id: p.request_id,
-            decay_fraction: p.decay_fraction,
-            lease: Lease::NONE,
-        }
-    }
-
-    fn to_previous(&self) -> OutputBlock {
-        OutputBlock {
-            model: self.model.clone(),
-            request_id: self.request_id.clone(),
-            decay_fraction: self.decay_fraction,
-        }
-    }
-}
-
-/// [`crate::Abandon`] in version 5.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Abandon {
-    pub model: String,
-    pub request_id: String,
-    pub call_id: u64,
-    pub kept_by: Option<String>,
-}
-
-impl Wire for crate::messages::Abandon {
-    type Previous = Abandon;
-
-    fn from_previous(p: Abandon) -> Self {
-        Self {
-            model: p.model,
-            request_id: p.request_id,
-            call_id: p.call_id,
-            kept_by: p.kept_by,
-            lease: Lease::NONE,
-        }
-    }
-
-    fn to_previous(&self) -> Abandon {
-        Abandon {
-            model: self.model.clone(),
-            request_id: self.request_id.clone(),
-            call_id: self.call_id,
-            kept_by: self.kept_by.clone(),
-        }
-    }
-}
-
-// Every message encoded the same in versions 5 and 6.
+// Every message encoded the same in versions 6 and 7.
 unchanged_since_previous!(
+    DisaggRouteRequest,
+    RequestUpdate,
+    OutputBlock,
+    Abandon,
     SeqChange,
     SyncBatch,
     crate::types::KvEvent,

@@ -63,6 +63,10 @@ pub struct EppArgs {
     /// Exchanges (requests) open at once over every gateway connection; more get 503.
     #[arg(long, env = "KVROUTER_MAX_INFLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
     max_inflight: u64,
+    /// Endpoints answered after the pick, the next best by cost, for the gateway to retry
+    /// on when the pick fails (0: the pick alone; at most 8).
+    #[arg(long, env = "KVROUTER_EPP_FALLBACKS", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=8))]
+    fallbacks: u8,
     /// Requests one gateway connection may have in flight.
     #[arg(long, env = "KVROUTER_EPP_MAX_STREAMS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     max_streams: u32,
@@ -119,6 +123,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                 router: router.clone(),
                 ranks: args.doors.engine.ranks(),
                 leases,
+                fallbacks: args.fallbacks,
             };
             let (admin, _, admin_task) = kvrouter_admin::serve(
                 args.admin_addr,

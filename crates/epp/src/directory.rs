@@ -25,7 +25,24 @@ pub fn endpoint_of(base_url: &str) -> Option<String> {
 #[derive(Default, Debug)]
 pub struct Directory {
     at: HashMap<String, BTreeSet<WorkerId>>,
-    of: HashMap<WorkerId, String>,
+    of: HashMap<WorkerId, Listed>,
+}
+
+/// A worker as its registration lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Listed {
+    endpoint: String,
+    /// Its data-parallel ranks: `dp_start_rank .. dp_start_rank + dp_size`.
+    ranks: std::ops::Range<u32>,
+}
+
+/// Which worker answers at a gateway endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AtEndpoint {
+    None,
+    One(WorkerId),
+    /// Several workers registered the same `ip:port`: the gateway cannot tell them apart.
+    Several(Vec<WorkerId>),
 }
 
 /// A directory shared by the task that follows registrations and the requests that read it.
@@ -40,23 +57,56 @@ impl Directory {
     pub fn registered(&mut self, r: &Registration) {
         self.deregistered(r.worker_id);
         if let Some(endpoint) = endpoint_of(&r.base_url) {
-            self.at
-                .entry(endpoint.clone())
-                .or_default()
-                .insert(r.worker_id);
-            self.of.insert(r.worker_id, endpoint);
+            let set = self.at.entry(endpoint.clone()).or_default();
+            set.insert(r.worker_id);
+            if set.len() == 2 {
+                tracing::warn!(
+                    endpoint,
+                    workers = ?set,
+                    "several workers registered one base URL: a gateway cannot tell them apart, so the picker will not move a booking to that endpoint (give each engine its own host:port)"
+                );
+            }
+            let start = r.dp_start_rank;
+            self.of.insert(
+                r.worker_id,
+                Listed {
+                    endpoint,
+                    ranks: start..start.saturating_add(r.dp_size.max(1)),
+                },
+            );
         }
     }
 
     pub fn deregistered(&mut self, worker: WorkerId) {
         if let Some(old) = self.of.remove(&worker) {
-            if let Some(set) = self.at.get_mut(&old) {
+            if let Some(set) = self.at.get_mut(&old.endpoint) {
                 set.remove(&worker);
                 if set.is_empty() {
-                    self.at.remove(&old);
+                    self.at.remove(&old.endpoint);
                 }
             }
         }
+    }
+
+    /// The worker at `endpoint`, if exactly one registered it.
+    pub fn worker_at(&self, endpoint: &str) -> AtEndpoint {
+        match self.at.get(endpoint) {
+            None => AtEndpoint::None,
+            Some(set) if set.len() == 1 => AtEndpoint::One(*set.first().expect("one")),
+            Some(set) => AtEndpoint::Several(set.iter().copied().collect()),
+        }
+    }
+
+    /// How many data-parallel ranks `worker` serves (`None`: not registered here).
+    pub fn rank_count(&self, worker: WorkerId) -> Option<u32> {
+        self.of.get(&worker).map(|l| l.ranks.len() as u32)
+    }
+
+    /// Whether `worker` serves data-parallel rank `rank`.
+    pub fn serves_rank(&self, worker: WorkerId, rank: u32) -> bool {
+        self.of
+            .get(&worker)
+            .is_some_and(|l| l.ranks.contains(&rank))
     }
 
     /// The workers at these endpoints.
@@ -152,6 +202,30 @@ mod tests {
         let at = |e: &[&str]| d.workers_at(&e.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         assert_eq!(at(&["10.0.0.2:8000"]), Vec::<WorkerId>::new());
         assert_eq!(at(&["10.0.0.1:8000"]), [1, 2]);
+    }
+
+    #[test]
+    fn an_endpoint_names_one_worker_or_is_ambiguous_and_ranks_are_known() {
+        let mut d = Directory::default();
+        let mut dp2 = reg(1, "http://10.0.0.1:8000");
+        (dp2.dp_size, dp2.dp_start_rank) = (2, 4);
+        d.registered(&dp2);
+        d.registered(&reg(2, "http://10.0.0.2:8000"));
+        d.registered(&reg(3, "http://10.0.0.2:8000"));
+        assert_eq!(d.worker_at("10.0.0.1:8000"), AtEndpoint::One(1));
+        assert_eq!(
+            d.worker_at("10.0.0.2:8000"),
+            AtEndpoint::Several(vec![2, 3])
+        );
+        assert_eq!(d.worker_at("10.0.0.3:8000"), AtEndpoint::None);
+        assert_eq!(
+            (d.rank_count(1), d.rank_count(2), d.rank_count(9)),
+            (Some(2), Some(1), None)
+        );
+        assert!(d.serves_rank(1, 4) && d.serves_rank(1, 5));
+        assert!(!d.serves_rank(1, 0) && !d.serves_rank(1, 6) && !d.serves_rank(9, 0));
+        d.deregistered(3);
+        assert_eq!(d.worker_at("10.0.0.2:8000"), AtEndpoint::One(2));
     }
 
     #[test]

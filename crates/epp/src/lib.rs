@@ -10,9 +10,9 @@ pub mod server;
 pub mod service;
 pub mod tls_incoming;
 
-pub use directory::Directory;
+pub use directory::{AtEndpoint, Directory};
 pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};
 pub use metrics::EppMetrics;
-pub use picker::Picker;
+pub use picker::{Booking, Picker};
 pub use server::{EppServer, GrpcLimits, Listeners};
 pub use service::ExtProcService;

@@ -24,6 +24,8 @@ pub struct EppMetrics {
     pub exchanges: Family<OutcomeLabels, Counter>,
     pub open: Gauge,
     pub pick_seconds: Histogram,
+    /// Answers the gateway got from another endpoint than the pick (a fallback).
+    pub served_elsewhere: Counter,
     pub leases: Arc<LeaseCounts>,
     /// A router replica answered the last readiness probe.
     pub ready: AtomicBool,
@@ -49,6 +51,12 @@ impl EppMetrics {
             "From the request's last body byte to the pick (parse, tokenize, route)",
             pick_seconds.clone(),
         );
+        let served_elsewhere = Counter::default();
+        registry.register(
+            "served_elsewhere",
+            "Requests the gateway served at another endpoint than the pick (a fallback); their booking moves there",
+            served_elsewhere.clone(),
+        );
         registry.register(
             "routes_taken",
             "Route decisions holding router load",
@@ -64,6 +72,7 @@ impl EppMetrics {
             exchanges,
             open,
             pick_seconds,
+            served_elsewhere,
             leases,
             ready: AtomicBool::new(false),
         }

@@ -3,31 +3,38 @@
 //! prompt tokens, limits), where it goes (a route through the replicas, booked under a
 //! lease), and what the engine gets (its rank as it takes one).
 
-use crate::directory::{endpoint_of, SharedDirectory};
+use crate::directory::{endpoint_of, AtEndpoint, SharedDirectory};
 use crate::exchange::{Pick, RouteAsk};
 use kvrouter_client::{KvRouterClient, LeaseCounts, RouteLease};
 use kvrouter_openai::{parse, Access, ApiError, Endpoint, Models, RankConvention};
-use kvrouter_protocol::ErrorKind;
+use kvrouter_protocol::{ErrorKind, Pin, RouteRequest};
 use std::sync::Arc;
 
 pub struct Picker {
     pub models: Models,
-    /// Workers by gateway endpoint, for the gateway's subset hint.
+    /// Workers by gateway endpoint: the subset hint, fallbacks and the endpoint that served.
     pub directory: SharedDirectory,
     pub access: Access,
     pub router: KvRouterClient,
     pub ranks: RankConvention,
     pub leases: Arc<LeaseCounts>,
+    /// Endpoints to answer after the pick, for the gateway to retry on (`--fallbacks`).
+    pub fallbacks: u8,
+}
+
+/// A booking, and what it takes to move it to the worker that served instead.
+pub struct Booking {
+    pub lease: RouteLease,
+    /// The route that booked it.
+    route: RouteRequest,
+    /// The rank the engine was told to serve on, if any (the fallbacks serve it too).
+    rank: Option<u32>,
 }
 
 impl Picker {
     /// Decides for `ask` under `route_id` (the booking's request id): the pick and the
     /// booking it holds, or the error the client gets.
-    pub async fn pick(
-        &self,
-        ask: RouteAsk,
-        route_id: &str,
-    ) -> Result<(Pick, RouteLease), ApiError> {
+    pub async fn pick(&self, ask: RouteAsk, route_id: &str) -> Result<(Pick, Booking), ApiError> {
         let grants = self
             .access
             .check(ask.authorization.as_deref().map(str::as_bytes))
@@ -48,7 +55,9 @@ impl Picker {
         };
         let req = parse(endpoint, &ask.body, grants)?;
         let understood = self.models.understand(&req).await?;
-        let mut route = understood.route_request(&req, route_id)?;
+        let mut route = understood
+            .route_request(&req, route_id)?
+            .with_fallbacks(self.fallbacks);
         if let Some(subset) = &ask.subset {
             // Only workers at the endpoints the gateway allows (and the caller's own
             // allowed workers among them).
@@ -85,17 +94,34 @@ impl Picker {
                 d.worker_id, d.base_url
             )));
         };
-        let headers = vec![
-            ("x-data-parallel-rank".to_string(), d.dp_rank.to_string()),
-            ("x-request-id".to_string(), route_id.to_string()),
-        ];
-        let body = match self.ranks {
-            RankConvention::Vllm => ask.body,
-            RankConvention::Sglang => {
+        let (endpoints, rank) = {
+            let dir = self.directory.read();
+            // An engine of one rank needs no instruction (and a fallback of several ranks
+            // then balances the request itself); told a rank, a fallback must serve it too.
+            let rank = (dir.rank_count(d.worker_id) != Some(1)).then_some(d.dp_rank);
+            let mut endpoints = vec![endpoint];
+            for f in &d.fallbacks {
+                let Some(e) = endpoint_of(&f.base_url) else {
+                    continue;
+                };
+                if !endpoints.contains(&e) && rank.is_none_or(|r| dir.serves_rank(f.worker_id, r)) {
+                    endpoints.push(e);
+                }
+            }
+            (endpoints, rank)
+        };
+        let mut headers = vec![("x-request-id".to_string(), route_id.to_string())];
+        let body = match (self.ranks, rank) {
+            (_, None) => ask.body,
+            (RankConvention::Vllm, Some(r)) => {
+                headers.push(("x-data-parallel-rank".to_string(), r.to_string()));
+                ask.body
+            }
+            (RankConvention::Sglang, Some(r)) => {
                 let mut v: serde_json::Map<String, serde_json::Value> =
                     serde_json::from_slice(&ask.body)
                         .map_err(|e| ApiError::invalid(None, e.to_string()))?;
-                v.insert("data_parallel_rank".into(), d.dp_rank.into());
+                v.insert("data_parallel_rank".into(), r.into());
                 serde_json::to_vec(&v)
                     .map_err(|e| ApiError::internal(e.to_string()))?
                     .into()
@@ -103,12 +129,63 @@ impl Picker {
         };
         Ok((
             Pick {
-                endpoints: vec![endpoint],
+                endpoints,
                 headers,
                 body,
             },
-            lease,
+            Booking { lease, route, rank },
         ))
+    }
+
+    /// The gateway served the request at `served`, not where it was booked (it fell back):
+    /// the booking moves to the worker there (pinned, booked afresh under a new id, the old
+    /// one freed). A `served` no single worker answers at frees the booking, since its load
+    /// is nowhere this picker can name.
+    pub async fn rebook(&self, served: &str, booking: Booking) -> Option<Booking> {
+        let worker = match self.directory.read().worker_at(served) {
+            AtEndpoint::One(w) => w,
+            other => {
+                tracing::warn!(served, at = ?other, booked = booking.lease.decision.worker_id, "the gateway served the request at an endpoint no single worker registered: its booking ends");
+                booking.lease.free();
+                return None;
+            }
+        };
+        if worker == booking.lease.decision.worker_id {
+            return Some(booking);
+        }
+        let id = kvrouter_client::new_request_id();
+        let route = booking
+            .route
+            .clone()
+            .booked(id.clone())
+            .with_fallbacks(0)
+            .with_allowed_workers(None)
+            .with_excluded_workers(Vec::new())
+            .with_pin(Some(Pin {
+                worker_id: worker,
+                dp_rank: booking.rank,
+            }));
+        booking.lease.free();
+        match self.router.route(&route).await {
+            Ok(decision) => {
+                tracing::info!(served, worker, "booking moved to the worker that served");
+                Some(Booking {
+                    lease: RouteLease::new(
+                        self.router.clone(),
+                        route.model.clone(),
+                        id,
+                        decision,
+                        self.leases.clone(),
+                    ),
+                    route,
+                    rank: booking.rank,
+                })
+            }
+            Err(e) => {
+                tracing::warn!(served, worker, error = %e, "the booking could not move to the worker that served");
+                None
+            }
+        }
     }
 }
 

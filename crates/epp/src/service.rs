@@ -7,8 +7,7 @@ use crate::exchange::{Effect, Exchange};
 use crate::ext_proc::processing_response::Response as Answer;
 use crate::ext_proc::{ProcessingRequest, ProcessingResponse, PROCESS_PATH, SERVICE_NAME};
 use crate::metrics::EppMetrics;
-use crate::picker::Picker;
-use kvrouter_client::RouteLease;
+use crate::picker::{Booking, Picker};
 use kvrouter_openai::ApiError;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -105,7 +104,7 @@ async fn exchange(
     mut ending: watch::Receiver<bool>,
 ) {
     let mut x = Exchange::new(max_body_bytes);
-    let mut lease: Option<RouteLease> = None;
+    let mut booking: Option<Booking> = None;
     let route_id = kvrouter_client::new_request_id();
     loop {
         let next = tokio::select! {
@@ -154,10 +153,10 @@ async fn exchange(
                         let picked = picker.pick(ask, &route_id).await;
                         metrics.pick_seconds.observe(t.elapsed().as_secs_f64());
                         match picked {
-                            Ok((pick, l)) => {
+                            Ok((pick, b)) => {
                                 metrics.picked();
                                 tracing::debug!(route_id, endpoint = ?pick.endpoints, "picked");
-                                lease = Some(l);
+                                booking = Some(b);
                                 next.extend(x.picked_route(pick));
                             }
                             Err(e) => {
@@ -167,16 +166,20 @@ async fn exchange(
                         }
                     }
                     Effect::PrefillDone => {
-                        if let Some(l) = lease.as_mut() {
-                            l.mark_prefill();
+                        if let Some(b) = booking.as_mut() {
+                            b.lease.mark_prefill();
                         }
                     }
                     Effect::ServedBy(endpoint) => {
                         tracing::info!(route_id, endpoint, picked = ?x.picked(), "the gateway served the request elsewhere than picked");
+                        metrics.served_elsewhere.inc();
+                        if let Some(b) = booking.take() {
+                            booking = picker.rebook(&endpoint, b).await;
+                        }
                     }
                     Effect::Finish => {
-                        if let Some(l) = lease.take() {
-                            l.free();
+                        if let Some(b) = booking.take() {
+                            b.lease.free();
                         }
                     }
                 }
@@ -186,8 +189,8 @@ async fn exchange(
     }
     // The stream ended before the answer did: the booking ends now, before the task does.
     if x.broken().contains(&Effect::Finish) {
-        if let Some(l) = lease.take() {
-            l.free_now().await;
+        if let Some(b) = booking.take() {
+            b.lease.free_now().await;
         }
     }
 }

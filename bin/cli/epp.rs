@@ -60,7 +60,7 @@ pub struct EppArgs {
     access: AccessArgs,
     #[command(flatten)]
     doors: DoorArgs,
-    /// Exchanges (requests) open at once over every gateway connection; more get 503.
+    /// Exchanges (requests) open at once over every gateway connection; more get 429.
     #[arg(long, env = "KVROUTER_MAX_INFLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
     max_inflight: u64,
     /// Endpoints answered after the pick, the next best by cost, for the gateway to retry

@@ -378,9 +378,10 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     );
     let v = sdk("subset", gateway, &["127.0.0.1:1", "1"]);
     assert_eq!(v["statuses"], serde_json::json!([503]), "{v}");
-    // Four answers held open fill --max-inflight 4: one more is a 503 with Retry-After.
+    // Four answers held open fill --max-inflight 4: one more is shed, a 429 with
+    // Retry-After.
     let v = sdk("overload", gateway, &["4"]);
-    assert_eq!(v["status"], 503, "{v}");
+    assert_eq!(v["status"], 429, "{v}");
     assert_eq!(v["retry_after"], "1", "{v}");
     // Every booking ended with its answer.
     assert!(
@@ -409,6 +410,7 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     );
     for line in [
         "kvrouter_epp_exchanges_total{outcome=\"refused\",status=\"503\"}",
+        "kvrouter_epp_exchanges_total{outcome=\"refused\",status=\"429\"}",
         "kvrouter_epp_exchanges_total{outcome=\"refused\",status=\"404\"}",
         "kvrouter_epp_exchanges_total{outcome=\"picked\",status=\"200\"}",
     ] {

@@ -73,13 +73,11 @@ impl Picker {
             }
             route.allowed_workers = Some(allowed);
         }
-        let decision = self.router.route(&route).await.map_err(|e| {
-            if ask.subset.is_some() && e.kind() == ErrorKind::NoAllowedWorkers {
-                no_eligible(&e.to_string())
-            } else {
-                ApiError::from_route(e.kind(), e.to_string())
-            }
-        })?;
+        let decision = self
+            .router
+            .route(&route)
+            .await
+            .map_err(|e| refusal(e.kind(), e.to_string(), ask.subset.is_some()))?;
         let lease = RouteLease::new(
             self.router.clone(),
             understood.model.name().to_string(),
@@ -189,9 +187,41 @@ impl Picker {
     }
 }
 
+/// What the client gets when the router refuses a route: shed (a replica's queue full or
+/// waited out) is the Inference Extension's 429, no worker at all a 503, and so on as the
+/// frontend answers.
+fn refusal(kind: ErrorKind, message: String, subset: bool) -> ApiError {
+    match kind {
+        ErrorKind::NoAllowedWorkers if subset => no_eligible(&message),
+        ErrorKind::Overloaded | ErrorKind::QueueTimeout => ApiError::shed(message),
+        kind => ApiError::from_route(kind, message),
+    }
+}
+
 /// 503: nothing the request may go to.
 fn no_eligible(why: &str) -> ApiError {
     let mut e = ApiError::overloaded(format!("no eligible endpoint: {why}"));
     e.retry_after = None;
     e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shed_is_429_and_no_capacity_503() {
+        let status = |k, subset| refusal(k, "x".into(), subset).status;
+        assert_eq!(status(ErrorKind::Overloaded, false), 429);
+        assert_eq!(status(ErrorKind::QueueTimeout, false), 429);
+        assert_eq!(
+            refusal(ErrorKind::Overloaded, "x".into(), false).retry_after,
+            Some(1)
+        );
+        assert_eq!(status(ErrorKind::NoWorkers, false), 503);
+        assert_eq!(status(ErrorKind::Unavailable, false), 503);
+        assert_eq!(status(ErrorKind::NoAllowedWorkers, true), 503);
+        assert_eq!(status(ErrorKind::NoAllowedWorkers, false), 400);
+        assert_eq!(status(ErrorKind::UnknownModel, false), 404);
+    }
 }

@@ -27,7 +27,7 @@ pub struct ExtProcService {
     picker: Arc<Picker>,
     metrics: Arc<EppMetrics>,
     max_body_bytes: usize,
-    /// Exchanges open at once, over every gateway connection; past them, 503.
+    /// Exchanges open at once, over every gateway connection; past them, 429.
     permits: Arc<Semaphore>,
     max_inflight: usize,
     /// Set at shutdown, once the drain's patience is spent: open exchanges end and free
@@ -123,8 +123,8 @@ async fn exchange(
             }
         };
         let mut effects = match x.on_message(msg) {
-            // No room: the first message is answered with a 503.
-            Ok(_) if full.is_some() && !x.is_done() => x.refused(&ApiError::overloaded(format!(
+            // No room: the first message is answered with a 429.
+            Ok(_) if full.is_some() && !x.is_done() => x.refused(&ApiError::shed(format!(
                 "the endpoint picker has {} exchanges open already (--max-inflight)",
                 full.unwrap_or_default()
             ))),

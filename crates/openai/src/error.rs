@@ -96,6 +96,18 @@ impl ApiError {
         }
     }
 
+    /// 429 with `Retry-After`: the request was shed (a queue full or waited out, too many
+    /// open at once) and may come back shortly. What a gateway's endpoint picker answers
+    /// where the frontend answers 503 ([`ApiError::overloaded`]); no capacity at all stays
+    /// a 503.
+    pub fn shed(message: impl Into<String>) -> Self {
+        Self {
+            retry_after: Some(1),
+            code: Some("overloaded"),
+            ..Self::new(429, "rate_limit_exceeded", message)
+        }
+    }
+
     /// 502: the engines failed the request.
     pub fn upstream(message: impl Into<String>) -> Self {
         Self::new(502, "upstream_error", message)

@@ -101,6 +101,9 @@ static_resources:
                 envoy_grpc: {{ cluster_name: epp }}
                 timeout: 10s
               message_timeout: 10s
+              # Fail closed: with the picker unreachable, an error rather than a request
+              # sent where no router chose (the Inference Extension's FailClose).
+              failure_mode_allow: false
               metadata_options:
                 forwarding_namespaces:
                   untyped: ["envoy.lb.subset_hint", "envoy.lb"]
@@ -187,45 +190,71 @@ fn bridged(nats: &NatsServer, dp: u32, bridge_args: &[&str]) -> (EmulatedEngine,
     (engine, bridge, worker)
 }
 
-/// A fleet behind Envoy and the picker: a replica, two emulated vLLM engines (dp 2 and 1)
-/// behind bridges, `kvrouter epp` (with `epp_args`), Envoy in front; everything ready.
+/// A fleet behind Envoy and the picker: two replicas, two emulated vLLM engines (dp 2 and 1)
+/// behind bridges, `kvrouter epp`, Envoy in front; everything ready.
 struct Gateway {
     nats: NatsServer,
-    replica: u16,
+    /// The replicas' admin ports.
+    replicas: [u16; 2],
     engines: Vec<(EmulatedEngine, Proc, u64)>,
     epp: Proc,
+    /// How the picker was started (less its listeners), to start it again.
+    epp_args: Vec<String>,
     /// The picker's ext_proc and admin ports, and Envoy's listener.
     listen: u16,
     admin: u16,
     port: u16,
     _envoy: Proc,
     _dirs: (tempfile::TempDir, tempfile::TempDir),
-    _serve: Proc,
+    _serve: [Proc; 2],
+}
+
+/// What a [`Gateway`] is started with, beside its defaults.
+#[derive(Default)]
+struct Setup<'a> {
+    /// The picker takes the gateway over TLS and requires its client certificate.
+    tls: bool,
+    epp: &'a [&'a str],
+    bridge: &'a [&'a str],
+    serve: &'a [&'a str],
 }
 
 impl Gateway {
     /// With `tls`, the picker takes the gateway over TLS and requires its client
     /// certificate; else plaintext.
     fn start(tls: bool, epp_args: &[&str]) -> Self {
-        Self::start_with(tls, epp_args, &[])
+        Self::start_with(Setup {
+            tls,
+            epp: epp_args,
+            ..Setup::default()
+        })
     }
 
-    /// [`Gateway::start`], the bridges started with `bridge_args`.
-    fn start_with(tls: bool, epp_args: &[&str], bridge_args: &[&str]) -> Self {
+    fn start_with(setup: Setup<'_>) -> Self {
         let nats = NatsServer::start();
-        let replica = free_port();
-        let serve = serve(&nats, "r1", replica, &[]);
+        let replicas = [free_port(), free_port()];
+        let serves = [
+            serve(&nats, "r1", replicas[0], setup.serve),
+            serve(&nats, "r2", replicas[1], setup.serve),
+        ];
         let engines = vec![
-            bridged(&nats, 2, bridge_args),
-            bridged(&nats, 1, bridge_args),
+            bridged(&nats, 2, setup.bridge),
+            bridged(&nats, 1, setup.bridge),
         ];
         let dir = model_dir();
-        let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
-        let url = nats.url();
         let cfg = tempfile::tempdir().unwrap();
-        let certs =
-            tls.then(|| TestCerts::generate(cfg.path()).expect("openssl makes test certificates"));
-        let tls_args: Vec<String> = match &certs {
+        let certs = setup
+            .tls
+            .then(|| TestCerts::generate(cfg.path()).expect("openssl makes test certificates"));
+        let mut epp_args: Vec<String> = vec![
+            "--nats".into(),
+            nats.url(),
+            "--health-listen".into(),
+            "127.0.0.1:0".into(),
+            "--model".into(),
+            format!("{E2E_MODEL}={}", dir.path().display()),
+        ];
+        epp_args.extend(match &certs {
             Some(c) => vec![
                 "--tls-cert".into(),
                 c.server_cert.display().to_string(),
@@ -235,74 +264,92 @@ impl Gateway {
                 c.ca.display().to_string(),
             ],
             None => vec!["--plaintext".into()],
-        };
-        let mut args = vec![
-            "epp",
-            "--nats",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-            "--health-listen",
-            "127.0.0.1:0",
-            "--admin-addr",
-            "127.0.0.1:0",
-            "--model",
-            &model_arg,
-        ];
-        args.extend(tls_args.iter().map(String::as_str));
-        args.extend_from_slice(epp_args);
-        let mut epp = kvrouter_proc("epp", &args);
-        let started = epp.first_json();
-        let port_of = |k: &str| -> u16 {
-            started[k]
-                .as_str()
-                .and_then(|a| a.rsplit(':').next()?.parse().ok())
-                .unwrap_or_else(|| panic!("the picker prints its {k} address: {started}"))
-        };
-        let admin = port_of("admin");
+        });
+        epp_args.extend(setup.epp.iter().map(|a| a.to_string()));
+        let (epp, listen, admin) = spawn_epp(&epp_args, 0);
         let port = free_port();
         let http: Vec<u16> = engines.iter().map(|(e, _, _)| e.http).collect();
-        let envoy = envoy(port, port_of("listen"), &http, cfg.path(), certs.as_ref());
-        assert!(ready(replica));
-        assert!(
-            ready(admin),
-            "the picker's /readyz: {:?}",
-            http_get(admin, "/readyz")
-        );
-        assert!(wait_until(Duration::from_secs(10), || metric_sum(
-            replica,
-            "kvrouter_worker_ranks"
-        ) >= 3.0));
+        let envoy = envoy(port, listen, &http, cfg.path(), certs.as_ref());
+        for r in replicas {
+            assert!(ready(r));
+            assert!(wait_until(Duration::from_secs(10), || metric_sum(
+                r,
+                "kvrouter_worker_ranks"
+            ) >= 3.0));
+        }
         Self {
             nats,
-            replica,
+            replicas,
             engines,
             epp,
-            listen: port_of("listen"),
+            epp_args,
+            listen,
             admin,
             port,
             _envoy: envoy,
             _dirs: (dir, cfg),
-            _serve: serve,
+            _serve: serves,
         }
     }
 
-    /// Requests the replica holds booked now.
-    fn booked(&self) -> f64 {
-        metric_sum(self.replica, "kvrouter_worker_active_requests")
+    /// A new picker on the old one's ext_proc port (once that one is gone).
+    fn restart_epp(&mut self) {
+        let (epp, listen, admin) = spawn_epp(&self.epp_args, self.listen);
+        assert_eq!(listen, self.listen);
+        (self.epp, self.admin) = (epp, admin);
     }
 
-    /// Requests the replica holds booked on `worker` now.
-    fn booked_on(&self, worker: u64) -> f64 {
-        let page = metrics(self.replica);
-        let label = format!("worker=\"{worker}\"");
-        let mine: String = page
-            .lines()
-            .filter(|l| l.contains(&label))
-            .map(|l| format!("{l}\n"))
-            .collect();
-        metric_sum_in(&mine, "kvrouter_worker_active_requests")
+    /// Requests booked now, as each replica counts them.
+    fn booked_each(&self) -> Vec<f64> {
+        self.replicas
+            .iter()
+            .map(|&r| metric_sum(r, "kvrouter_worker_active_requests"))
+            .collect()
     }
+
+    /// Requests booked now, as the replica that counts most counts them.
+    fn booked(&self) -> f64 {
+        self.booked_each().into_iter().fold(0.0, f64::max)
+    }
+
+    /// Requests booked on `worker` now, as the replica that counts most counts them.
+    fn booked_on(&self, worker: u64) -> f64 {
+        let label = format!("worker=\"{worker}\"");
+        self.replicas
+            .iter()
+            .map(|&r| {
+                let mine: String = metrics(r)
+                    .lines()
+                    .filter(|l| l.contains(&label))
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                metric_sum_in(&mine, "kvrouter_worker_active_requests")
+            })
+            .fold(0.0, f64::max)
+    }
+}
+
+/// `kvrouter epp` with `args`, its ext_proc listener on `listen` (0: any port), ready:
+/// (the process, its ext_proc port, its admin port).
+fn spawn_epp(args: &[String], listen: u16) -> (Proc, u16, u16) {
+    let listen = format!("127.0.0.1:{listen}");
+    let mut all = vec!["epp", "--listen", &listen, "--admin-addr", "127.0.0.1:0"];
+    all.extend(args.iter().map(String::as_str));
+    let mut epp = kvrouter_proc("epp", &all);
+    let started = epp.first_json();
+    let port_of = |k: &str| -> u16 {
+        started[k]
+            .as_str()
+            .and_then(|a| a.rsplit(':').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("the picker prints its {k} address: {started}"))
+    };
+    let admin = port_of("admin");
+    assert!(
+        ready(admin),
+        "the picker's /readyz: {:?}",
+        http_get(admin, "/readyz")
+    );
+    (epp, port_of("listen"), admin)
 }
 
 /// Completions and chat, streaming and not, through Envoy and the picker to the engines and
@@ -312,7 +359,7 @@ impl Gateway {
 #[test]
 fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     let g = Gateway::start(false, &["--max-inflight", "4"]);
-    let (gateway, a1, admin) = (g.port, g.replica, g.admin);
+    let (gateway, admin) = (g.port, g.admin);
     let (first, second) = (&g.engines[0].0, &g.engines[1].0);
 
     let v = sdk("basic", gateway, &[]);
@@ -339,17 +386,15 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     for (i, c) in cached.iter().enumerate().skip(1) {
         assert!(*c >= 64 * i as u64 - 16, "round {i} cached {c}: {v}");
     }
-    // A client hanging up mid-answer: its booking ends within a second on the replica.
+    // A client hanging up mid-answer: its booking ends within a second on every replica.
     let v = sdk("disconnect", gateway, &[]);
     assert_eq!(v["chunks"], 3, "{v}");
     let t = std::time::Instant::now();
     assert!(
-        wait_until(Duration::from_secs(1), || metric_sum(
-            a1,
-            "kvrouter_worker_active_requests"
-        ) == 0.0),
-        "a hung-up request still booked after {:?}",
-        t.elapsed()
+        wait_until(Duration::from_secs(1), || g.booked() == 0.0),
+        "a hung-up request still booked after {:?}: {:?}",
+        t.elapsed(),
+        g.booked_each()
     );
     // The gateway's subset hint: every request goes to the one engine it allows; none
     // allowed is a 503.
@@ -385,12 +430,9 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     assert_eq!(v["retry_after"], "1", "{v}");
     // Every booking ended with its answer.
     assert!(
-        wait_until(Duration::from_secs(2), || metric_sum(
-            a1,
-            "kvrouter_worker_active_requests"
-        ) == 0.0),
-        "bookings left: {}",
-        metric_sum(a1, "kvrouter_worker_active_requests")
+        wait_until(Duration::from_secs(2), || g.booked() == 0.0),
+        "bookings left: {:?}",
+        g.booked_each()
     );
     // The picker's own count: every route it took, freed; picks and refusals by status.
     let m = metrics(admin);
@@ -471,7 +513,10 @@ fn over_tls_and_on_sigterm_the_picker_frees_the_bookings_it_holds() {
 /// the answer streams.
 #[test]
 fn a_killed_engine_is_retried_on_the_fallback_and_the_booking_follows() {
-    let mut g = Gateway::start_with(false, &[], &["--health-interval-ms", "600000"]);
+    let mut g = Gateway::start_with(Setup {
+        bridge: &["--health-interval-ms", "600000"],
+        ..Setup::default()
+    });
     let (first, second) = (g.engines[0].2, g.engines[1].2);
     let only_second = format!("127.0.0.1:{}", g.engines[1].0.http);
     let v = sdk("conversation", g.port, &[&only_second, "3", "0"]);
@@ -515,4 +560,46 @@ fn a_killed_engine_is_retried_on_the_fallback_and_the_booking_follows() {
         g.admin,
         "kvrouter_epp_routes_freed_total"
     )));
+}
+
+/// The picker killed (SIGKILL) with an answer streaming, then started again on its port:
+/// while it is gone the gateway fails closed (Envoy's `failure_mode_allow: false`: an
+/// error, not a request sent where no router chose); the booking the dead picker held is
+/// freed by the replicas' request timeout (3 s here); the new picker serves again.
+#[test]
+fn killed_the_picker_fails_closed_its_bookings_time_out_and_it_comes_back() {
+    let mut g = Gateway::start_with(Setup {
+        serve: &["--request-timeout-secs", "3"],
+        ..Setup::default()
+    });
+    let port = g.port;
+    let held = std::thread::spawn(move || sdk("hold", port, &["20"]));
+    assert!(
+        wait_until(Duration::from_secs(10), || g.booked() == 1.0),
+        "no booking held"
+    );
+    g.epp.signal(libc::SIGKILL);
+    assert!(g.epp.wait_exit(Duration::from_secs(5)).is_some());
+    let killed = std::time::Instant::now();
+    let v = sdk("status", g.port, &[]);
+    assert!(
+        v["status"].as_u64().is_some_and(|s| s >= 500),
+        "with the picker gone the gateway must fail closed: {v}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(8), || g.booked() == 0.0),
+        "the dead picker's booking outlived the request timeout: {:?}",
+        g.booked_each()
+    );
+    eprintln!("booking freed {:?} after SIGKILL", killed.elapsed());
+    let v = held.join().unwrap();
+    assert!(v["chunks"].as_u64().unwrap_or(0) >= 1, "{v}");
+    g.restart_epp();
+    let v = sdk("status", g.port, &[]);
+    assert_eq!(v["status"], 200, "the restarted picker serves: {v}");
+    assert!(
+        wait_until(Duration::from_secs(2), || g.booked() == 0.0),
+        "{:?}",
+        g.booked_each()
+    );
 }

@@ -148,6 +148,17 @@ def conversation(c, model, endpoints, rounds, hold_secs):
     return out
 
 
+def status(c, model):
+    """One small completion: its HTTP status (200, or the error's)."""
+    try:
+        c.completions.create(model=model, prompt=tokens(12, 64), max_tokens=1)
+        return {"status": 200}
+    except openai.APIStatusError as e:
+        return {"status": e.status_code, "error": str(e)}
+    except openai.APIConnectionError as e:
+        return {"status": 0, "error": str(e)}
+
+
 def hold(c, model, secs):
     """Reads a long answer for up to secs seconds (or until the stream ends or breaks)."""
     stream = c.completions.create(model=model, prompt=tokens(9, 64), max_tokens=7000,
@@ -323,6 +334,8 @@ def main(argv):
         out = hold(c, model, float(argv[4]))
     elif scenario == "subset":
         out = subset(c, model, argv[4], int(argv[5]))
+    elif scenario == "status":
+        out = status(c, model)
     elif scenario == "conversation":
         out = conversation(c, model, argv[4], int(argv[5]), float(argv[6]))
     elif scenario == "prefix_cached":

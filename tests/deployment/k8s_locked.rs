@@ -39,10 +39,12 @@ pub(crate) const FRONTEND_SECRET: &str = "kvrouter-nats-frontend";
 pub(crate) const SEED_KEY: &str = "seed.nk";
 /// The servers' certificate for overlays/nats-tls (cert-manager's keys), made by the operator.
 const TLS_SECRET: &str = "nats-tls";
+/// The endpoint picker's ext_proc certificate for overlays/gateway, made by the operator.
+const EPP_TLS_SECRET: &str = "kvrouter-epp-tls";
 
 /// The Secrets `kvrouter creds` writes, by name: which keys each holds (`None`: any key of
 /// the form `replica-<id>.nk`). Frontends beyond the first (`--frontends N`) are
-/// `kvrouter-nats-frontend-<i>`.
+/// `kvrouter-nats-frontend-<i>`; endpoint pickers (`--epps N`) `kvrouter-nats-epp-<i>`.
 fn creds_secret_keys(name: &str) -> Option<Option<&'static str>> {
     let numbered = |prefix: &str| {
         name.strip_prefix(prefix)
@@ -54,7 +56,8 @@ fn creds_secret_keys(name: &str) -> Option<Option<&'static str>> {
         FRONTEND_SECRET => Some(Some(SEED_KEY)),
         _ if numbered("kvrouter-nats-bridge-")
             || numbered("kvrouter-nats-peer-")
-            || numbered("kvrouter-nats-frontend-") =>
+            || numbered("kvrouter-nats-frontend-")
+            || numbered("kvrouter-nats-epp-") =>
         {
             Some(Some(SEED_KEY))
         }
@@ -588,6 +591,14 @@ fn every_secret_referenced_is_one_kvrouter_creds_writes_or_optional() {
                             assert_eq!(key.as_deref(), Some("ca.crt"), "{at}: more than the CA");
                         }
                     }
+                    // The picker's ext_proc certificate (overlays/gateway): its pods alone.
+                    None if name == EPP_TLS_SECRET => {
+                        assert_eq!(w["metadata"]["name"], "kvrouter-epp", "{at}");
+                        assert!(
+                            matches!(key.as_deref(), Some("tls.crt" | "tls.key" | "ca.crt")),
+                            "{at}: {name} has no key {key:?}"
+                        );
+                    }
                     // Anything else (the Hub token) must not keep a pod from starting.
                     None => assert!(optional, "{at}: a required Secret {name} no tool writes"),
                 }
@@ -709,9 +720,20 @@ fn each_kvrouter_process_holds_only_its_own_seed() {
                 }
             }
             match sub.as_str() {
-                "frontend" => {
-                    // Its own role's Secret, directly, only its seed.
-                    assert_eq!(volume_secrets(v), [FRONTEND_SECRET], "{who}");
+                "frontend" | "epp" => {
+                    // Its own role's Secret, directly, only its seed: the frontends' or an
+                    // endpoint picker's (`kvrouter creds --epps N`: kvrouter-nats-epp-<i>).
+                    let secrets = volume_secrets(v);
+                    if sub == "frontend" {
+                        assert_eq!(secrets, [FRONTEND_SECRET], "{who}");
+                    } else {
+                        assert!(
+                            secrets.len() == 1
+                                && creds_secret_keys(&secrets[0]).is_some()
+                                && secrets[0].starts_with("kvrouter-nats-epp-"),
+                            "{who}: {secrets:?}"
+                        );
+                    }
                     let items = list(v, "/secret/items");
                     assert_eq!(items.len(), 1, "{who}: {items:?}");
                     assert_eq!(items[0]["key"], SEED_KEY, "{who}");

@@ -493,8 +493,17 @@ fn admin_probes_and_grace(w: &Value, c: &Value, env: &BTreeMap<String, String>, 
 #[test]
 fn base_and_overlay_validate_against_the_kubernetes_schemas() {
     for m in every() {
+        // Kubernetes' own kinds; the custom resources (overlays/gateway's InferencePool and
+        // HTTPRoute), which kubernetes-validate does not know, are validated against the CRD
+        // schemas in deploy/kubernetes/schemas by k8s_gateway.rs.
+        let standard: Vec<&Value> = m
+            .docs
+            .iter()
+            .filter(|d| !crate::k8s_gateway::custom(d))
+            .collect();
+        let stream: String = standard.iter().map(|d| format!("---\n{d}\n")).collect();
         let mut file = tempfile::NamedTempFile::new().unwrap();
-        std::io::Write::write_all(&mut file, m.yaml.as_bytes()).unwrap();
+        std::io::Write::write_all(&mut file, stream.as_bytes()).unwrap();
         let path = file.path().to_str().unwrap().to_string();
         for version in K8S_VERSIONS {
             let mut args = vec!["-m", "kubernetes_validate", "--strict"];
@@ -517,7 +526,7 @@ fn base_and_overlay_validate_against_the_kubernetes_schemas() {
             let passed = report.matches(" passed for resource ").count();
             assert_eq!(
                 passed,
-                m.docs.len(),
+                standard.len(),
                 "{}: every object validated: {report}",
                 m.dir
             );

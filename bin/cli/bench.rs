@@ -37,6 +37,10 @@ pub enum BenchCommand {
     /// The frontend's added latency over calling the engine directly (open-loop streaming
     /// requests with token-id prompts, p50/p99 per rate) and the tokenizer's time per 1k tokens.
     Frontend(super::bench_frontend::FrontendBenchArgs),
+    /// The endpoint picker's added latency behind Envoy: the same open-loop streaming
+    /// requests through Envoy's round robin and through ext_proc and `kvrouter epp` to the
+    /// same engines (p50/p99 per rate). Needs `envoy` on PATH.
+    Epp(super::bench_epp::EppBenchArgs),
     /// A real fleet (nats-server, replicas, mocker workers) under traffic while a seeded
     /// schedule kills, pauses and restarts processes, drops KV events and publishes garbage;
     /// every replica is checked against the workers' true caches. Exits non-zero when the
@@ -161,6 +165,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Frontend(args) => {
             super::runtime()?.block_on(super::bench_frontend::run(args))
         }
+        BenchCommand::Epp(args) => super::runtime()?.block_on(super::bench_epp::run(args)),
         BenchCommand::Chaos(args) => super::runtime()?.block_on(super::bench_chaos::run(args)),
         BenchCommand::Hostile(args) => super::runtime()?.block_on(super::bench_hostile::run(args)),
         BenchCommand::GenTrace(args) => gen_trace(args),

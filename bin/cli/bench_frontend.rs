@@ -4,6 +4,7 @@ use clap::Args;
 use kvrouter_bench::frontend_bench::{
     run_frontend_bench, FrontendBenchConfig, FrontendBenchReport,
 };
+use kvrouter_bench::http_load::RateReport;
 use kvrouter_bus::NatsOptions;
 use std::path::PathBuf;
 
@@ -78,10 +79,22 @@ fn print_report(r: &FrontendBenchReport) {
         "{}-token token-id prompts, {} chunks {} us apart, {} s runs, routed over the {} bus",
         r.prompt_tokens, r.output_tokens, r.engine_itl_us, r.duration_s, r.bus
     );
-    for rate in &r.rates {
+    print_rates(&r.rates, ("engine  ", "frontend"), "the frontend");
+    for t in &r.tokenize {
+        println!(
+            "tokenizer (vocabulary {}), texts of {} tokens ({} bytes): {:.0} / {:.0} / {:.0} us per 1k tokens (min / median / max)",
+            r.vocab_size, t.tokens, t.bytes, t.us_per_1k_tokens.min, t.us_per_1k_tokens.median, t.us_per_1k_tokens.max
+        );
+    }
+}
+
+/// Each rate's runs (the baseline path, then the measured one) and what the measured path
+/// added: `names` label the two paths, `what` the measured one.
+pub(super) fn print_rates(rates: &[RateReport], names: (&str, &str), what: &str) {
+    for rate in rates {
         println!("at {} requests/s:", rate.rate);
         for (i, run) in rate.runs.iter().enumerate() {
-            for (path, p) in [("engine  ", &run.direct), ("frontend", &run.frontend)] {
+            for (path, p) in [(names.0, &run.baseline), (names.1, &run.measured)] {
                 println!(
                     "  run {} {path}: first bytes p50 {} us p99 {} us max {} us; end p99 {} us; {} ok {} failed; {:.0}/s; cpu {}",
                     i + 1,
@@ -100,16 +113,10 @@ fn print_report(r: &FrontendBenchReport) {
             format!("{:.0} / {:.0} / {:.0}", x.min, x.median, x.max)
         };
         println!(
-            "  added by the frontend (min / median / max us): first bytes p50 {}, p99 {}; end p99 {}",
+            "  added by {what} (min / median / max us): first bytes p50 {}, p99 {}; end p99 {}",
             s(&rate.added_ttft_p50_us),
             s(&rate.added_ttft_p99_us),
             s(&rate.added_end_p99_us)
-        );
-    }
-    for t in &r.tokenize {
-        println!(
-            "tokenizer (vocabulary {}), texts of {} tokens ({} bytes): {:.0} / {:.0} / {:.0} us per 1k tokens (min / median / max)",
-            r.vocab_size, t.tokens, t.bytes, t.us_per_1k_tokens.min, t.us_per_1k_tokens.median, t.us_per_1k_tokens.max
         );
     }
 }

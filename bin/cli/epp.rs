@@ -9,9 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use kvrouter_admin::tls::{ServerTls, TlsFiles};
 use kvrouter_client::{KvRouterClient, LeaseCounts};
-use kvrouter_epp::{
-    Directory, EppMetrics, EppServer, ExtProcService, GrpcLimits, Listeners, Picker,
-};
+use kvrouter_epp::{EppMetrics, EppServer, ExtProcService, GrpcLimits, Listeners, Picker};
 use kvrouter_openai::Models;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -106,14 +104,12 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
             let bus = args.nats.connect("kvrouter-epp").await?;
             let router = KvRouterClient::new(bus, &args.nats.namespace)?
                 .with_timeout(Duration::from_millis(args.doors.route_timeout_ms.max(1)));
-            // Workers by endpoint, for the gateway's subset hints.
-            let directory = Directory::shared();
-            for (name, _) in models.names() {
-                let subjects = router.subjects().model(name)?;
-                kvrouter_epp::directory::follow(router.bus().clone(), subjects, directory.clone())
-                    .await
-                    .context("cannot follow the workers' registrations")?;
-            }
+            // Workers by endpoint: the subset hint, fallbacks, the endpoint that served.
+            let directory = kvrouter_epp::directory::follow_models(
+                &router,
+                models.names().into_iter().map(|(n, _)| n),
+            )
+            .await?;
             let leases = Arc::new(LeaseCounts::default());
             let metrics = Arc::new(EppMetrics::new(leases.clone()));
             let picker = Picker {

@@ -7,6 +7,7 @@ pub mod bench_bridge;
 #[cfg(feature = "bench")]
 pub mod bench_chaos;
 #[cfg(feature = "bench")]
+pub mod bench_epp;
 pub mod bench_frontend;
 #[cfg(feature = "bench")]
 pub mod bench_hostile;

@@ -1,11 +1,14 @@
 //! Benchmarks: Mooncake traces (read, generated, described), the indexer event stream and its measurement, the trace
 //! replay through router replicas and a mocker fleet, open-loop route latency against
-//! running replicas, the bridge, and what the frontend adds over calling an engine directly.
+//! running replicas, the bridge, what the frontend adds over calling an engine directly, and
+//! what the endpoint picker adds behind Envoy.
 
 pub mod bridge_bench;
 pub mod chaos;
+pub mod epp_bench;
 pub mod frontend_bench;
 pub mod hostile;
+pub mod http_load;
 pub mod indexer_bench;
 pub mod indexer_experiment;
 pub mod indexer_scale;

@@ -121,6 +121,29 @@ impl Directory {
     }
 }
 
+/// Why the directory cannot follow the registrations.
+#[derive(Debug, thiserror::Error)]
+pub enum FollowError {
+    #[error("a model name makes no bus subject: {0}")]
+    Subject(#[from] kvrouter_protocol::SubjectError),
+    #[error("cannot follow the workers' registrations: {0}")]
+    Bus(#[from] kvrouter_bus::BusError),
+}
+
+/// A directory kept up to date with the registrations of every model of `models` on the
+/// router's bus.
+pub async fn follow_models<'a>(
+    router: &kvrouter_client::KvRouterClient,
+    models: impl IntoIterator<Item = &'a str>,
+) -> Result<SharedDirectory, FollowError> {
+    let dir = Directory::shared();
+    for name in models {
+        let subjects = router.subjects().model(name)?;
+        follow(router.bus().clone(), subjects, dir.clone()).await?;
+    }
+    Ok(dir)
+}
+
 /// Keeps `dir` up to date with the registrations of `subjects`' model (asking every worker
 /// to announce itself once at the start), until the bus closes.
 pub async fn follow(

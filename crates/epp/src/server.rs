@@ -24,6 +24,11 @@ use tonic_health::ServingStatus;
 /// How often readiness asks the replicas.
 const READINESS_EVERY: Duration = Duration::from_secs(1);
 
+/// HTTP/2 flow-control windows of the ext_proc listener: 1 MiB a stream, 16 MiB a
+/// connection (h2's default is 64 KiB for both).
+const STREAM_WINDOW_BYTES: u32 = 1 << 20;
+const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+
 /// Limits on what the gateway's connections may hold.
 #[derive(Clone, Copy, Debug)]
 pub struct GrpcLimits {
@@ -102,7 +107,12 @@ impl EppServer {
             .max_concurrent_streams(limits.max_concurrent_streams)
             .http2_max_header_list_size(limits.max_header_list_bytes)
             .http2_keepalive_interval(Some(limits.keepalive))
-            .http2_keepalive_timeout(Some(limits.keepalive));
+            .http2_keepalive_timeout(Some(limits.keepalive))
+            // A request body (an 8k-token prompt is about 60 KB) fits one stream's window, so
+            // Envoy need not wait for a window update mid-body; the connection's window
+            // bounds what all its streams may have in flight.
+            .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+            .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES));
         let svc = ExtProcServer(service.clone());
         let stop_serving = until(stopped.clone());
         tasks.push(match tls {

@@ -8,6 +8,7 @@ pub mod bench_bridge;
 pub mod bench_chaos;
 #[cfg(feature = "bench")]
 pub mod bench_epp;
+#[cfg(feature = "bench")]
 pub mod bench_frontend;
 #[cfg(feature = "bench")]
 pub mod bench_hostile;

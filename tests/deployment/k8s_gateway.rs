@@ -16,9 +16,11 @@
 //! subcommand, non-root containers, labels, Services and budgets selecting one workload.
 
 use crate::common::*;
-use crate::k8s_locked::{NatsLayout, REPLICAS_SECRET, SEED_KEY, USERS_KEY, USERS_SECRET};
+use crate::k8s_locked::{
+    admitted, NatsLayout, Source, REPLICAS_SECRET, SEED_KEY, USERS_KEY, USERS_SECRET,
+};
 use crate::k8s_manifests::{
-    all_containers, args_of, container, container_port, every, host_port, image_name,
+    all_containers, args_of, container, container_port, drain_secs, every, host_port, image_name,
     kvrouter_with_env, list, pod_labels, pod_spec, port_in, probe_ok, run_tool, selects, short,
     stdout_of, text, yaml_doc, yaml_docs, Manifests, K8S_VERSIONS, SETUP,
 };
@@ -45,18 +47,18 @@ fn gateway() -> &'static Manifests {
 }
 
 /// The one object of a custom kind.
-fn one<'a>(m: &'a Manifests, kind: &str) -> &'a Value {
+fn custom_object<'a>(m: &'a Manifests, kind: &str) -> &'a Value {
     let found: Vec<&Value> = m.of_kind(kind).collect();
     assert_eq!(found.len(), 1, "{}: one {kind}", m.dir);
     found[0]
 }
 
-fn pool(m: &Manifests) -> &Value {
-    one(m, "InferencePool")
+fn inference_pool(m: &Manifests) -> &Value {
+    custom_object(m, "InferencePool")
 }
 
-fn route(m: &Manifests) -> &Value {
-    one(m, "HTTPRoute")
+fn http_route(m: &Manifests) -> &Value {
+    custom_object(m, "HTTPRoute")
 }
 
 /// The picker's workload and container.
@@ -171,13 +173,6 @@ fn epp_env(m: &Manifests) -> BTreeMap<String, String> {
     m.env(epp(m).1)
 }
 
-fn drain_secs(env: &BTreeMap<String, String>) -> i64 {
-    env.get("KVROUTER_DRAIN_TIMEOUT_SECS")
-        .expect("KVROUTER_DRAIN_TIMEOUT_SECS set (the grace period depends on it)")
-        .parse()
-        .expect("a number of seconds")
-}
-
 /// The port a Service port's targetPort resolves to in `c` (by name or number).
 fn target_of(c: &Value, svc_port: &Value) -> u16 {
     container_port(c, &svc_port["targetPort"])
@@ -228,7 +223,7 @@ fn gateway_overlay_validates_against_the_kubernetes_and_the_crd_schemas() {
         .map(|d| text(d, "/kind"))
         .collect();
     assert_eq!(kinds.len(), 2, "{kinds:?}");
-    for d in [pool(m), route(m)] {
+    for d in [inference_pool(m), http_route(m)] {
         assert_eq!(
             text(d, "/apiVersion").rsplit('/').next(),
             Some("v1"),
@@ -245,7 +240,7 @@ fn gateway_overlay_validates_against_the_kubernetes_and_the_crd_schemas() {
 #[test]
 fn the_crd_check_refuses_unknown_fields_and_bad_values() {
     let m = gateway();
-    let (p, r) = (pool(m), route(m));
+    let (p, r) = (inference_pool(m), http_route(m));
     let cases = [
         (
             "a field HTTPRoute does not have",
@@ -299,7 +294,7 @@ fn the_crd_check_refuses_unknown_fields_and_bad_values() {
 #[test]
 fn the_pool_selects_exactly_the_vllm_engine_pods() {
     let m = gateway();
-    let p = pool(m);
+    let p = inference_pool(m);
     let selector = &p["spec"]["selector"]["matchLabels"];
     let chosen: Vec<&Value> = m
         .workloads()
@@ -325,7 +320,7 @@ fn the_pool_selects_exactly_the_vllm_engine_pods() {
 #[test]
 fn the_pool_targets_the_port_of_the_base_url_the_bridge_registers() {
     let m = gateway();
-    let p = pool(m);
+    let p = inference_pool(m);
     let ports: Vec<i64> = list(p, "/spec/targetPorts")
         .iter()
         .map(|t| t["number"].as_i64().unwrap())
@@ -359,7 +354,7 @@ fn the_pool_targets_the_port_of_the_base_url_the_bridge_registers() {
 #[test]
 fn the_endpoint_picker_ref_names_the_picker_service_on_its_ext_proc_port() {
     let m = gateway();
-    let r = &pool(m)["spec"]["endpointPickerRef"];
+    let r = &inference_pool(m)["spec"]["endpointPickerRef"];
     assert!(
         r["group"].as_str().unwrap_or("").is_empty(),
         "the core group (a Service): {r}"
@@ -415,8 +410,8 @@ fn the_endpoint_picker_ref_names_the_picker_service_on_its_ext_proc_port() {
 #[test]
 fn the_route_sends_the_completion_paths_of_a_gateway_to_the_pool() {
     let m = gateway();
-    let r = route(m);
-    let p = pool(m);
+    let r = http_route(m);
+    let p = inference_pool(m);
     let parents = list(r, "/spec/parentRefs");
     assert!(!parents.is_empty(), "no parentRefs");
     for parent in parents {
@@ -505,7 +500,7 @@ fn the_picker_probes_the_ports_it_opens_and_outlives_its_drain() {
         .pointer("/spec/template/spec/terminationGracePeriodSeconds")
         .and_then(Value::as_i64)
         .expect("a grace period");
-    let drain = drain_secs(&env);
+    let drain = drain_secs(&env, "the picker");
     assert!(
         grace > sleep + drain,
         "grace {grace} s <= preStop {sleep} s + drain {drain} s"
@@ -767,81 +762,6 @@ fn the_overlay_pins_the_base_images() {
 
 // ---------------------------------------------------------------------------------------------
 // NetworkPolicies, evaluated as the API defines them
-
-/// A connection's source: a pod of the policies' namespace (`namespace: None`) or of another
-/// namespace with these labels.
-struct Source {
-    what: String,
-    namespace: Option<Value>,
-    labels: Value,
-}
-
-fn label_selector_picks(sel: &Value, labels: &Value) -> bool {
-    let labels = labels.as_object().cloned().unwrap_or_default();
-    let by_labels = sel["matchLabels"]
-        .as_object()
-        .map(|ml| ml.iter().all(|(k, v)| labels.get(k) == Some(v)))
-        .unwrap_or(true);
-    let by_expressions = list(sel, "/matchExpressions").iter().all(|e| {
-        let key = text(e, "/key");
-        let values = list(e, "/values");
-        match text(e, "/operator") {
-            "In" => labels.get(key).is_some_and(|v| values.contains(v)),
-            "NotIn" => !labels.get(key).is_some_and(|v| values.contains(v)),
-            "Exists" => labels.contains_key(key),
-            "DoesNotExist" => !labels.contains_key(key),
-            op => panic!("unknown operator {op}"),
-        }
-    });
-    by_labels && by_expressions
-}
-
-fn peer_admits(peer: &Value, src: &Source) -> bool {
-    assert!(peer.get("ipBlock").is_none(), "teach this test ipBlock");
-    match (peer.get("namespaceSelector"), &src.namespace) {
-        (None, None) => label_selector_picks(&peer["podSelector"], &src.labels),
-        (None, Some(_)) => false,
-        (Some(ns), Some(ns_labels)) => {
-            label_selector_picks(ns, ns_labels)
-                && peer
-                    .get("podSelector")
-                    .is_none_or(|p| label_selector_picks(p, &src.labels))
-        }
-        // The namespace the overlay is applied to has no labels the test knows.
-        (Some(_), None) => false,
-    }
-}
-
-/// Whether the NetworkPolicies admit `src` to the pods of `w` on `port`.
-fn admitted(m: &Manifests, w: &Value, port: u16, src: &Source) -> bool {
-    let policies: Vec<&Value> = m
-        .of_kind("NetworkPolicy")
-        .filter(|p| label_selector_picks(&p["spec"]["podSelector"], pod_labels(w)))
-        .filter(|p| list(p, "/spec/policyTypes").iter().any(|t| t == "Ingress"))
-        .collect();
-    if policies.is_empty() {
-        return true;
-    }
-    let port_matches = |p: &Value| match &p["port"] {
-        Value::Null => true,
-        Value::Number(n) => n.as_u64() == Some(u64::from(port)),
-        Value::String(name) => list(pod_spec(w), "/containers").iter().any(|c| {
-            list(c, "/ports")
-                .iter()
-                .any(|cp| cp["name"] == *name.as_str() && cp["containerPort"] == port)
-        }),
-        other => panic!("port {other}"),
-    };
-    policies.iter().any(|p| {
-        list(p, "/spec/ingress").iter().any(|rule| {
-            (rule.get("from").is_none()
-                || list(rule, "/from")
-                    .iter()
-                    .any(|peer| peer_admits(peer, src)))
-                && (rule.get("ports").is_none() || list(rule, "/ports").iter().any(port_matches))
-        })
-    })
-}
 
 fn named_port(w: &Value, name: &str) -> u16 {
     let c = all_containers(w)

@@ -858,10 +858,10 @@ fn each_kvrouter_process_holds_only_its_own_seed() {
 /// A connection's source: a pod in the policies' namespace (`namespace: None`) or in another
 /// namespace with these labels.
 #[derive(Clone, Debug)]
-struct Source {
-    what: String,
-    namespace: Option<Value>,
-    labels: Value,
+pub(crate) struct Source {
+    pub(crate) what: String,
+    pub(crate) namespace: Option<Value>,
+    pub(crate) labels: Value,
 }
 
 impl Source {
@@ -875,7 +875,7 @@ impl Source {
 }
 
 /// Whether a label selector (matchLabels and matchExpressions) picks these labels.
-fn label_selector_picks(sel: &Value, labels: &Value) -> bool {
+pub(crate) fn label_selector_picks(sel: &Value, labels: &Value) -> bool {
     let labels = labels.as_object().cloned().unwrap_or_default();
     let ok_labels = sel["matchLabels"]
         .as_object()
@@ -895,7 +895,7 @@ fn label_selector_picks(sel: &Value, labels: &Value) -> bool {
     ok_labels && ok_exprs
 }
 
-fn peer_admits(peer: &Value, src: &Source) -> bool {
+pub(crate) fn peer_admits(peer: &Value, src: &Source) -> bool {
     assert!(peer.get("ipBlock").is_none(), "teach this test ipBlock");
     match (peer.get("namespaceSelector"), &src.namespace) {
         // Pods of this namespace.
@@ -914,7 +914,7 @@ fn peer_admits(peer: &Value, src: &Source) -> bool {
 
 /// Whether the NetworkPolicies admit `src` to the pods of workload `w` on `port` (a number
 /// any of its containers may listen on).
-fn admitted(m: &Manifests, w: &Value, port: u16, src: &Source) -> bool {
+pub(crate) fn admitted(m: &Manifests, w: &Value, port: u16, src: &Source) -> bool {
     let labels = pod_labels(w);
     let policies: Vec<&Value> = m
         .of_kind("NetworkPolicy")

@@ -456,7 +456,7 @@ fn required_twins(sub: &str) -> Vec<String> {
         .collect()
 }
 
-fn drain_secs(env: &BTreeMap<String, String>, who: &str) -> i64 {
+pub(crate) fn drain_secs(env: &BTreeMap<String, String>, who: &str) -> i64 {
     env.get("KVROUTER_DRAIN_TIMEOUT_SECS")
         .unwrap_or_else(|| {
             panic!("{who}: set KVROUTER_DRAIN_TIMEOUT_SECS (the grace period depends on it)")

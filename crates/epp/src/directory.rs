@@ -251,6 +251,24 @@ mod tests {
         assert_eq!(d.worker_at("10.0.0.2:8000"), AtEndpoint::One(2));
     }
 
+    /// Ranks on several ports of one pod (vLLM's external load balancing), one bridge each:
+    /// each rank is its own worker at its own endpoint, told no rank.
+    #[test]
+    fn ranks_on_several_ports_of_a_pod_are_workers_of_their_own() {
+        let mut d = Directory::default();
+        for (worker, port, rank) in [(10, 8000, 0), (11, 8001, 1)] {
+            let mut r = reg(worker, &format!("http://10.0.0.7:{port}"));
+            r.dp_start_rank = rank;
+            d.registered(&r);
+        }
+        assert_eq!(d.worker_at("10.0.0.7:8000"), AtEndpoint::One(10));
+        assert_eq!(d.worker_at("10.0.0.7:8001"), AtEndpoint::One(11));
+        assert_eq!((d.rank_count(10), d.rank_count(11)), (Some(1), Some(1)));
+        assert!(d.serves_rank(11, 1) && !d.serves_rank(11, 0));
+        let both = ["10.0.0.7:8000".to_string(), "10.0.0.7:8001".to_string()];
+        assert_eq!(d.workers_at(&both), [10, 11]);
+    }
+
     #[test]
     fn endpoints_are_the_base_urls_host_and_port() {
         assert_eq!(

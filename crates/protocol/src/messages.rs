@@ -310,7 +310,7 @@ pub struct RouteRequest {
     pub lease: Lease,
     /// Up to this many next-best workers beside the choice, by cost, for a caller that can
     /// fall back (a gateway retrying elsewhere): other workers than the chosen one, the best
-    /// rank of each (0: none; at most [`crate::limits::MAX_FALLBACKS`] are given). They are
+    /// rank of each (0: none; at most 8 are given, more asked for count as 8). They are
     /// not booked. New in format version 7.
     pub fallbacks: u8,
 }

@@ -176,6 +176,11 @@ static_resources:
   - name: epp
     type: STATIC
     connect_timeout: 2s
+    # One gRPC stream per request in flight: Envoy's default of 1,024 would fail requests
+    # (overflow) whenever that many are open at once.
+    circuit_breakers:
+      thresholds:
+      - {{ max_requests: 1000000, max_pending_requests: 1000000, max_connections: 1000000 }}
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions

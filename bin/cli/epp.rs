@@ -9,7 +9,9 @@ use anyhow::Context;
 use clap::Args;
 use kvrouter_admin::tls::{ServerTls, TlsFiles};
 use kvrouter_client::{KvRouterClient, LeaseCounts};
-use kvrouter_epp::{EppMetrics, EppServer, ExtProcService, GrpcLimits, Listeners, Picker};
+use kvrouter_epp::{
+    EppMetrics, EppServer, ExchangeLimits, ExtProcService, GrpcLimits, Listeners, Picker,
+};
 use kvrouter_openai::Models;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -65,6 +67,14 @@ pub struct EppArgs {
     /// on when the pick fails (0: the pick alone; at most 8).
     #[arg(long, env = "KVROUTER_EPP_FALLBACKS", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=8))]
     fallbacks: u8,
+    /// Seconds from a request's start to its last body byte: a request read slower (a
+    /// client dripping its body) is answered 408 and frees its place.
+    #[arg(
+        long,
+        env = "KVROUTER_EPP_REQUEST_READ_TIMEOUT_SECS",
+        default_value_t = 30.0
+    )]
+    request_read_timeout_secs: f64,
     /// Requests one gateway connection may have in flight.
     #[arg(long, env = "KVROUTER_EPP_MAX_STREAMS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     max_streams: u32,
@@ -98,6 +108,8 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)?;
     let access = args.access.access()?;
     let drain_timeout = super::serve::secs("drain-timeout-secs", args.drain_timeout_secs)?;
+    let read_timeout =
+        super::serve::secs("request-read-timeout-secs", args.request_read_timeout_secs)?;
     let mut life = Lifecycle::install("epp", drain_timeout)?;
     let (server, admin, admin_task) = life
         .startup(async {
@@ -131,8 +143,11 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
             let service = ExtProcService::new(
                 Arc::new(picker),
                 metrics.clone(),
-                args.doors.max_body_bytes,
-                args.max_inflight as usize,
+                ExchangeLimits {
+                    max_body_bytes: args.doors.max_body_bytes,
+                    max_inflight: args.max_inflight as usize,
+                    read_timeout,
+                },
             );
             let limits = GrpcLimits {
                 max_concurrent_streams: args.max_streams,

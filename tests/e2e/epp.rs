@@ -170,6 +170,23 @@ impl Gateway {
     }
 }
 
+/// Sends a request's headers and the start of its body to `port`, then stalls; the HTTP
+/// status the gateway answers with (0 if none within 20 s).
+fn drip(port: u16) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the gateway listens");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ";
+    s.write_all(head.as_bytes()).unwrap();
+    let mut answer = [0u8; 64];
+    let n = s.read(&mut answer).unwrap_or(0);
+    let line = String::from_utf8_lossy(&answer[..n]).to_string();
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
 /// `kvrouter epp` with `args`, its ext_proc listener on `listen` (0: any port), ready:
 /// (the process, its ext_proc port, its admin port).
 fn spawn_epp(args: &[String], listen: u16) -> (Proc, u16, u16) {
@@ -199,7 +216,10 @@ fn spawn_epp(args: &[String], listen: u16) -> (Proc, u16, u16) {
 /// errors, answered by the picker.
 #[test]
 fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
-    let g = Gateway::start(false, &["--max-inflight", "4"]);
+    let g = Gateway::start(
+        false,
+        &["--max-inflight", "4", "--request-read-timeout-secs", "2"],
+    );
     let (gateway, admin) = (g.port, g.admin);
     let (first, second) = (&g.engines[0].0, &g.engines[1].0);
 
@@ -269,6 +289,15 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     let v = sdk("overload", gateway, &["4"]);
     assert_eq!(v["status"], 429, "{v}");
     assert_eq!(v["retry_after"], "1", "{v}");
+    // A client dripping its request: answered 408 once --request-read-timeout-secs has
+    // passed, its place in --max-inflight freed.
+    let t = std::time::Instant::now();
+    assert_eq!(drip(gateway), 408);
+    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(wait_until(Duration::from_secs(2), || metric_sum(
+        admin,
+        "kvrouter_epp_exchanges_open"
+    ) == 0.0));
     // Every booking ended with its answer.
     assert!(
         wait_until(Duration::from_secs(2), || g.booked() == 0.0),

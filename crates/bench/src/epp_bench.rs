@@ -18,7 +18,8 @@ use kvrouter_bus::{Bus, NatsOptions};
 use kvrouter_client::{KvRouterClient, LeaseCounts};
 use kvrouter_epp::directory::{endpoint_of, follow_models};
 use kvrouter_epp::{
-    AtEndpoint, EppMetrics, EppServer, ExtProcService, GrpcLimits, Listeners, Picker,
+    AtEndpoint, EppMetrics, EppServer, ExchangeLimits, ExtProcService, GrpcLimits, Listeners,
+    Picker,
 };
 use kvrouter_openai::{Access, ModelFiles, Models, RankConvention};
 use kvrouter_testkit::{free_port, EnvoyGateway};
@@ -169,7 +170,12 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Ep
         leases,
         fallbacks: 2,
     };
-    let service = ExtProcService::new(Arc::new(picker), metrics.clone(), MAX_BODY_BYTES, 1 << 16);
+    let limits = ExchangeLimits {
+        max_body_bytes: MAX_BODY_BYTES,
+        max_inflight: 1 << 16,
+        read_timeout: Duration::from_secs(30),
+    };
+    let service = ExtProcService::new(Arc::new(picker), metrics.clone(), limits);
     let any = "127.0.0.1:0".parse().expect("an address");
     let listeners = Listeners {
         ext_proc: any,

@@ -126,6 +126,11 @@ impl Exchange {
         self.phase == Phase::Done
     }
 
+    /// Still reading the request (its headers or body), not yet routed.
+    pub fn reading_request(&self) -> bool {
+        matches!(self.phase, Phase::Headers | Phase::Body)
+    }
+
     /// One message from Envoy.
     pub fn on_message(&mut self, m: ProcessingRequest) -> Result<Vec<Effect>, ExchangeError> {
         let observe_only = m.observability_mode;

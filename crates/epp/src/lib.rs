@@ -15,4 +15,4 @@ pub use exchange::{Effect, Exchange, ExchangeError, Pick, RouteAsk};
 pub use metrics::EppMetrics;
 pub use picker::{Booking, Picker};
 pub use server::{EppServer, GrpcLimits, Listeners};
-pub use service::ExtProcService;
+pub use service::{ExchangeLimits, ExtProcService};

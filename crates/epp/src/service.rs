@@ -11,6 +11,7 @@ use crate::picker::{Booking, Picker};
 use kvrouter_openai::ApiError;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
@@ -21,33 +22,37 @@ type Answers = Pin<Box<dyn futures_util::Stream<Item = Result<ProcessingResponse
 /// few suffice.
 const ANSWERS_QUEUED: usize = 8;
 
+/// What one exchange, and all of them together, may take.
+#[derive(Clone, Copy, Debug)]
+pub struct ExchangeLimits {
+    /// The largest request body taken (413 past it).
+    pub max_body_bytes: usize,
+    /// Exchanges open at once, over every gateway connection; past them, 429.
+    pub max_inflight: usize,
+    /// From the stream's start to the request's last body byte: a client dripping its
+    /// request (or a gateway stalling) is answered 408 and frees its place.
+    pub read_timeout: Duration,
+}
+
 /// The endpoint picker's ext_proc service.
 #[derive(Clone)]
 pub struct ExtProcService {
     picker: Arc<Picker>,
     metrics: Arc<EppMetrics>,
-    max_body_bytes: usize,
-    /// Exchanges open at once, over every gateway connection; past them, 429.
+    limits: ExchangeLimits,
     permits: Arc<Semaphore>,
-    max_inflight: usize,
     /// Set at shutdown, once the drain's patience is spent: open exchanges end and free
     /// their bookings.
     ending: watch::Sender<bool>,
 }
 
 impl ExtProcService {
-    pub fn new(
-        picker: Arc<Picker>,
-        metrics: Arc<EppMetrics>,
-        max_body_bytes: usize,
-        max_inflight: usize,
-    ) -> Self {
+    pub fn new(picker: Arc<Picker>, metrics: Arc<EppMetrics>, limits: ExchangeLimits) -> Self {
         Self {
             picker,
             metrics,
-            max_body_bytes,
-            permits: Arc::new(Semaphore::new(max_inflight)),
-            max_inflight,
+            limits,
+            permits: Arc::new(Semaphore::new(limits.max_inflight)),
             ending: watch::channel(false).0,
         }
     }
@@ -59,7 +64,7 @@ impl ExtProcService {
 
     /// Exchanges open now.
     pub fn in_flight(&self) -> usize {
-        self.max_inflight - self.permits.available_permits()
+        self.limits.max_inflight - self.permits.available_permits()
     }
 
     async fn process(
@@ -68,18 +73,16 @@ impl ExtProcService {
     ) -> Result<Response<Answers>, Status> {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(ANSWERS_QUEUED);
-        let (picker, max) = (self.picker.clone(), self.max_body_bytes);
+        let (picker, limits) = (self.picker.clone(), self.limits);
         let metrics = self.metrics.clone();
         let ending = self.ending.subscribe();
-        let (permit, full) = match self.permits.clone().try_acquire_owned() {
-            Ok(p) => (Some(p), None),
-            Err(_) => (None, Some(self.max_inflight)),
-        };
+        let permit = self.permits.clone().try_acquire_owned().ok();
         tokio::spawn(async move {
+            let full = permit.is_none();
             // Held to the exchange's end.
             let _permit = permit;
             metrics.open.inc();
-            exchange(picker, &metrics, max, inbound, tx, full, ending).await;
+            exchange(picker, &metrics, limits, inbound, tx, full, ending).await;
             metrics.open.dec();
         });
         let answers =
@@ -97,22 +100,39 @@ impl ExtProcService {
 async fn exchange(
     picker: Arc<Picker>,
     metrics: &EppMetrics,
-    max_body_bytes: usize,
+    limits: ExchangeLimits,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    full: Option<usize>,
+    full: bool,
     mut ending: watch::Receiver<bool>,
 ) {
-    let mut x = Exchange::new(max_body_bytes);
+    let mut x = Exchange::new(limits.max_body_bytes);
     let mut booking: Option<Booking> = None;
     let route_id = kvrouter_client::new_request_id();
+    let read_by = tokio::time::Instant::now() + limits.read_timeout;
     loop {
         let next = tokio::select! {
-            m = inbound.message() => m,
+            m = inbound.message() => Some(m),
+            _ = tokio::time::sleep_until(read_by), if x.reading_request() => None,
             _ = ending.wait_for(|e| *e) => {
                 let _ = tx.try_send(Err(Status::unavailable("the endpoint picker is shutting down")));
                 break;
             }
+        };
+        let Some(next) = next else {
+            let mut e = ApiError::timeout(format!(
+                "the request was not read whole within {:?} (--request-read-timeout-secs)",
+                limits.read_timeout
+            ));
+            e.status = 408;
+            for effect in x.refused(&e) {
+                if let Effect::Send(answer) = effect {
+                    metrics.refused(408);
+                    let _ = tx.send(Ok(answer)).await;
+                }
+            }
+            tracing::debug!(route_id, "request read timed out");
+            continue;
         };
         let msg = match next {
             Ok(Some(m)) => m,
@@ -124,9 +144,9 @@ async fn exchange(
         };
         let mut effects = match x.on_message(msg) {
             // No room: the first message is answered with a 429.
-            Ok(_) if full.is_some() && !x.is_done() => x.refused(&ApiError::shed(format!(
+            Ok(_) if full && !x.is_done() => x.refused(&ApiError::shed(format!(
                 "the endpoint picker has {} exchanges open already (--max-inflight)",
-                full.unwrap_or_default()
+                limits.max_inflight
             ))),
             Ok(e) => e,
             Err(e) => {

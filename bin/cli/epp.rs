@@ -75,6 +75,10 @@ pub struct EppArgs {
         default_value_t = 30.0
     )]
     request_read_timeout_secs: f64,
+    /// Request body bytes held at once over every request (each holds its body until it is
+    /// routed); a request past it is shed (429). Bounds memory whatever the gateway sends.
+    #[arg(long, env = "KVROUTER_EPP_MAX_BUFFERED_BYTES", default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..))]
+    max_buffered_bytes: u64,
     /// Requests one gateway connection may have in flight.
     #[arg(long, env = "KVROUTER_EPP_MAX_STREAMS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     max_streams: u32,
@@ -147,6 +151,8 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                     max_body_bytes: args.doors.max_body_bytes,
                     max_inflight: args.max_inflight as usize,
                     read_timeout,
+                    max_buffered_bytes: usize::try_from(args.max_buffered_bytes)
+                        .unwrap_or(usize::MAX),
                 },
             );
             let limits = GrpcLimits {

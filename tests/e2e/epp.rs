@@ -170,14 +170,18 @@ impl Gateway {
     }
 }
 
-/// Sends a request's headers and the start of its body to `port`, then stalls; the HTTP
-/// status the gateway answers with (0 if none within 20 s).
-fn drip(port: u16) -> u16 {
+/// Sends a request's headers and `sent` bytes of its body (of twice that) to `port`, then
+/// stalls; the HTTP status the gateway answers with (0 if none within 20 s).
+fn drip(port: u16, sent: usize) -> u16 {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the gateway listens");
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let head = "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ";
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        2 * sent
+    );
     s.write_all(head.as_bytes()).unwrap();
+    s.write_all(&vec![b' '; sent]).unwrap();
     let mut answer = [0u8; 64];
     let n = s.read(&mut answer).unwrap_or(0);
     let line = String::from_utf8_lossy(&answer[..n]).to_string();
@@ -216,10 +220,7 @@ fn spawn_epp(args: &[String], listen: u16) -> (Proc, u16, u16) {
 /// errors, answered by the picker.
 #[test]
 fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
-    let g = Gateway::start(
-        false,
-        &["--max-inflight", "4", "--request-read-timeout-secs", "2"],
-    );
+    let g = Gateway::start(false, &["--max-inflight", "4"]);
     let (gateway, admin) = (g.port, g.admin);
     let (first, second) = (&g.engines[0].0, &g.engines[1].0);
 
@@ -289,15 +290,6 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     let v = sdk("overload", gateway, &["4"]);
     assert_eq!(v["status"], 429, "{v}");
     assert_eq!(v["retry_after"], "1", "{v}");
-    // A client dripping its request: answered 408 once --request-read-timeout-secs has
-    // passed, its place in --max-inflight freed.
-    let t = std::time::Instant::now();
-    assert_eq!(drip(gateway), 408);
-    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
-    assert!(wait_until(Duration::from_secs(2), || metric_sum(
-        admin,
-        "kvrouter_epp_exchanges_open"
-    ) == 0.0));
     // Every booking ended with its answer.
     assert!(
         wait_until(Duration::from_secs(2), || g.booked() == 0.0),
@@ -472,4 +464,40 @@ fn killed_the_picker_fails_closed_its_bookings_time_out_and_it_comes_back() {
         "{:?}",
         g.booked_each()
     );
+}
+
+/// Bounded input through the gateway: a client dripping its request holds its body's bytes
+/// of --max-buffered-bytes until --request-read-timeout-secs answers it 408; meanwhile a
+/// request whose body does not fit is shed (429), and fits again once the drip is gone.
+#[test]
+fn a_dripping_client_is_timed_out_and_bodies_are_held_within_a_budget() {
+    let g = Gateway::start(
+        false,
+        &[
+            "--request-read-timeout-secs",
+            "5",
+            "--max-buffered-bytes",
+            "90000",
+        ],
+    );
+    let port = g.port;
+    let t = std::time::Instant::now();
+    let dripping = std::thread::spawn(move || drip(port, 80_000));
+    let held = || metric_sum(g.admin, "kvrouter_epp_request_bytes_buffered");
+    assert!(
+        wait_until(Duration::from_secs(2), || held() >= 60_000.0),
+        "the picker holds {} bytes of the dripping request",
+        held()
+    );
+    // 4,000 token ids: a body of about 36 KB, past what is left.
+    let prompt: Vec<u64> = (0..4000).map(|i| 1_200_000 + i).collect();
+    let body = serde_json::json!({"model": E2E_MODEL, "prompt": prompt, "max_tokens": 1});
+    let (status, answer) = http_post(g.port, "/v1/completions", &[], &body.to_string());
+    assert_eq!(status, 429, "{answer}");
+    assert!(answer.contains("--max-buffered-bytes"), "{answer}");
+    assert_eq!(dripping.join().unwrap(), 408);
+    assert!(t.elapsed() >= Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(wait_until(Duration::from_secs(2), || held() == 0.0));
+    let v = sdk("status", g.port, &["4000"]);
+    assert_eq!(v["status"], 200, "{v}");
 }

@@ -148,10 +148,10 @@ def conversation(c, model, endpoints, rounds, hold_secs):
     return out
 
 
-def status(c, model):
-    """One small completion: its HTTP status (200, or the error's)."""
+def status(c, model, n=64):
+    """One completion of an n-token prompt: its HTTP status (200, or the error's)."""
     try:
-        c.completions.create(model=model, prompt=tokens(12, 64), max_tokens=1)
+        c.completions.create(model=model, prompt=tokens(12, n), max_tokens=1)
         return {"status": 200}
     except openai.APIStatusError as e:
         return {"status": e.status_code, "error": str(e)}
@@ -335,7 +335,7 @@ def main(argv):
     elif scenario == "subset":
         out = subset(c, model, argv[4], int(argv[5]))
     elif scenario == "status":
-        out = status(c, model)
+        out = status(c, model, *(int(a) for a in argv[4:5]))
     elif scenario == "conversation":
         out = conversation(c, model, argv[4], int(argv[5]), float(argv[6]))
     elif scenario == "prefix_cached":

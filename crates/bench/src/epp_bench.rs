@@ -174,6 +174,7 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Ep
         max_body_bytes: MAX_BODY_BYTES,
         max_inflight: 1 << 16,
         read_timeout: Duration::from_secs(30),
+        max_buffered_bytes: 1 << 30,
     };
     let service = ExtProcService::new(Arc::new(picker), metrics.clone(), limits);
     let any = "127.0.0.1:0".parse().expect("an address");

@@ -23,6 +23,8 @@ pub struct EppMetrics {
     registry: Registry,
     pub exchanges: Family<OutcomeLabels, Counter>,
     pub open: Gauge,
+    /// Request body bytes held now (until each request is routed).
+    pub buffered_bytes: Gauge,
     pub pick_seconds: Histogram,
     /// Answers the gateway got from another endpoint than the pick (a fallback).
     pub served_elsewhere: Counter,
@@ -46,6 +48,12 @@ impl EppMetrics {
             exchanges.clone(),
         );
         registry.register("exchanges_open", "Exchanges open now", open.clone());
+        let buffered_bytes = Gauge::default();
+        registry.register(
+            "request_bytes_buffered",
+            "Request body bytes held until their requests are routed (at most --max-buffered-bytes)",
+            buffered_bytes.clone(),
+        );
         registry.register(
             "pick_seconds",
             "From the request's last body byte to the pick (parse, tokenize, route)",
@@ -71,6 +79,7 @@ impl EppMetrics {
             registry,
             exchanges,
             open,
+            buffered_bytes,
             pick_seconds,
             served_elsewhere,
             leases,

@@ -32,6 +32,9 @@ pub struct ExchangeLimits {
     /// From the stream's start to the request's last body byte: a client dripping its
     /// request (or a gateway stalling) is answered 408 and frees its place.
     pub read_timeout: Duration,
+    /// Request body bytes held at once over every exchange (each holds its body until the
+    /// pick); a chunk past it is shed (429).
+    pub max_buffered_bytes: usize,
 }
 
 /// The endpoint picker's ext_proc service.
@@ -41,6 +44,8 @@ pub struct ExtProcService {
     metrics: Arc<EppMetrics>,
     limits: ExchangeLimits,
     permits: Arc<Semaphore>,
+    /// One permit per request body byte held.
+    buffered: Arc<Semaphore>,
     /// Set at shutdown, once the drain's patience is spent: open exchanges end and free
     /// their bookings.
     ending: watch::Sender<bool>,
@@ -53,6 +58,9 @@ impl ExtProcService {
             metrics,
             limits,
             permits: Arc::new(Semaphore::new(limits.max_inflight)),
+            buffered: Arc::new(Semaphore::new(
+                limits.max_buffered_bytes.min(Semaphore::MAX_PERMITS),
+            )),
             ending: watch::channel(false).0,
         }
     }
@@ -74,6 +82,7 @@ impl ExtProcService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(ANSWERS_QUEUED);
         let (picker, limits) = (self.picker.clone(), self.limits);
+        let buffered = self.buffered.clone();
         let metrics = self.metrics.clone();
         let ending = self.ending.subscribe();
         let permit = self.permits.clone().try_acquire_owned().ok();
@@ -82,7 +91,13 @@ impl ExtProcService {
             // Held to the exchange's end.
             let _permit = permit;
             metrics.open.inc();
-            exchange(picker, &metrics, limits, inbound, tx, full, ending).await;
+            let budget = Budget {
+                full,
+                buffered,
+                held: None,
+                gauge: metrics.buffered_bytes.clone(),
+            };
+            exchange(picker, &metrics, limits, inbound, tx, budget, ending).await;
             metrics.open.dec();
         });
         let answers =
@@ -103,7 +118,7 @@ async fn exchange(
     limits: ExchangeLimits,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    full: bool,
+    mut budget: Budget,
     mut ending: watch::Receiver<bool>,
 ) {
     let mut x = Exchange::new(limits.max_body_bytes);
@@ -142,11 +157,16 @@ async fn exchange(
                 break;
             }
         };
+        let over_budget = !budget.take(&msg);
         let mut effects = match x.on_message(msg) {
             // No room: the first message is answered with a 429.
-            Ok(_) if full && !x.is_done() => x.refused(&ApiError::shed(format!(
+            Ok(_) if budget.full && !x.is_done() => x.refused(&ApiError::shed(format!(
                 "the endpoint picker has {} exchanges open already (--max-inflight)",
                 limits.max_inflight
+            ))),
+            Ok(_) if over_budget && !x.is_done() => x.refused(&ApiError::shed(format!(
+                "the endpoint picker holds {} bytes of request bodies already (--max-buffered-bytes)",
+                limits.max_buffered_bytes
             ))),
             Ok(e) => e,
             Err(e) => {
@@ -155,6 +175,10 @@ async fn exchange(
                 break;
             }
         };
+        if !x.reading_request() {
+            // Routed (its body is on its way to the engine) or answered: nothing held.
+            budget.release();
+        }
         while !effects.is_empty() {
             let mut next = Vec::new();
             for effect in effects {
@@ -211,6 +235,58 @@ async fn exchange(
     if x.broken().contains(&Effect::Finish) {
         if let Some(b) = booking.take() {
             b.lease.free_now().await;
+        }
+    }
+}
+
+/// What one exchange holds of the service's shared limits.
+struct Budget {
+    /// It found no room among --max-inflight.
+    full: bool,
+    buffered: Arc<Semaphore>,
+    /// Permits for the body bytes it holds.
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The bytes held over every exchange, as /metrics shows them.
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl Budget {
+    /// Takes a request body chunk's bytes from the shared budget; false when there is no
+    /// room for them.
+    fn take(&mut self, m: &ProcessingRequest) -> bool {
+        use crate::ext_proc::processing_request::Request as Part;
+        let Some(Part::RequestBody(b)) = &m.request else {
+            return true;
+        };
+        let Ok(n) = u32::try_from(b.body.len()) else {
+            return false;
+        };
+        if n == 0 {
+            return true;
+        }
+        match self.buffered.clone().try_acquire_many_owned(n) {
+            Ok(p) => {
+                self.gauge.inc_by(i64::from(n));
+                match &mut self.held {
+                    Some(held) => held.merge(p),
+                    None => self.held = Some(p),
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn release(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.gauge
+                .dec_by(i64::try_from(held.num_permits()).unwrap_or(i64::MAX));
         }
     }
 }

@@ -13,6 +13,8 @@ pub mod bench_frontend;
 #[cfg(feature = "bench")]
 pub mod bench_hostile;
 #[cfg(feature = "bench")]
+pub mod bench_load;
+#[cfg(feature = "bench")]
 pub mod bench_route;
 pub mod bridge;
 pub mod cost_args;

@@ -400,10 +400,12 @@ fn bad_input_gets_an_error_and_the_replica_keeps_routing() {
             "request_id",
             "replica_id",
             "block_size",
-            "lease"
+            "lease",
+            "fallbacks"
         ]),
         "{v}"
     );
+    assert_eq!(v["fallbacks"], serde_json::json!([]), "none asked for: {v}");
     assert_eq!(
         v["tier_overlap_blocks"]["device"], v["overlap_blocks"],
         "{v}"

@@ -10,11 +10,11 @@
 //! registered by a bridge; the picker and the replica run in this process, Envoy beside it.
 
 use crate::http_load::{
-    bus, completion_bodies, http_client, paired_runs, ready_replica, warm_up, BridgedStub,
+    http_client, ready_replica, start_err, warm_up, BridgedStub, DoorBenchError, LoadConfig,
     RateReport, MODEL,
 };
 use crate::route_latency::us;
-use kvrouter_bus::{Bus, NatsOptions};
+use kvrouter_bus::Bus;
 use kvrouter_client::{KvRouterClient, LeaseCounts};
 use kvrouter_epp::directory::{endpoint_of, follow_models};
 use kvrouter_epp::{
@@ -31,60 +31,14 @@ use std::time::{Duration, Instant};
 /// The largest request body the picker takes here (an 8k-token prompt is about 60 KB).
 const MAX_BODY_BYTES: usize = 4 << 20;
 
-#[derive(Debug, thiserror::Error)]
-pub enum EppBenchError {
-    #[error("{0}")]
-    Config(String),
-    #[error("cannot load the model directory: {0}")]
-    Model(String),
-    #[error("cannot start the {what}: {message}")]
-    Start { what: &'static str, message: String },
-    #[error("the {0} did not see every engine within 20 s")]
-    NotReady(&'static str),
-    #[error("warm-up request through the {path} failed: {message}")]
-    WarmUp { path: &'static str, message: String },
-}
-
-fn start_err(what: &'static str) -> impl Fn(String) -> EppBenchError {
-    move |message| EppBenchError::Start { what, message }
-}
-
 /// What to measure.
 #[derive(Clone, Debug)]
 pub struct EppBenchConfig {
     /// A Hugging Face model directory (tokenizer.json at least): the picker serves it.
     pub model_dir: PathBuf,
-    pub rates: Vec<f64>,
-    /// Pairs of runs at each rate (round robin, then through the picker).
-    pub runs: usize,
-    pub duration: Duration,
-    pub prompt_tokens: usize,
-    pub output_tokens: usize,
-    pub engine_itl: Duration,
+    pub load: LoadConfig,
     /// Engine stand-ins behind the gateway.
     pub engines: usize,
-    /// NATS to route over; `None` for the in-process bus.
-    pub nats: Option<NatsOptions>,
-    pub seed: u64,
-}
-
-impl EppBenchConfig {
-    pub fn validate(&self) -> Result<(), EppBenchError> {
-        let bad = |m: &str| Err(EppBenchError::Config(m.to_string()));
-        if self.rates.is_empty() || self.rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
-            return bad("every rate must be a positive number of requests per second");
-        }
-        if self.runs == 0 || self.duration.is_zero() {
-            return bad("--runs must be at least 1 and --duration above 0");
-        }
-        if self.prompt_tokens == 0 || self.output_tokens == 0 {
-            return bad("--prompt-tokens and --output-tokens must be at least 1");
-        }
-        if !(1..=64).contains(&self.engines) {
-            return bad("--engines must be 1 to 64");
-        }
-        Ok(())
-    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -101,30 +55,26 @@ pub struct EppBenchReport {
 
 /// Runs the whole bench. Must run inside a multi-threaded tokio runtime; needs `envoy` on
 /// PATH (scripts/setup.sh installs it).
-pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, EppBenchError> {
-    config.validate()?;
-    let limit = Some(config.prompt_tokens + 1024);
+pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, DoorBenchError> {
+    let load = &config.load;
+    load.validate()?;
+    if !(1..=64).contains(&config.engines) {
+        return Err(DoorBenchError::Config("--engines must be 1 to 64".into()));
+    }
+    let limit = Some(load.prompt_tokens + 1024);
     let model = ModelFiles::load(MODEL, &config.model_dir, None, limit)
-        .map_err(|e| EppBenchError::Model(e.to_string()))?;
+        .map_err(|e| DoorBenchError::Model(e.to_string()))?;
     // A fresh namespace: a shared NATS may carry other fleets.
     let namespace = format!("kvbench-epp{}", std::process::id());
     let local = Bus::local();
-    let connect = |name: &'static str| {
-        let (nats, local) = (config.nats.clone(), local.clone());
-        async move {
-            bus(&nats, &local, name)
-                .await
-                .map_err(start_err("NATS connection"))
-        }
-    };
     let mut engines = Vec::new();
     for i in 0..config.engines {
         let e = BridgedStub::start(
             &namespace,
             i as u64 + 1,
-            config.output_tokens,
-            config.engine_itl,
-            connect("kvrouter-bench-bridge").await?,
+            load.output_tokens,
+            load.engine_itl,
+            load.connect(&local, "kvrouter-bench-bridge").await?,
         )
         .await
         .map_err(start_err("engine and bridge"))?;
@@ -132,15 +82,18 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Ep
     }
     let replica = ready_replica(
         &namespace,
-        connect("kvrouter-bench-replica").await?,
+        load.connect(&local, "kvrouter-bench-replica").await?,
         config.engines,
     )
     .await
     .map_err(start_err("replica"))?
-    .ok_or(EppBenchError::NotReady("replica"))?;
+    .ok_or(DoorBenchError::NotReady("replica"))?;
 
-    let router = KvRouterClient::new(connect("kvrouter-bench-epp").await?, &namespace)
-        .map_err(|e| start_err("router client")(e.to_string()))?;
+    let router = KvRouterClient::new(
+        load.connect(&local, "kvrouter-bench-epp").await?,
+        &namespace,
+    )
+    .map_err(|e| start_err("router client")(e.to_string()))?;
     let directory = follow_models(&router, [MODEL])
         .await
         .map_err(|e| start_err("picker's directory")(e.to_string()))?;
@@ -154,7 +107,7 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Ep
         .all(|e| matches!(directory.read().worker_at(e), AtEndpoint::One(_)))
     {
         if Instant::now() > deadline {
-            return Err(EppBenchError::NotReady("picker"));
+            return Err(DoorBenchError::NotReady("picker"));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -211,25 +164,15 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Ep
     let client = http_client();
     let baseline = format!("http://127.0.0.1:{round_robin}/v1/completions");
     let measured = format!("http://127.0.0.1:{gateway}/v1/completions");
-    let bodies = Arc::new(completion_bodies(
-        config.prompt_tokens,
-        config.output_tokens,
-        config.seed,
-    ));
+    let bodies = load.bodies();
     for (path, url) in [("round robin", &baseline), ("picker", &measured)] {
         warm_up(&client, url, &bodies)
             .await
-            .map_err(|message| EppBenchError::WarmUp { path, message })?;
+            .map_err(|message| DoorBenchError::WarmUp { path, message })?;
     }
-    let rates = paired_runs(
-        &client,
-        (&baseline, &measured),
-        &bodies,
-        &config.rates,
-        config.runs,
-        config.duration,
-    )
-    .await;
+    let rates = load
+        .paired_runs(&client, (&baseline, &measured), &bodies)
+        .await;
     drop(envoy);
     server.shutdown_within(Duration::from_secs(2)).await;
     replica.shutdown().await;
@@ -237,16 +180,12 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Ep
         e.shutdown().await;
     }
     Ok(EppBenchReport {
-        bus: if config.nats.is_some() {
-            "nats"
-        } else {
-            "in-process"
-        },
+        bus: load.bus_name(),
         engines: config.engines,
-        prompt_tokens: config.prompt_tokens,
-        output_tokens: config.output_tokens,
-        engine_itl_us: us(config.engine_itl),
-        duration_s: config.duration.as_secs_f64(),
+        prompt_tokens: load.prompt_tokens,
+        output_tokens: load.output_tokens,
+        engine_itl_us: us(load.engine_itl),
+        duration_s: load.duration.as_secs_f64(),
         rates,
     })
 }

@@ -12,79 +12,28 @@
 //! Requests are sent open-loop by intended send time ([`crate::http_load`]).
 
 use crate::http_load::{
-    bus, completion_bodies, http_client, paired_runs, ready_replica, warm_up, BridgedStub,
+    http_client, ready_replica, start_err, warm_up, BridgedStub, DoorBenchError, LoadConfig,
     RateReport, MODEL,
 };
 use crate::route_latency::us;
 use crate::stats::Spread;
-use kvrouter_bus::{Bus, NatsOptions};
+use kvrouter_bus::Bus;
 use kvrouter_client::KvRouterClient;
 use kvrouter_frontend::{Frontend, FrontendConfig, FrontendServer};
 use kvrouter_openai::ModelFiles;
 use kvrouter_replica::Replica;
 use serde::Serialize;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-#[derive(Debug, thiserror::Error)]
-pub enum FrontendBenchError {
-    #[error("{0}")]
-    Config(String),
-    #[error("cannot load the model directory: {0}")]
-    Model(String),
-    #[error("cannot start the {what}: {message}")]
-    Start { what: &'static str, message: String },
-    #[error("the replica did not see the engine within {0:?}")]
-    NotReady(Duration),
-    #[error("warm-up request through the {path} failed: {message}")]
-    WarmUp { path: &'static str, message: String },
-}
-
-fn start_err(what: &'static str) -> impl Fn(String) -> FrontendBenchError {
-    move |message| FrontendBenchError::Start { what, message }
-}
 
 /// What to measure.
 #[derive(Clone, Debug)]
 pub struct FrontendBenchConfig {
     /// A Hugging Face model directory (tokenizer.json at least).
     pub model_dir: PathBuf,
-    /// Requests per second of each measured pair of runs.
-    pub rates: Vec<f64>,
-    /// Runs at each rate (each a direct run, then one through the frontend).
-    pub runs: usize,
-    pub duration: Duration,
-    /// Token ids per prompt.
-    pub prompt_tokens: usize,
-    /// Chunks each answer streams.
-    pub output_tokens: usize,
-    /// The engine's time between chunks.
-    pub engine_itl: Duration,
-    /// NATS to route over; `None` for the in-process bus.
-    pub nats: Option<NatsOptions>,
+    pub load: LoadConfig,
     /// Texts tokenized per size for the tokenizer figure.
     pub tokenize_runs: usize,
-    pub seed: u64,
-}
-
-impl FrontendBenchConfig {
-    pub fn validate(&self) -> Result<(), FrontendBenchError> {
-        let bad = |m: &str| Err(FrontendBenchError::Config(m.to_string()));
-        if self.rates.is_empty() || self.rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
-            return bad("every rate must be a positive number of requests per second");
-        }
-        if self.runs == 0 || self.tokenize_runs == 0 {
-            return bad("--runs and --tokenize-runs must be at least 1");
-        }
-        if self.duration.is_zero() {
-            return bad("--duration must be above 0");
-        }
-        if self.prompt_tokens == 0 || self.output_tokens == 0 {
-            return bad("--prompt-tokens and --output-tokens must be at least 1");
-        }
-        Ok(())
-    }
 }
 
 /// The tokenizer's time per 1,000 tokens, for texts of about `tokens` tokens.
@@ -118,34 +67,33 @@ struct Stack {
 async fn start_stack(
     config: &FrontendBenchConfig,
     model: ModelFiles,
-) -> Result<Stack, FrontendBenchError> {
+) -> Result<Stack, DoorBenchError> {
     // A fresh namespace: a shared NATS may carry other fleets.
     let namespace = format!("kvbench{}", std::process::id());
     let local = Bus::local();
-    let connect = |name: &'static str| {
-        let (nats, local) = (config.nats.clone(), local.clone());
-        async move {
-            bus(&nats, &local, name)
-                .await
-                .map_err(start_err("NATS connection"))
-        }
-    };
+    let load = &config.load;
     let engine = BridgedStub::start(
         &namespace,
         1,
-        config.output_tokens,
-        config.engine_itl,
-        connect("kvrouter-bench-bridge").await?,
+        load.output_tokens,
+        load.engine_itl,
+        load.connect(&local, "kvrouter-bench-bridge").await?,
     )
     .await
     .map_err(start_err("engine and bridge"))?;
-    let ready_within = Duration::from_secs(20);
-    let replica = ready_replica(&namespace, connect("kvrouter-bench-replica").await?, 1)
-        .await
-        .map_err(start_err("replica"))?
-        .ok_or(FrontendBenchError::NotReady(ready_within))?;
-    let client = KvRouterClient::new(connect("kvrouter-bench-frontend").await?, &namespace)
-        .map_err(|e| start_err("router client")(e.to_string()))?;
+    let replica = ready_replica(
+        &namespace,
+        load.connect(&local, "kvrouter-bench-replica").await?,
+        1,
+    )
+    .await
+    .map_err(start_err("replica"))?
+    .ok_or(DoorBenchError::NotReady("replica"))?;
+    let client = KvRouterClient::new(
+        load.connect(&local, "kvrouter-bench-frontend").await?,
+        &namespace,
+    )
+    .map_err(|e| start_err("router client")(e.to_string()))?;
     let frontend = Frontend::new(
         vec![model],
         Default::default(),
@@ -220,40 +168,35 @@ pub fn tokenize_figures(model: &ModelFiles, runs: usize, seed: u64) -> Vec<Token
 /// Runs the whole bench. Must run inside a multi-threaded tokio runtime.
 pub async fn run_frontend_bench(
     config: &FrontendBenchConfig,
-) -> Result<FrontendBenchReport, FrontendBenchError> {
-    config.validate()?;
-    let limit = Some(config.prompt_tokens + 1024);
-    let load = || ModelFiles::load(MODEL, &config.model_dir, None, limit);
-    let model = load().map_err(|e| FrontendBenchError::Model(e.to_string()))?;
-    let tokenize = tokenize_figures(&model, config.tokenize_runs, config.seed);
+) -> Result<FrontendBenchReport, DoorBenchError> {
+    let load = &config.load;
+    load.validate()?;
+    if config.tokenize_runs == 0 {
+        return Err(DoorBenchError::Config(
+            "--tokenize-runs must be at least 1".into(),
+        ));
+    }
+    let limit = Some(load.prompt_tokens + 1024);
+    let model_files = || {
+        ModelFiles::load(MODEL, &config.model_dir, None, limit)
+            .map_err(|e| DoorBenchError::Model(e.to_string()))
+    };
+    let model = model_files()?;
+    let tokenize = tokenize_figures(&model, config.tokenize_runs, load.seed);
     let vocab_size = model.tokenizer().vocab_size();
-    let stack = start_stack(
-        config,
-        load().map_err(|e| FrontendBenchError::Model(e.to_string()))?,
-    )
-    .await?;
+    let stack = start_stack(config, model_files()?).await?;
     let client = http_client();
     let direct = format!("{}/v1/completions", stack.engine.engine.base_url());
     let through = format!("http://{}/v1/completions", stack.frontend.addr);
-    let bodies = Arc::new(completion_bodies(
-        config.prompt_tokens,
-        config.output_tokens,
-        config.seed,
-    ));
+    let bodies = load.bodies();
     for (path, url) in [("engine", &direct), ("frontend", &through)] {
         warm_up(&client, url, &bodies)
             .await
-            .map_err(|message| FrontendBenchError::WarmUp { path, message })?;
+            .map_err(|message| DoorBenchError::WarmUp { path, message })?;
     }
-    let rates = paired_runs(
-        &client,
-        (&direct, &through),
-        &bodies,
-        &config.rates,
-        config.runs,
-        config.duration,
-    )
-    .await;
+    let rates = load
+        .paired_runs(&client, (&direct, &through), &bodies)
+        .await;
     let Stack {
         engine,
         replica,
@@ -263,15 +206,11 @@ pub async fn run_frontend_bench(
     replica.shutdown().await;
     engine.shutdown().await;
     Ok(FrontendBenchReport {
-        bus: if config.nats.is_some() {
-            "nats"
-        } else {
-            "in-process"
-        },
-        prompt_tokens: config.prompt_tokens,
-        output_tokens: config.output_tokens,
-        engine_itl_us: us(config.engine_itl),
-        duration_s: config.duration.as_secs_f64(),
+        bus: load.bus_name(),
+        prompt_tokens: load.prompt_tokens,
+        output_tokens: load.output_tokens,
+        engine_itl_us: us(load.engine_itl),
+        duration_s: load.duration.as_secs_f64(),
         rates,
         vocab_size,
         tokenize,

@@ -24,6 +24,96 @@ use std::time::{Duration, Instant};
 /// The model name the benches serve.
 pub const MODEL: &str = "bench";
 
+/// Why a door bench (`bench frontend`, `bench epp`) could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum DoorBenchError {
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot load the model directory: {0}")]
+    Model(String),
+    #[error("cannot start the {what}: {message}")]
+    Start { what: &'static str, message: String },
+    #[error("the {0} did not see every engine within 20 s")]
+    NotReady(&'static str),
+    #[error("warm-up request through the {path} failed: {message}")]
+    WarmUp { path: &'static str, message: String },
+}
+
+/// A [`DoorBenchError::Start`] of `what`, from a message.
+pub fn start_err(what: &'static str) -> impl Fn(String) -> DoorBenchError {
+    move |message| DoorBenchError::Start { what, message }
+}
+
+/// The load a door bench sends, and where its parts talk.
+#[derive(Clone, Debug)]
+pub struct LoadConfig {
+    /// Requests per second of each measured pair of runs.
+    pub rates: Vec<f64>,
+    /// Pairs of runs at each rate (the baseline path, then the measured one).
+    pub runs: usize,
+    pub duration: Duration,
+    /// Token ids per prompt.
+    pub prompt_tokens: usize,
+    /// Chunks each answer streams.
+    pub output_tokens: usize,
+    /// The engine stand-ins' time between chunks.
+    pub engine_itl: Duration,
+    /// NATS to route over; `None` for the in-process bus.
+    pub nats: Option<NatsOptions>,
+    pub seed: u64,
+}
+
+impl LoadConfig {
+    pub fn validate(&self) -> Result<(), DoorBenchError> {
+        let bad = |m: &str| Err(DoorBenchError::Config(m.to_string()));
+        if self.rates.is_empty() || self.rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+            return bad("every rate must be a positive number of requests per second");
+        }
+        if self.runs == 0 || self.duration.is_zero() {
+            return bad("--runs must be at least 1 and --duration above 0");
+        }
+        if self.prompt_tokens == 0 || self.output_tokens == 0 {
+            return bad("--prompt-tokens and --output-tokens must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// `nats` or `in-process`, for reports.
+    pub fn bus_name(&self) -> &'static str {
+        if self.nats.is_some() {
+            "nats"
+        } else {
+            "in-process"
+        }
+    }
+
+    /// A connection for one component: its own to NATS, or a handle on `local`.
+    pub async fn connect(&self, local: &Bus, name: &'static str) -> Result<Bus, DoorBenchError> {
+        bus(&self.nats, local, name)
+            .await
+            .map_err(start_err("NATS connection"))
+    }
+
+    /// The request bodies of every run.
+    pub fn bodies(&self) -> Arc<Vec<Bytes>> {
+        Arc::new(completion_bodies(
+            self.prompt_tokens,
+            self.output_tokens,
+            self.seed,
+        ))
+    }
+
+    /// Every rate's pairs of runs, `baseline` then `measured`.
+    pub async fn paired_runs(
+        &self,
+        client: &HttpClient,
+        paths: (&str, &str),
+        bodies: &Arc<Vec<Bytes>>,
+    ) -> Vec<RateReport> {
+        paired_runs(client, paths, bodies, &self.rates, self.runs, self.duration).await
+    }
+}
+
 /// One open-loop run on one path.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PathRun {

@@ -22,7 +22,7 @@ use crate::k8s_locked::{
 use crate::k8s_manifests::{
     all_containers, args_of, container, container_port, drain_secs, every, host_port, image_name,
     kvrouter_with_env, list, pod_labels, pod_spec, port_in, probe_ok, run_tool, selects, short,
-    stdout_of, text, yaml_doc, yaml_docs, Manifests, K8S_VERSIONS, SETUP,
+    stdout_of, text, yaml_doc, yaml_docs, Manifests,
 };
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -184,36 +184,9 @@ fn target_of(c: &Value, svc_port: &Value) -> u16 {
 #[test]
 fn gateway_overlay_validates_against_the_kubernetes_and_the_crd_schemas() {
     let m = gateway();
-    // Kubernetes' own kinds: kubernetes-validate, strict, as the base's test does.
-    let standard: Vec<&Value> = m.docs.iter().filter(|d| !custom(d)).collect();
-    let stream: String = standard.iter().map(|d| format!("---\n{d}\n")).collect();
-    let mut file = tempfile::NamedTempFile::new().unwrap();
-    file.write_all(stream.as_bytes()).unwrap();
-    let path = file.path().to_str().unwrap().to_string();
-    for version in K8S_VERSIONS {
-        let mut args = vec!["-m", "kubernetes_validate", "--strict"];
-        if let Some(v) = version {
-            args.extend(["--kubernetes-version", v]);
-        }
-        args.push(&path);
-        let out = run_tool("python3", &args, None, "kubernetes-validate");
-        let report = String::from_utf8_lossy(&out.stdout).to_string()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success()
-                && !report.lines().any(|l| l.starts_with("ERROR")
-                    || l.starts_with("WARN")
-                    || l.starts_with("FATAL")),
-            "{GATEWAY} against Kubernetes {} ({SETUP}): {report}",
-            version.unwrap_or("(newest)")
-        );
-        assert_eq!(
-            report.matches(" passed for resource ").count(),
-            standard.len(),
-            "every Kubernetes object validated: {report}"
-        );
-    }
-
+    // Kubernetes' own kinds are validated with kubernetes-validate, strict, by
+    // k8s_manifests' base_and_overlay_validate_against_the_kubernetes_schemas, which renders
+    // every overlay, this one included.
     // The custom resources: one InferencePool and one HTTPRoute, nothing else, each valid
     // against its CRD's schema with no field the schema does not name.
     let kinds: Vec<&str> = m

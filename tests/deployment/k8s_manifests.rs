@@ -29,7 +29,7 @@ pub(crate) const OVERLAY: &str = "deploy/kubernetes/overlays/example";
 
 /// The oldest Kubernetes the manifests claim (the frontend's preStop `sleep` action is on by
 /// default from 1.30); `None` is the newest kubernetes-validate knows.
-pub(crate) const K8S_VERSIONS: [Option<&str>; 2] = [Some("1.30.0"), None];
+const K8S_VERSIONS: [Option<&str>; 2] = [Some("1.30.0"), None];
 
 /// The pod name the downward API gives in `Manifests::env` (a StatefulSet's first pod).
 pub(crate) const POD_NAME: &str = "kvrouter-serve-0";

@@ -1,15 +1,14 @@
 //! The index core: which worker ranks hold which prompt prefixes. Synchronous, no I/O.
 //!
-//! Layout, chosen for lookup speed and bytes per (block, rank) pair:
-//! - `blocks`: one 24-byte entry per distinct cached prefix, keyed by its
-//!   [`prefix`](crate::prefix) id: its parent's id (for dumps) and the set of worker slots
-//!   holding it. A lookup does one probe per query block; the probes do not depend on each
-//!   other, so the CPU overlaps their cache misses. (Own open-addressing tables that
-//!   prefetch explicitly were measured: faster lookups, but slower deletes under churn and
-//!   more memory at scale; see docs/benchmarks.md.)
-//! - per rank, `aliases`: engine block hash → prefix id, 16 bytes per (block, rank) pair. A
-//!   rank's table is small enough to stay in cache while its events are applied. Engine
-//!   hashes stay opaque: they only resolve a `Stored` parent and the blocks of a `Removed`.
+//! Layout, chosen for memory traffic (the tables of a big fleet do not fit in any cache):
+//! - [`runs`]: the blocks of every tier, as runs of up to 64 consecutive blocks of one branch,
+//!   each with a bitmap of positions per holder slot. A lookup touches one run per 64 blocks
+//!   of shared history (a heads-table probe, the run, its ids), not one table entry per block.
+//! - per holder slot (a rank's device, host or disk tier, or shared storage), `aliases`:
+//!   engine block hash → the block's location, 16 bytes per (block, slot) pair. Applying a
+//!   block costs one probe of its rank's table; the run it lands in is usually already in
+//!   cache. Engine hashes stay opaque: they only resolve a `Stored` parent and the blocks of a
+//!   `Removed`.
 //!
 //! Semantics (mirrored by the reference model in the tests): a rank holds a set of prefixes;
 //! its overlap with a query is the largest `k` such that it holds every prefix of the query of
@@ -17,7 +16,6 @@
 //! of a prefix drops the prefix.
 
 use crate::error::IndexError;
-use crate::holders::{HolderArena, Holders};
 use crate::overlap::OverlapScores;
 use crate::prefix::{self, PrefixChain, ROOT};
 use crate::table_alloc::TableAlloc;
@@ -26,24 +24,29 @@ use kvrouter_protocol::{
     EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerId,
     WorkerKey,
 };
+use runs::{Loc, Runs, LOWER_BASE};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
-use tiers::LowerTiers;
 
+mod runs;
 mod tiers;
 
-#[derive(Clone, Copy)]
-struct Block {
-    prefix: u64,
-    parent: u64,
-    holders: Holders,
-}
-
-/// An engine hash of one rank and the prefix it names.
+/// An engine hash of one slot and the block it names.
 #[derive(Clone, Copy)]
 struct Alias {
     engine: u64,
-    prefix: u64,
+    run: u32,
+    pos: u32,
+}
+
+impl Alias {
+    #[inline]
+    fn loc(&self) -> Loc {
+        Loc {
+            run: self.run,
+            pos: self.pos,
+        }
+    }
 }
 
 /// See [`TableAlloc`]: the system allocator, with huge pages for big tables.
@@ -62,10 +65,35 @@ fn maybe_shrink<T>(t: &mut Table<T>, hasher: impl Fn(&T) -> u64) {
     }
 }
 
-struct Rank {
+/// What one holder slot (a rank's tier, or shared storage) holds and calls it.
+struct Slot {
     key: WorkerKey,
     aliases: Table<Alias>,
     held: usize,
+}
+
+impl Slot {
+    fn new(key: WorkerKey) -> Self {
+        Self {
+            key,
+            aliases: new_table(),
+            held: 0,
+        }
+    }
+
+    #[inline]
+    fn alias(&self, engine: u64) -> Option<Loc> {
+        self.aliases
+            .find(engine_hash_of(engine), |a| a.engine == engine)
+            .map(Alias::loc)
+    }
+}
+
+/// A worker key's slots and event sequence.
+struct KeyState {
+    dev: u32,
+    host: Option<u32>,
+    disk: Option<u32>,
     last_event_id: Option<EventId>,
     needs_recovery: bool,
 }
@@ -76,6 +104,8 @@ fn engine_hash_of(e: u64) -> u64 {
     let m = (e as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
     (m as u64) ^ ((m >> 64) as u64)
 }
+
+const NO_RUN: u32 = u32::MAX;
 
 /// Counters since the index was created.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -105,6 +135,8 @@ pub struct IndexStats {
     pub table_bytes: usize,
     /// (prefix, worker key) pairs in host and disk tiers, and shared blocks.
     pub lower_tier_pairs: usize,
+    /// Runs of blocks the index keeps (every tier; see `index::runs`).
+    pub live_runs: usize,
     pub counters: IndexCounters,
 }
 
@@ -134,31 +166,35 @@ pub fn block_limit_for_capacity(capacity_blocks: usize) -> usize {
 
 /// The KV block index of a set of worker ranks.
 pub struct Index {
-    blocks: Table<Block>,
-    arena: HolderArena,
-    ranks: Vec<Option<Rank>>,
-    /// Key of each slot, dense, for turning holder bits into worker keys.
-    slot_keys: Vec<WorkerKey>,
-    slots: FxHashMap<WorkerKey, u32>,
-    limits: FxHashMap<WorkerId, usize>,
+    runs: Runs,
+    /// Device slots (numbers below [`LOWER_BASE`]), lowest free first: small fleets keep
+    /// small slot numbers.
+    slots: Vec<Option<Slot>>,
+    /// Lower-tier slots, numbered from [`LOWER_BASE`].
+    lower: Vec<Option<Slot>>,
+    keys: FxHashMap<WorkerKey, KeyState>,
+    /// The slot of shared storage, once it stored something.
+    shared: Option<u32>,
+    limits: FxHashMap<(WorkerId, Tier), usize>,
     live_pairs: usize,
+    live_blocks: usize,
+    lower_pairs: usize,
     counters: IndexCounters,
-    /// Host, disk and shared blocks; `None` until the first lower-tier event.
-    lower: Option<Box<LowerTiers>>,
 }
 
 impl Default for Index {
     fn default() -> Self {
         Self {
-            blocks: new_table(),
-            arena: HolderArena::default(),
-            ranks: Vec::new(),
-            slot_keys: Vec::new(),
-            slots: FxHashMap::default(),
+            runs: Runs::default(),
+            slots: Vec::new(),
+            lower: Vec::new(),
+            keys: FxHashMap::default(),
+            shared: None,
             limits: FxHashMap::default(),
             live_pairs: 0,
+            live_blocks: 0,
+            lower_pairs: 0,
             counters: IndexCounters::default(),
-            lower: None,
         }
     }
 }
@@ -171,18 +207,23 @@ impl Index {
     /// Refuse `Stored` events that would make any rank of `worker_id` hold more than `limit`
     /// blocks (`None` lifts the limit). See [`block_limit_for_capacity`].
     pub fn set_block_limit(&mut self, worker_id: WorkerId, limit: Option<usize>) {
+        self.set_tier_block_limit(worker_id, Tier::Device, limit)
+    }
+
+    /// Refuse `Stored` events that would make any rank of `worker_id` hold more than `limit`
+    /// blocks in `tier` (`None` lifts it); see [`Index::set_block_limit`].
+    pub fn set_tier_block_limit(&mut self, worker_id: WorkerId, tier: Tier, limit: Option<usize>) {
         match limit {
-            Some(l) => self.limits.insert(worker_id, l),
-            None => self.limits.remove(&worker_id),
+            Some(l) => self.limits.insert((worker_id, tier), l),
+            None => self.limits.remove(&(worker_id, tier)),
         };
     }
 
     /// Applies one event, checking its id against the rank's last one.
     pub fn apply(&mut self, event: &KvEvent) -> Result<Applied, IndexError> {
-        let slot = self.slot_for(event.key);
-        let rank = self.rank_mut(slot);
+        let state = self.key_state(event.key);
         let mut gap = 0;
-        if let Some(last) = rank.last_event_id {
+        if let Some(last) = state.last_event_id {
             if event.event_id <= last {
                 self.counters.stale_events += 1;
                 return Err(IndexError::StaleEvent {
@@ -193,14 +234,14 @@ impl Index {
             }
             gap = event.event_id - last - 1;
             if gap > 0 {
-                rank.needs_recovery = true;
+                state.needs_recovery = true;
             }
         }
-        rank.last_event_id = Some(event.event_id);
+        state.last_event_id = Some(event.event_id);
         if gap > 0 {
             self.counters.gaps += 1;
         }
-        let mut applied = self.apply_in(slot, event.tier, &event.data)?;
+        let mut applied = self.apply_in(event.key, event.tier, &event.data)?;
         applied.gap = gap;
         Ok(applied)
     }
@@ -222,25 +263,40 @@ impl Index {
         tier: Tier,
         data: &KvEventData,
     ) -> Result<Applied, IndexError> {
-        let slot = match (self.slots.get(&key), data) {
-            (Some(&s), _) => s,
-            (None, KvEventData::Stored { .. }) => self.slot_for(key),
-            (None, _) => return Ok(Applied::default()),
-        };
-        self.apply_in(slot, tier, data)
+        match (self.keys.contains_key(&key), data) {
+            (true, _) => {}
+            (false, KvEventData::Stored { .. }) => {
+                self.key_state(key);
+            }
+            (false, _) => return Ok(Applied::default()),
+        }
+        self.apply_in(key, tier, data)
     }
 
-    fn apply_data(&mut self, slot: u32, data: &KvEventData) -> Result<Applied, IndexError> {
+    /// Applies an event's content to `tier` of `key` (a known key).
+    fn apply_in(
+        &mut self,
+        key: WorkerKey,
+        tier: Tier,
+        data: &KvEventData,
+    ) -> Result<Applied, IndexError> {
         let out = match data {
-            KvEventData::Stored { parent, blocks } => self.store(slot, *parent, blocks)?,
-            KvEventData::Removed { engine_hashes } => self.remove_blocks(slot, engine_hashes),
-            KvEventData::Cleared => {
-                let removed = self.clear_slot(slot);
-                Applied {
-                    removed,
-                    ..Applied::default()
-                }
+            KvEventData::Stored { parent, blocks } => {
+                let slot = self.tier_slot_for(key, tier);
+                self.store(key, slot, tier, *parent, blocks)?
             }
+            KvEventData::Removed { engine_hashes } => match self.tier_slot(key, tier) {
+                Some(s) => self.remove_blocks(s, engine_hashes),
+                None => Applied {
+                    skipped: engine_hashes.len(),
+                    ..Applied::default()
+                },
+            },
+            // Every tier of the rank; shared storage is no rank's to clear.
+            KvEventData::Cleared => Applied {
+                removed: self.clear_key(key),
+                ..Applied::default()
+            },
         };
         self.counters.events_applied += 1;
         self.counters.stored_blocks += out.stored as u64;
@@ -251,182 +307,219 @@ impl Index {
 
     fn store(
         &mut self,
+        key: WorkerKey,
         slot: u32,
+        tier: Tier,
         parent: Option<EngineBlockHash>,
         blocks: &[StoredBlock],
     ) -> Result<Applied, IndexError> {
-        let rank = self.ranks[slot as usize].as_ref().expect("slot in use");
-        let key = rank.key;
-        let prefix = match parent {
-            None => ROOT,
-            Some(pe) => match self.resolve_parent(key, Tier::Device, pe.0) {
-                Some(p) => p,
+        let (at, prefix) = match parent {
+            None => (None, ROOT),
+            Some(pe) => match self.resolve_parent(key, tier, pe.0) {
+                Some(loc) => (Some(loc), self.runs.id(loc)),
                 None => {
                     self.counters.rejected_missing_parent += 1;
                     return Err(IndexError::MissingParent { key, parent: pe });
                 }
             },
         };
-        if let Err(e) = self.within_limit(key, rank.held, blocks.len()) {
-            self.counters.rejected_block_limit += 1;
-            return Err(e);
+        let held = self.slot(slot).held;
+        if let Some(&limit) = self.limits.get(&(key.worker_id, tier)) {
+            if held + blocks.len() > limit {
+                self.counters.rejected_block_limit += 1;
+                return Err(IndexError::BlockLimit {
+                    key,
+                    held,
+                    adding: blocks.len(),
+                    limit,
+                });
+            }
         }
-        self.store_from(slot, prefix, blocks)
+        Ok(self.store_chain(slot, at, prefix, blocks))
     }
 
-    /// Whether `key`, holding `held` blocks here, may take `adding` more under its worker's
-    /// limit in this index.
-    fn within_limit(&self, key: WorkerKey, held: usize, adding: usize) -> Result<(), IndexError> {
-        match self.limits.get(&key.worker_id) {
-            Some(&limit) if held + adding > limit => Err(IndexError::BlockLimit {
-                key,
-                held,
-                adding,
-                limit,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// Stores a chain of blocks below the prefix `prefix` (resolved, held, or the root).
-    fn store_from(
+    /// Stores a chain of blocks for `slot` below the block at `at` (prefix id `prefix`), or
+    /// below the root when `at` is `None`.
+    fn store_chain(
         &mut self,
         slot: u32,
+        mut at: Option<Loc>,
         mut prefix: u64,
         blocks: &[StoredBlock],
-    ) -> Result<Applied, IndexError> {
-        let Self {
-            blocks: table,
-            arena,
-            ranks,
-            live_pairs,
-            ..
-        } = self;
-        let rank = ranks[slot as usize].as_mut().expect("slot in use");
-        let ids: SmallVec<[u64; 64]> = blocks
-            .iter()
-            .scan(prefix, |p, b| {
-                *p = prefix::extend(*p, b.local_hash.0);
-                Some(*p)
-            })
-            .collect();
+    ) -> Applied {
+        // Bits of one run not yet marked held: one holder update per run, not per block.
+        let mut pending = (NO_RUN, 0u64);
         let mut stored = 0;
-        for (i, b) in blocks.iter().enumerate() {
-            let p = ids[i];
+        for b in blocks {
+            let p = prefix::extend(prefix, b.local_hash.0);
+            let loc = match self.runs.find_child(at, p) {
+                Some(l) => l,
+                None => match at {
+                    Some(a) if self.runs.appendable(a) => self.runs.append(a.run, p),
+                    _ => self.runs.create(prefix, p),
+                },
+            };
+            if loc.run != pending.0 {
+                stored += self.mark_held(slot, pending);
+                pending = (loc.run, 0);
+            }
             let e = b.engine_hash.0;
             let h = engine_hash_of(e);
-            match rank.aliases.find_mut(h, |a| a.engine == e) {
-                Some(alias) if alias.prefix != p => {
+            let aliases = &mut slot_mut(&mut self.slots, &mut self.lower, slot).aliases;
+            match aliases.find_mut(h, |a| a.engine == e) {
+                Some(a) if a.loc() == loc => {}
+                Some(a) => {
                     // The engine reused a hash for another block: the old block is gone.
-                    let old = std::mem::replace(&mut alias.prefix, p);
-                    release(table, arena, &mut rank.held, live_pairs, old, slot);
+                    let old = a.loc();
+                    (a.run, a.pos) = (loc.run, loc.pos);
+                    self.runs.add_ref(loc.run);
+                    stored += self.mark_held(slot, pending);
+                    pending.1 = 0;
+                    self.release(slot, old, 1 << old.pos);
+                    self.runs.drop_refs(old.run, 1);
                 }
-                Some(_) => {}
                 None => {
-                    rank.aliases.insert_unique(
+                    aliases.insert_unique(
                         h,
                         Alias {
                             engine: e,
-                            prefix: p,
+                            run: loc.run,
+                            pos: loc.pos,
                         },
                         |a| engine_hash_of(a.engine),
                     );
+                    self.runs.add_ref(loc.run);
                 }
             }
-            let entry = table
-                .entry(p, |b| b.prefix == p, |b| b.prefix)
-                .or_insert(Block {
-                    prefix: p,
-                    parent: prefix,
-                    holders: Holders::EMPTY,
-                });
-            let added = arena.insert(&mut entry.into_mut().holders, slot);
-            if added {
-                rank.held += 1;
-                *live_pairs += 1;
-                stored += 1;
-            }
+            pending.1 |= 1 << loc.pos;
+            at = Some(loc);
             prefix = p;
         }
-        Ok(Applied {
+        stored += self.mark_held(slot, pending);
+        Applied {
             stored,
             ..Applied::default()
-        })
+        }
+    }
+
+    /// Marks `bits` of a run held by `slot`; returns the pairs added.
+    fn mark_held(&mut self, slot: u32, (run, bits): (u32, u64)) -> usize {
+        if run == NO_RUN || bits == 0 {
+            return 0;
+        }
+        let d = self.runs.set_bits(run, slot, bits);
+        slot_mut(&mut self.slots, &mut self.lower, slot).held += d.pairs;
+        if slot < LOWER_BASE {
+            self.live_pairs += d.pairs;
+            self.live_blocks += d.dev_blocks;
+        } else {
+            self.lower_pairs += d.pairs;
+        }
+        d.pairs
+    }
+
+    /// Marks `bits` of a run no longer held by `slot`; returns the pairs dropped.
+    fn release(&mut self, slot: u32, loc: Loc, bits: u64) -> usize {
+        let d = self.runs.clear_bits(loc.run, slot, bits);
+        let s = slot_mut(&mut self.slots, &mut self.lower, slot);
+        s.held = s.held.saturating_sub(d.pairs);
+        if slot < LOWER_BASE {
+            self.live_pairs -= d.pairs;
+            self.live_blocks -= d.dev_blocks;
+        } else {
+            self.lower_pairs -= d.pairs;
+        }
+        d.pairs
     }
 
     fn remove_blocks(&mut self, slot: u32, engine_hashes: &[EngineBlockHash]) -> Applied {
-        let Self {
-            blocks: table,
-            arena,
-            ranks,
-            live_pairs,
-            ..
-        } = self;
-        let rank = ranks[slot as usize].as_mut().expect("slot in use");
         let mut out = Applied::default();
+        // (run, bits to clear, aliases dropped): one holder update per run.
+        let mut pending = (NO_RUN, 0u64, 0u32);
         for e in engine_hashes {
-            let found = rank
+            let s = slot_mut(&mut self.slots, &mut self.lower, slot);
+            let found = s
                 .aliases
                 .find_entry(engine_hash_of(e.0), |a| a.engine == e.0)
                 .ok()
-                .map(|entry| entry.remove().0.prefix);
-            let Some(p) = found else {
+                .map(|entry| entry.remove().0.loc());
+            let Some(loc) = found else {
                 out.skipped += 1;
                 continue;
             };
-            if release(table, arena, &mut rank.held, live_pairs, p, slot) {
+            if loc.run != pending.0 {
+                self.flush_removed(slot, pending);
+                pending = (loc.run, 0, 0);
+            }
+            pending.2 += 1;
+            let bit = 1 << loc.pos;
+            // A stale name (the prefix was dropped under another name) removes nothing.
+            if pending.1 & bit == 0 && self.runs.holds(loc, slot) {
+                pending.1 |= bit;
                 out.removed += 1;
             } else {
                 out.skipped += 1;
             }
         }
-        maybe_shrink(&mut rank.aliases, |a| engine_hash_of(a.engine));
-        maybe_shrink(table, |b| b.prefix);
+        self.flush_removed(slot, pending);
+        let s = slot_mut(&mut self.slots, &mut self.lower, slot);
+        maybe_shrink(&mut s.aliases, |a| engine_hash_of(a.engine));
         out
     }
 
-    /// Drops every block of a slot; returns how many it held.
-    fn clear_slot(&mut self, slot: u32) -> usize {
-        let Self {
-            blocks: table,
-            arena,
-            ranks,
-            live_pairs,
-            ..
-        } = self;
-        let rank = ranks[slot as usize].as_mut().expect("slot in use");
-        let mut removed = 0;
-        for a in std::mem::replace(&mut rank.aliases, new_table()).iter() {
-            if release(table, arena, &mut rank.held, live_pairs, a.prefix, slot) {
-                removed += 1;
-            }
+    fn flush_removed(&mut self, slot: u32, (run, bits, refs): (u32, u64, u32)) {
+        if run == NO_RUN {
+            return;
         }
-        debug_assert_eq!(rank.held, 0);
-        maybe_shrink(table, |b| b.prefix);
+        self.release(slot, Loc { run, pos: 0 }, bits);
+        self.runs.drop_refs(run, refs);
+    }
+
+    /// Drops every block of a slot, keeping the slot; returns how many it held.
+    fn clear_slot(&mut self, slot: u32) -> usize {
+        let s = slot_mut(&mut self.slots, &mut self.lower, slot);
+        let aliases = std::mem::replace(&mut s.aliases, new_table());
+        let mut removed = 0;
+        for a in aliases.iter() {
+            removed += self.release(slot, a.loc(), 1 << a.pos);
+            self.runs.drop_refs(a.run, 1);
+        }
+        debug_assert_eq!(self.slot(slot).held, 0);
+        removed
+    }
+
+    /// Frees a slot after dropping its blocks; returns how many it held.
+    fn free_slot(&mut self, slot: u32) -> usize {
+        let removed = self.clear_slot(slot);
+        if slot < LOWER_BASE {
+            self.slots[slot as usize] = None;
+        } else {
+            self.lower[(slot - LOWER_BASE) as usize] = None;
+        }
         removed
     }
 
     /// Forgets one rank entirely (blocks, event-id state, recovery flag).
     pub fn remove_worker_rank(&mut self, key: WorkerKey) -> bool {
-        let Some(slot) = self.slots.get(&key).copied() else {
+        let Some(state) = self.keys.remove(&key) else {
             return false;
         };
-        self.clear_slot(slot);
-        self.ranks[slot as usize] = None;
-        self.slots.remove(&key);
-        self.forget_lower(key);
+        self.free_slot(state.dev);
+        for s in [state.host, state.disk].into_iter().flatten() {
+            self.free_slot(s);
+        }
         true
     }
 
     /// Forgets every rank of a worker; returns how many ranks were removed.
     pub fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
         let keys: SmallVec<[WorkerKey; 8]> = self
-            .slots
+            .keys
             .keys()
             .filter(|k| k.worker_id == worker_id)
             .copied()
             .collect();
-        self.limits.remove(&worker_id);
+        self.limits.retain(|(w, _), _| *w != worker_id);
         keys.into_iter()
             .filter(|k| self.remove_worker_rank(*k))
             .count()
@@ -444,124 +537,121 @@ impl Index {
     pub fn find_matches_in(&self, chain: &mut PrefixChain<'_>, out: &mut OverlapScores) {
         let first = out.scores.len();
         self.device_matches(chain, &mut out.scores);
-        self.lower_matches(chain, first, out);
+        if self.has_lower() {
+            self.lower_matches(chain, first, out);
+        }
     }
 
     /// The device overlaps, appended to `out`.
     fn device_matches(&self, chain: &mut PrefixChain<'_>, out: &mut Vec<(WorkerKey, u32)>) {
         let n = chain.len();
-        if n == 0 || self.blocks.is_empty() {
+        if n == 0 || self.runs.is_empty() {
             return;
         }
-        let Some(first) = self.holders_at(chain.get(0)) else {
+        let Some(mut run) = self.runs.head(chain.get(0)) else {
             return;
         };
-        let first = self.arena.view(first);
-        let mut mask = first.mask;
-        let mut high: SmallVec<[u32; 8]> = SmallVec::from_slice(first.high());
-        let mut i = 1;
-        loop {
-            if mask == 0 && high.is_empty() {
-                return;
-            }
-            if i == n {
-                self.emit(mask, &high, n, out);
-                return;
-            }
-            let h = self.holders_at(chain.get(i)).unwrap_or(Holders::EMPTY);
-            let view = self.arena.view(h);
-            let (hmask, hhigh) = (view.mask, view.high());
-            let next = mask & hmask;
-            if next != mask {
-                self.emit(mask & !next, &[], i, out);
-                mask = next;
-            }
-            // Sorted lists: one merge pass (a shared system prompt may have thousands of
-            // holders), and none when the next block has the same holders.
-            if !high.is_empty() && high.as_slice() != hhigh {
-                let mut dropped: SmallVec<[u32; 8]> = SmallVec::new();
-                let (mut j, mut kept) = (0, 0);
-                for k in 0..high.len() {
-                    let s = high[k];
-                    while j < hhigh.len() && hhigh[j] < s {
-                        j += 1;
-                    }
-                    if hhigh.get(j) == Some(&s) {
-                        high[kept] = s;
-                        kept += 1;
-                    } else {
-                        dropped.push(s);
-                    }
+        // Device slots holding every query block so far, sorted.
+        let mut active: SmallVec<[u32; 16]> = self
+            .runs
+            .get(run)
+            .device_holders()
+            .iter()
+            .filter(|h| h.bits & 1 != 0)
+            .map(|h| h.slot)
+            .collect();
+        let mut i = 0;
+        while !active.is_empty() {
+            let r = self.runs.get(run);
+            let end = n.min(i + r.len());
+            let m = self.runs.matched(run, chain.ids(i, end));
+            let holders = r.device_holders();
+            let (mut j, mut kept) = (0, 0);
+            for k in 0..active.len() {
+                let s = active[k];
+                while j < holders.len() && holders[j].slot < s {
+                    j += 1;
                 }
-                high.truncate(kept);
-                if !dropped.is_empty() {
-                    self.emit(0, &dropped, i, out);
+                let bits = match holders.get(j) {
+                    Some(h) if h.slot == s => h.bits,
+                    _ => 0,
+                };
+                let covered = ((!bits).trailing_zeros() as usize).min(m);
+                if covered == m {
+                    active[kept] = s;
+                    kept += 1;
+                } else if i + covered > 0 {
+                    out.push((self.slot(s).key, (i + covered) as u32));
                 }
             }
-            i += 1;
+            active.truncate(kept);
+            i += m;
+            if i == n || m == 0 {
+                break;
+            }
+            // The query left the run or ran past its end: its next block, if stored, heads
+            // a run.
+            match self.runs.head(chain.get(i)) {
+                Some(next) => run = next,
+                None => break,
+            }
         }
-    }
-
-    #[inline]
-    fn emit(&self, mut mask: u64, high: &[u32], overlap: usize, out: &mut Vec<(WorkerKey, u32)>) {
-        while mask != 0 {
-            let s = mask.trailing_zeros();
-            out.push((self.slot_keys[s as usize], overlap as u32));
-            mask &= mask - 1;
+        for s in active {
+            out.push((self.slot(s).key, i as u32));
         }
-        for &s in high {
-            out.push((self.slot_keys[s as usize], overlap as u32));
-        }
-    }
-
-    #[inline(always)]
-    fn holders_at(&self, p: u64) -> Option<Holders> {
-        self.blocks.find(p, |b| b.prefix == p).map(|b| b.holders)
     }
 
     /// The local hash of the block `key` holds under engine hash `engine` in any tier, if it
     /// holds one (an engine may name an offloaded block by its hash alone).
     pub fn local_hash(&self, key: WorkerKey, engine: EngineBlockHash) -> Option<LocalBlockHash> {
-        self.local_hash_here(key, engine)
-            .or_else(|| self.lower_local_hash(key, engine))
+        let state = self.keys.get(&key)?;
+        [Some(state.dev), state.host, state.disk]
+            .into_iter()
+            .flatten()
+            .find_map(|slot| {
+                let loc = self.held_loc(slot, engine.0)?;
+                let (p, parent) = (self.runs.id(loc), self.runs.parent_id(loc));
+                Some(LocalBlockHash(prefix::local_of(p, parent)))
+            })
     }
 
-    fn local_hash_here(&self, key: WorkerKey, engine: EngineBlockHash) -> Option<LocalBlockHash> {
-        let &slot = self.slots.get(&key)?;
-        let rank = self.ranks[slot as usize].as_ref()?;
-        let p = alias_of(&rank.aliases, engine.0)?;
-        let b = self.blocks.find(p, |b| b.prefix == p)?;
-        self.arena
-            .contains(b.holders, slot)
-            .then(|| LocalBlockHash(prefix::local_of(p, b.parent)))
+    /// Where `slot` holds the block it calls `engine`, if it holds it.
+    fn held_loc(&self, slot: u32, engine: u64) -> Option<Loc> {
+        self.slot(slot)
+            .alias(engine)
+            .filter(|&loc| self.runs.holds(loc, slot))
     }
 
     /// Events that rebuild `key` exactly: device blocks, then host, then disk, parents
     /// before children within a tier. Blocks cut off from the root (a removed ancestor, in
     /// no tier) match nothing and are left out.
     pub fn dump(&self, key: WorkerKey) -> Option<RankDump> {
-        let &slot = self.slots.get(&key)?;
-        let rank = self.ranks[slot as usize].as_ref()?;
+        let state = self.keys.get(&key)?;
         // Only chains rooted in another tier need it: none without lower tiers.
-        let engine_of = match self.lower {
-            Some(_) => self.engine_hashes_of(key),
-            None => FxHashMap::default(),
+        let engine_of = match self.has_lower() {
+            true => self.engine_hashes_of(key),
+            false => FxHashMap::default(),
         };
-        let event_id = rank.last_event_id.unwrap_or(0);
-        let mut events: Vec<KvEvent> = self
-            .chains(slot, &engine_of)
-            .into_iter()
-            .map(|(parent, blocks)| KvEvent {
-                key,
-                event_id,
-                tier: Tier::Device,
-                data: KvEventData::Stored { parent, blocks },
-            })
-            .collect();
-        self.dump_lower(key, &engine_of, &mut events);
+        let event_id = state.last_event_id.unwrap_or(0);
+        let mut events = Vec::new();
+        for (tier, slot) in [
+            (Tier::Device, Some(state.dev)),
+            (Tier::Host, state.host),
+            (Tier::Disk, state.disk),
+        ] {
+            let Some(slot) = slot else { continue };
+            for (parent, blocks) in self.chains(slot, &engine_of) {
+                events.push(KvEvent {
+                    key,
+                    event_id,
+                    tier,
+                    data: KvEventData::Stored { parent, blocks },
+                });
+            }
+        }
         Some(RankDump {
             key,
-            last_event_id: rank.last_event_id,
+            last_event_id: state.last_event_id,
             events,
         })
     }
@@ -573,16 +663,12 @@ impl Index {
         slot: u32,
         engine_of: &FxHashMap<u64, u64>,
     ) -> Vec<(Option<EngineBlockHash>, Vec<StoredBlock>)> {
-        let Some(rank) = self.ranks[slot as usize].as_ref() else {
-            return Vec::new();
-        };
-        // prefix -> (engine hash, parent), for the blocks this rank holds
+        // prefix -> (engine hash, parent), for the blocks this slot holds
         let mut held: FxHashMap<u64, (u64, u64)> = FxHashMap::default();
-        for a in rank.aliases.iter() {
-            if let Some(b) = self.blocks.find(a.prefix, |b| b.prefix == a.prefix) {
-                if self.arena.contains(b.holders, slot) {
-                    held.insert(a.prefix, (a.engine, b.parent));
-                }
+        for a in self.slot(slot).aliases.iter() {
+            let loc = a.loc();
+            if self.runs.holds(loc, slot) {
+                held.insert(self.runs.id(loc), (a.engine, self.runs.parent_id(loc)));
             }
         }
         let mut children: FxHashMap<u64, Vec<u64>> = FxHashMap::default();
@@ -600,9 +686,14 @@ impl Index {
             .collect();
         roots.sort_unstable();
         let mut out = Vec::new();
+        // Forged ids could make a cycle: each prefix is emitted once.
+        let mut seen: rustc_hash::FxHashSet<u64> = Default::default();
         for root in roots {
             let mut stack: Vec<u64> = children[&root].clone();
             while let Some(start) = stack.pop() {
+                if !seen.insert(start) {
+                    continue;
+                }
                 let parent = held[&start].1;
                 let mut blocks = Vec::new();
                 let mut p = start;
@@ -613,9 +704,14 @@ impl Index {
                         local_hash: LocalBlockHash(prefix::local_of(p, parent)),
                     });
                     match children.get(&p).map(Vec::as_slice) {
-                        Some([first, rest @ ..]) => {
+                        Some([first, rest @ ..]) if !seen.contains(first) => {
                             stack.extend_from_slice(rest);
                             p = *first;
+                            seen.insert(p);
+                        }
+                        Some([_, rest @ ..]) => {
+                            stack.extend_from_slice(rest);
+                            break;
                         }
                         _ => break,
                     }
@@ -637,15 +733,14 @@ impl Index {
     /// refusal, if any, is returned after the rest are applied.
     pub fn load_rank(&mut self, dump: &RankDump) -> Result<(), IndexError> {
         self.remove_worker_rank(dump.key);
-        let slot = self.slot_for(dump.key);
-        self.rank_mut(slot).last_event_id = dump.last_event_id;
+        self.key_state(dump.key).last_event_id = dump.last_event_id;
         // A chain whose parent sits in a tier dumped later is retried once that one loaded.
         let mut pending: Vec<&KvEvent> = dump.events.iter().collect();
         loop {
             let mut failed = Vec::new();
             let mut first_err = None;
             for &ev in &pending {
-                if let Err(e) = self.apply_in(slot, ev.tier, &ev.data) {
+                if let Err(e) = self.apply_in(dump.key, ev.tier, &ev.data) {
                     failed.push(ev);
                     first_err.get_or_insert(e);
                 }
@@ -662,132 +757,101 @@ impl Index {
 
     /// Ranks that saw an event-id gap since the last call; their flags are reset.
     pub fn take_needs_recovery(&mut self) -> Vec<WorkerKey> {
-        self.ranks
+        self.keys
             .iter_mut()
-            .flatten()
-            .filter_map(|r| std::mem::take(&mut r.needs_recovery).then_some(r.key))
+            .filter_map(|(k, s)| std::mem::take(&mut s.needs_recovery).then_some(*k))
             .collect()
     }
 
     pub fn last_event_id(&self, key: WorkerKey) -> Option<EventId> {
-        let slot = *self.slots.get(&key)?;
-        self.ranks[slot as usize].as_ref()?.last_event_id
+        self.keys.get(&key)?.last_event_id
     }
 
     /// Blocks held by one rank.
     pub fn held_blocks(&self, key: WorkerKey) -> usize {
-        self.slots
-            .get(&key)
-            .and_then(|&s| self.ranks[s as usize].as_ref())
-            .map_or(0, |r| r.held)
+        self.keys.get(&key).map_or(0, |s| self.slot(s.dev).held)
     }
 
     pub fn worker_keys(&self) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.slots.keys().copied()
+        self.keys.keys().copied()
     }
 
-    /// Bytes the index's tables have allocated (entries and control bytes), excluding
-    /// spilled holder sets.
+    /// Bytes the index's tables have allocated (runs, their ids and spilled holder lists, the
+    /// heads and alias tables), allocator slack not included.
     pub fn table_bytes(&self) -> usize {
-        fn bytes<T>(t: &Table<T>) -> usize {
-            t.allocation_size()
-        }
-        bytes(&self.blocks)
+        self.runs.bytes()
             + self
-                .ranks
+                .slots
                 .iter()
+                .chain(&self.lower)
                 .flatten()
-                .map(|r| bytes(&r.aliases))
+                .map(|s| s.aliases.allocation_size())
                 .sum::<usize>()
-            + self.lower.as_deref().map_or(0, |l| l.table_bytes())
     }
 
     pub fn live_blocks(&self) -> usize {
-        self.blocks.len()
+        self.live_blocks
     }
 
     pub fn stats(&self) -> IndexStats {
         IndexStats {
-            live_blocks: self.blocks.len(),
+            live_blocks: self.live_blocks,
             live_pairs: self.live_pairs,
-            worker_keys: self.slots.len(),
+            worker_keys: self.keys.len(),
             table_bytes: self.table_bytes(),
-            lower_tier_pairs: self.lower.as_deref().map_or(0, |l| l.pairs()),
+            lower_tier_pairs: self.lower_pairs,
+            live_runs: self.runs.live(),
             counters: self.counters,
         }
     }
 
-    fn slot_for(&mut self, key: WorkerKey) -> u32 {
-        if let Some(&s) = self.slots.get(&key) {
-            return s;
+    /// The state of `key`, created with a device slot when new.
+    fn key_state(&mut self, key: WorkerKey) -> &mut KeyState {
+        if !self.keys.contains_key(&key) {
+            // The lowest free slot keeps small fleets' slot numbers small.
+            let dev = match self.slots.iter().position(Option::is_none) {
+                Some(s) => s,
+                None => {
+                    self.slots.push(None);
+                    self.slots.len() - 1
+                }
+            };
+            self.slots[dev] = Some(Slot::new(key));
+            self.keys.insert(
+                key,
+                KeyState {
+                    dev: dev as u32,
+                    host: None,
+                    disk: None,
+                    last_event_id: None,
+                    needs_recovery: false,
+                },
+            );
         }
-        // The lowest free slot keeps small fleets in the inline holder mask.
-        let slot = match self.ranks.iter().position(Option::is_none) {
-            Some(s) => s,
-            None => {
-                self.ranks.push(None);
-                self.slot_keys.push(key);
-                self.ranks.len() - 1
-            }
-        };
-        self.ranks[slot] = Some(Rank {
-            key,
-            aliases: new_table(),
-            held: 0,
-            last_event_id: None,
-            needs_recovery: false,
-        });
-        self.slot_keys[slot] = key;
-        self.slots.insert(key, slot as u32);
-        slot as u32
+        self.keys.get_mut(&key).expect("just inserted")
     }
 
-    fn rank_mut(&mut self, slot: u32) -> &mut Rank {
-        self.ranks[slot as usize].as_mut().expect("slot in use")
+    #[inline]
+    fn slot(&self, slot: u32) -> &Slot {
+        let s = if slot < LOWER_BASE {
+            &self.slots[slot as usize]
+        } else {
+            &self.lower[(slot - LOWER_BASE) as usize]
+        };
+        s.as_ref().expect("slot in use")
     }
 }
 
 #[inline]
-fn alias_of(aliases: &Table<Alias>, e: u64) -> Option<u64> {
-    aliases
-        .find(engine_hash_of(e), |a| a.engine == e)
-        .map(|a| a.prefix)
-}
-
-fn holds(table: &Table<Block>, arena: &HolderArena, p: u64, slot: u32) -> bool {
-    table
-        .find(p, |b| b.prefix == p)
-        .is_some_and(|b| arena.contains(b.holders, slot))
-}
-
-/// [`unhold`], keeping the rank's and the index's pair counts.
-fn release(
-    table: &mut Table<Block>,
-    arena: &mut HolderArena,
-    held: &mut usize,
-    live_pairs: &mut usize,
-    p: u64,
+fn slot_mut<'a>(
+    slots: &'a mut [Option<Slot>],
+    lower: &'a mut [Option<Slot>],
     slot: u32,
-) -> bool {
-    let released = unhold(table, arena, p, slot);
-    if released {
-        *held -= 1;
-        *live_pairs -= 1;
-    }
-    released
-}
-
-/// Removes `slot` from prefix `p`'s holders, dropping the block when nobody holds it.
-/// Returns whether the slot held it.
-fn unhold(table: &mut Table<Block>, arena: &mut HolderArena, p: u64, slot: u32) -> bool {
-    let Ok(mut entry) = table.find_entry(p, |b| b.prefix == p) else {
-        return false;
+) -> &'a mut Slot {
+    let s = if slot < LOWER_BASE {
+        &mut slots[slot as usize]
+    } else {
+        &mut lower[(slot - LOWER_BASE) as usize]
     };
-    if !arena.remove(&mut entry.get_mut().holders, slot) {
-        return false;
-    }
-    if entry.get().holders.is_empty() {
-        entry.remove();
-    }
-    true
+    s.as_mut().expect("slot in use")
 }

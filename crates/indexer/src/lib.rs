@@ -6,7 +6,6 @@
 
 pub mod approx;
 pub mod error;
-pub mod holders;
 pub mod index;
 pub mod overlap;
 pub mod prefix;

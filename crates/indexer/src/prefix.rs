@@ -81,6 +81,15 @@ impl<'a> PrefixChain<'a> {
         }
         self.ids[i]
     }
+
+    /// The ids of the prefixes `from..to`; `to` must not exceed `len()`.
+    #[inline]
+    pub fn ids(&mut self, from: usize, to: usize) -> &[u64] {
+        if to > from {
+            self.get(to - 1);
+        }
+        &self.ids[from..to]
+    }
 }
 
 #[cfg(test)]

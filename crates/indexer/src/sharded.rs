@@ -302,6 +302,8 @@ impl IndexReader {
             total.live_pairs += s.live_pairs;
             total.worker_keys += s.worker_keys;
             total.table_bytes += s.table_bytes;
+            total.lower_tier_pairs += s.lower_tier_pairs;
+            total.live_runs += s.live_runs;
             let (t, c) = (&mut total.counters, s.counters);
             t.events_applied += c.events_applied;
             t.stored_blocks += c.stored_blocks;

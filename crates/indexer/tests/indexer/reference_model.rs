@@ -427,6 +427,66 @@ proptest! {
     }
 }
 
+/// Local hash of block `j` of conversation `c`: the first 40 blocks are a system prompt all
+/// conversations share.
+fn conv_local(c: u64, j: u64) -> u64 {
+    if j < 40 {
+        j
+    } else {
+        1000 * (c + 1) + j
+    }
+}
+
+/// Engines name a block by its content: the same block has the same engine hash everywhere.
+fn conv_engine(c: u64, j: u64) -> EngineBlockHash {
+    EngineBlockHash(conv_local(c, j) * 7 + 3)
+}
+
+/// Long, shared, growing conversations: runs fill up, branch mid-run, lose tails and middles
+/// and come back.
+fn arb_long_op() -> impl Strategy<Value = IndexOp> {
+    let key = (0u64..3).prop_map(|w| WorkerKey::new(w, 0));
+    let stored = (key.clone(), 0u64..3, 0u64..150, 1u64..150).prop_map(|(k, c, from, len)| {
+        let to = (from + len).min(150);
+        let data = KvEventData::Stored {
+            parent: (from > 0).then(|| conv_engine(c, from - 1)),
+            blocks: (from..to)
+                .map(|j| StoredBlock {
+                    engine_hash: conv_engine(c, j),
+                    local_hash: LocalBlockHash(conv_local(c, j)),
+                })
+                .collect(),
+        };
+        IndexOp::Event(k, IdMode::Next, Tier::Device, data)
+    });
+    let removed = (key, 0u64..3, 0u64..150, 1u64..80).prop_map(|(k, c, from, len)| {
+        let data = KvEventData::Removed {
+            engine_hashes: (from..(from + len).min(150))
+                .map(|j| conv_engine(c, j))
+                .collect(),
+        };
+        IndexOp::Event(k, IdMode::Next, Tier::Device, data)
+    });
+    prop_oneof![6 => stored, 3 => removed, 1 => (0u64..3).prop_map(IndexOp::RemoveWorker)]
+}
+
+fn arb_long_queries() -> impl Strategy<Value = Vec<Vec<u64>>> {
+    prop::collection::vec(
+        (0u64..3, 1u64..160).prop_map(|(c, n)| (0..n).map(|j| conv_local(c, j)).collect()),
+        6,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Chains longer than a run of blocks (64), shared by ranks and cut anywhere.
+    #[test]
+    fn long_chains_match_reference_model(ops in prop::collection::vec(arb_long_op(), 1..40), queries in arb_long_queries()) {
+        check_against_model(&ops, &queries, 0)?;
+    }
+}
+
 #[test]
 fn gaps_raise_recovery_and_stale_events_are_counted() {
     let mut index = Index::new();

@@ -19,6 +19,7 @@ use crate::error::IndexError;
 use crate::overlap::OverlapScores;
 use crate::prefix::{self, PrefixChain, ROOT};
 use crate::table_alloc::TableAlloc;
+use aliases::Aliases;
 use hashbrown::HashTable;
 use kvrouter_protocol::{
     EngineBlockHash, EventId, KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerId,
@@ -28,26 +29,9 @@ use runs::{Loc, Runs, LOWER_BASE};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
+mod aliases;
 mod runs;
 mod tiers;
-
-/// An engine hash of one slot and the block it names.
-#[derive(Clone, Copy)]
-struct Alias {
-    engine: u64,
-    run: u32,
-    pos: u32,
-}
-
-impl Alias {
-    #[inline]
-    fn loc(&self) -> Loc {
-        Loc {
-            run: self.run,
-            pos: self.pos,
-        }
-    }
-}
 
 /// See [`TableAlloc`]: the system allocator, with huge pages for big tables.
 type Table<T> = HashTable<T, TableAlloc>;
@@ -68,7 +52,7 @@ fn maybe_shrink<T>(t: &mut Table<T>, hasher: impl Fn(&T) -> u64) {
 /// What one holder slot (a rank's tier, or shared storage) holds and calls it.
 struct Slot {
     key: WorkerKey,
-    aliases: Table<Alias>,
+    aliases: Aliases,
     held: usize,
 }
 
@@ -76,16 +60,9 @@ impl Slot {
     fn new(key: WorkerKey) -> Self {
         Self {
             key,
-            aliases: new_table(),
+            aliases: Aliases::default(),
             held: 0,
         }
-    }
-
-    #[inline]
-    fn alias(&self, engine: u64) -> Option<Loc> {
-        self.aliases
-            .find(engine_hash_of(engine), |a| a.engine == engine)
-            .map(Alias::loc)
     }
 }
 
@@ -98,12 +75,8 @@ struct KeyState {
     needs_recovery: bool,
 }
 
-#[inline(always)]
-fn engine_hash_of(e: u64) -> u64 {
-    // Folded multiply: engine hashes may be small or sequential; spread them over all bits.
-    let m = (e as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
-    (m as u64) ^ ((m >> 64) as u64)
-}
+/// Names an event's blocks are looked up this far ahead of their use (see `Aliases`).
+const PREFETCH_AHEAD: usize = 12;
 
 const NO_RUN: u32 = u32::MAX;
 
@@ -350,7 +323,11 @@ impl Index {
         // Bits of one run not yet marked held: one holder update per run, not per block.
         let mut pending = (NO_RUN, 0u64);
         let mut stored = 0;
-        for b in blocks {
+        let aliases = &slot_mut(&mut self.slots, &mut self.lower, slot).aliases;
+        for b in blocks.iter().take(PREFETCH_AHEAD) {
+            aliases.prefetch(b.engine_hash.0);
+        }
+        for (k, b) in blocks.iter().enumerate() {
             let p = prefix::extend(prefix, b.local_hash.0);
             let loc = match self.runs.find_child(at, p) {
                 Some(l) => l,
@@ -363,33 +340,21 @@ impl Index {
                 stored += self.mark_held(slot, pending);
                 pending = (loc.run, 0);
             }
-            let e = b.engine_hash.0;
-            let h = engine_hash_of(e);
             let aliases = &mut slot_mut(&mut self.slots, &mut self.lower, slot).aliases;
-            match aliases.find_mut(h, |a| a.engine == e) {
-                Some(a) if a.loc() == loc => {}
-                Some(a) => {
+            if let Some(ahead) = blocks.get(k + PREFETCH_AHEAD) {
+                aliases.prefetch(ahead.engine_hash.0);
+            }
+            match aliases.insert(b.engine_hash.0, loc) {
+                Some(old) if old == loc => {}
+                Some(old) => {
                     // The engine reused a hash for another block: the old block is gone.
-                    let old = a.loc();
-                    (a.run, a.pos) = (loc.run, loc.pos);
                     self.runs.add_ref(loc.run);
                     stored += self.mark_held(slot, pending);
                     pending.1 = 0;
                     self.release(slot, old, 1 << old.pos);
                     self.runs.drop_refs(old.run, 1);
                 }
-                None => {
-                    aliases.insert_unique(
-                        h,
-                        Alias {
-                            engine: e,
-                            run: loc.run,
-                            pos: loc.pos,
-                        },
-                        |a| engine_hash_of(a.engine),
-                    );
-                    self.runs.add_ref(loc.run);
-                }
+                None => self.runs.add_ref(loc.run),
             }
             pending.1 |= 1 << loc.pos;
             at = Some(loc);
@@ -436,13 +401,16 @@ impl Index {
         let mut out = Applied::default();
         // (run, bits to clear, aliases dropped): one holder update per run.
         let mut pending = (NO_RUN, 0u64, 0u32);
-        for e in engine_hashes {
-            let s = slot_mut(&mut self.slots, &mut self.lower, slot);
-            let found = s
-                .aliases
-                .find_entry(engine_hash_of(e.0), |a| a.engine == e.0)
-                .ok()
-                .map(|entry| entry.remove().0.loc());
+        let aliases = &slot_mut(&mut self.slots, &mut self.lower, slot).aliases;
+        for e in engine_hashes.iter().take(PREFETCH_AHEAD) {
+            aliases.prefetch(e.0);
+        }
+        for (k, e) in engine_hashes.iter().enumerate() {
+            let aliases = &mut slot_mut(&mut self.slots, &mut self.lower, slot).aliases;
+            if let Some(ahead) = engine_hashes.get(k + PREFETCH_AHEAD) {
+                aliases.prefetch(ahead.0);
+            }
+            let found = aliases.remove(e.0);
             let Some(loc) = found else {
                 out.skipped += 1;
                 continue;
@@ -462,8 +430,9 @@ impl Index {
             }
         }
         self.flush_removed(slot, pending);
-        let s = slot_mut(&mut self.slots, &mut self.lower, slot);
-        maybe_shrink(&mut s.aliases, |a| engine_hash_of(a.engine));
+        slot_mut(&mut self.slots, &mut self.lower, slot)
+            .aliases
+            .maybe_shrink();
         out
     }
 
@@ -478,11 +447,11 @@ impl Index {
     /// Drops every block of a slot, keeping the slot; returns how many it held.
     fn clear_slot(&mut self, slot: u32) -> usize {
         let s = slot_mut(&mut self.slots, &mut self.lower, slot);
-        let aliases = std::mem::replace(&mut s.aliases, new_table());
+        let aliases = std::mem::take(&mut s.aliases);
         let mut removed = 0;
-        for a in aliases.iter() {
-            removed += self.release(slot, a.loc(), 1 << a.pos);
-            self.runs.drop_refs(a.run, 1);
+        for (_, loc) in aliases.iter() {
+            removed += self.release(slot, loc, 1 << loc.pos);
+            self.runs.drop_refs(loc.run, 1);
         }
         debug_assert_eq!(self.slot(slot).held, 0);
         removed
@@ -618,7 +587,8 @@ impl Index {
     /// Where `slot` holds the block it calls `engine`, if it holds it.
     fn held_loc(&self, slot: u32, engine: u64) -> Option<Loc> {
         self.slot(slot)
-            .alias(engine)
+            .aliases
+            .get(engine)
             .filter(|&loc| self.runs.holds(loc, slot))
     }
 
@@ -665,10 +635,9 @@ impl Index {
     ) -> Vec<(Option<EngineBlockHash>, Vec<StoredBlock>)> {
         // prefix -> (engine hash, parent), for the blocks this slot holds
         let mut held: FxHashMap<u64, (u64, u64)> = FxHashMap::default();
-        for a in self.slot(slot).aliases.iter() {
-            let loc = a.loc();
+        for (engine, loc) in self.slot(slot).aliases.iter() {
             if self.runs.holds(loc, slot) {
-                held.insert(self.runs.id(loc), (a.engine, self.runs.parent_id(loc)));
+                held.insert(self.runs.id(loc), (engine, self.runs.parent_id(loc)));
             }
         }
         let mut children: FxHashMap<u64, Vec<u64>> = FxHashMap::default();

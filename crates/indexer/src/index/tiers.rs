@@ -196,13 +196,12 @@ impl Index {
             .into_iter()
             .flatten()
         {
-            for a in self.slot(slot).aliases.iter() {
-                let loc = a.loc();
+            for (engine, loc) in self.slot(slot).aliases.iter() {
                 if self.runs.holds(loc, slot) {
                     children
                         .entry(self.runs.parent_id(loc))
                         .or_default()
-                        .push((self.runs.id(loc), a.engine));
+                        .push((self.runs.id(loc), engine));
                 }
             }
         }

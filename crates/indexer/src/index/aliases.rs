@@ -26,16 +26,15 @@ const FREE: Entry = Entry {
 };
 const MIN_CAPACITY: usize = 16;
 
-#[inline(always)]
-fn hash_of(e: u64) -> u64 {
-    // Folded multiply: engine hashes may be small or sequential; spread them over all bits.
-    let m = (e as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
-    (m as u64) ^ ((m >> 64) as u64)
-}
+/// Fibonacci hashing: the top bits of one multiply (engine hashes may be small or
+/// sequential; the multiply spreads them, the top bits are its best mixed).
+const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 pub(super) struct Aliases {
     entries: Vec<Entry, TableAlloc>,
     len: usize,
+    /// 64 - log2(capacity).
+    shift: u32,
 }
 
 impl Default for Aliases {
@@ -43,6 +42,7 @@ impl Default for Aliases {
         Self {
             entries: Vec::new_in(TableAlloc),
             len: 0,
+            shift: 63,
         }
     }
 }
@@ -55,7 +55,7 @@ impl Aliases {
 
     #[inline(always)]
     fn home(&self, engine: u64) -> usize {
-        hash_of(engine) as usize & self.mask()
+        (engine.wrapping_mul(FIB) >> self.shift) as usize
     }
 
     /// Index of `engine`'s entry, or of the free entry where it would go.
@@ -190,9 +190,10 @@ impl Aliases {
         let mut entries = Vec::with_capacity_in(capacity, TableAlloc);
         entries.resize(capacity, FREE);
         let old = std::mem::replace(&mut self.entries, entries);
+        self.shift = 64 - capacity.trailing_zeros();
         let mask = capacity - 1;
         for e in old.iter().filter(|e| e.run != EMPTY) {
-            let mut i = hash_of(e.engine) as usize & mask;
+            let mut i = self.home(e.engine);
             while self.entries[i].run != EMPTY {
                 i = (i + 1) & mask;
             }

@@ -40,6 +40,8 @@ pub(super) struct Holder {
 pub(super) struct Run {
     /// Prefix id of the block before `ids[0]` (`prefix::ROOT` for a first block).
     pub parent: u64,
+    /// `ids`' last: a lookup that covers the run compares it without reading `ids`.
+    pub last: u64,
     pub ids: Vec<u64>,
     /// Sorted by slot: device slots first.
     pub holders: SmallVec<[Holder; 2]>,
@@ -179,6 +181,7 @@ impl Runs {
         let r = &mut self.runs[run as usize];
         let cap = r.ids.capacity();
         r.ids.push(id);
+        r.last = id;
         self.id_words += r.ids.capacity() - cap;
         Loc {
             run,
@@ -193,6 +196,7 @@ impl Runs {
         self.id_words += ids.capacity();
         let run = Run {
             parent,
+            last: id,
             ids,
             holders: SmallVec::new(),
             any: 0,
@@ -328,7 +332,12 @@ impl Runs {
         if rem == 0 {
             return 0;
         }
-        if r.ids[rem - 1] == query[rem - 1] {
+        let end = if rem == r.len() {
+            r.last
+        } else {
+            r.ids[rem - 1]
+        };
+        if end == query[rem - 1] {
             return rem;
         }
         // Ids are chained: once the query leaves the run it never comes back.

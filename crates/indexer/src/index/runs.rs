@@ -67,18 +67,6 @@ impl Run {
         }
     }
 
-    fn recount(&mut self) {
-        let (mut any, mut dev) = (0, 0);
-        for h in &self.holders {
-            any |= h.bits;
-            if h.slot < LOWER_BASE {
-                dev |= h.bits;
-            }
-        }
-        self.any = any;
-        self.dev = dev;
-    }
-
     /// Device holders (the sorted prefix of `holders` below [`LOWER_BASE`]).
     #[inline]
     pub fn device_holders(&self) -> &[Holder] {
@@ -290,11 +278,26 @@ impl Runs {
         if r.holders[i].bits == 0 {
             r.holders.remove(i);
         }
-        let dev_before = r.dev;
-        r.recount();
+        // Positions no other holder keeps; stop as soon as every cleared one is kept (big
+        // fleets share runs among many holders).
+        let mut gone = cleared;
+        let mut gone_dev = if slot < LOWER_BASE { cleared } else { 0 };
+        for h in &r.holders {
+            gone &= !h.bits;
+            if h.slot < LOWER_BASE {
+                gone_dev &= !h.bits;
+            } else if gone == 0 {
+                break;
+            }
+            if gone == 0 && gone_dev == 0 {
+                break;
+            }
+        }
+        r.any &= !gone;
+        r.dev &= !gone_dev;
         let d = Delta {
             pairs: cleared.count_ones() as usize,
-            dev_blocks: (dev_before & !r.dev).count_ones() as usize,
+            dev_blocks: gone_dev.count_ones() as usize,
         };
         self.free_if_unused(run);
         d

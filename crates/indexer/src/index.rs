@@ -138,6 +138,7 @@ pub fn block_limit_for_capacity(capacity_blocks: usize) -> usize {
 }
 
 /// The KV block index of a set of worker ranks.
+#[derive(Default)]
 pub struct Index {
     runs: Runs,
     /// Device slots (numbers below [`LOWER_BASE`]), lowest free first: small fleets keep
@@ -153,23 +154,6 @@ pub struct Index {
     live_blocks: usize,
     lower_pairs: usize,
     counters: IndexCounters,
-}
-
-impl Default for Index {
-    fn default() -> Self {
-        Self {
-            runs: Runs::default(),
-            slots: Vec::new(),
-            lower: Vec::new(),
-            keys: FxHashMap::default(),
-            shared: None,
-            limits: FxHashMap::default(),
-            live_pairs: 0,
-            live_blocks: 0,
-            lower_pairs: 0,
-            counters: IndexCounters::default(),
-        }
-    }
 }
 
 impl Index {

@@ -300,11 +300,12 @@ impl IndexerReport {
     pub fn render(&self) -> String {
         let range = |s: &Option<Spread>, scale: f64| {
             s.map_or(String::new(), |s| {
-                format!(" ({:.2}..{:.2})", s.min / scale, s.max / scale)
+                let p = if s.max / scale >= 100.0 { 0 } else { 2 };
+                format!(" ({:.p$}..{:.p$})", s.min / scale, s.max / scale)
             })
         };
         let index = match self.mode {
-            IndexMode::Sharded => format!("index, sharded ({} shards)", self.shards),
+            IndexMode::Sharded => format!("index, sharded ({} shard(s))", self.shards),
             IndexMode::Core => "index, core".to_string(),
         };
         let rss_mib =

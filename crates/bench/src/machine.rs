@@ -276,6 +276,10 @@ pub struct Calibration {
     /// Four times the L3 (64 MiB when the L3 is unknown), huge pages asked for and not.
     pub beyond_l3_huge: Chase,
     pub beyond_l3_small_pages: Chase,
+    /// Huge pages asked for, 1 MiB to twice the L3 by doubling, a quarter of the loads each:
+    /// where the latency steps up is the cache this process actually gets (a VM's share of
+    /// the L3 can be far less than the size it reports).
+    pub sweep: Vec<Chase>,
 }
 
 impl Calibration {
@@ -284,7 +288,14 @@ impl Calibration {
         let machine = MachineInfo::read();
         let beyond = machine.l3_bytes.map_or(64 << 20, |l3| 4 * l3 as usize);
         let table = table_bytes.max(LINE * 2);
+        let mut sweep = Vec::new();
+        let mut size = 1usize << 20;
+        while size <= beyond / 2 {
+            sweep.push(chase(size, true, 1, (loads / 4).max(1))?);
+            size *= 2;
+        }
         Ok(Self {
+            sweep,
             small: chase(256 << 10, false, 1, loads)?,
             table_huge: chase(table, true, 1, loads)?,
             table_small_pages: chase(table, false, 1, loads)?,
@@ -313,9 +324,16 @@ impl Calibration {
         let over = self
             .table_over_l3()
             .map_or(String::new(), |r| format!(" = {r:.2}x L3"));
+        let sweep = self
+            .sweep
+            .iter()
+            .map(|c| format!("{} {:.0}", format_bytes(c.bytes), c.ns))
+            .collect::<Vec<_>>()
+            .join(", ");
         format!(
             "  machine    {}\n\
-             \x20 chase ns   256 KiB {}; table {}{over}: {} THP, {} 4k, 8 chains {}; {} (4x L3): {} THP, {} 4k\n",
+             \x20 chase ns   256 KiB {}; table {}{over}: {} THP, {} 4k, 8 chains {}; {} (4x L3): {} THP, {} 4k\n\
+             \x20 sweep ns   {sweep} (THP)\n",
             self.machine.render(),
             c(&self.small),
             format_bytes(self.table_huge.bytes),

@@ -5,9 +5,10 @@ use clap::{Args, Subcommand};
 use kvrouter_bench::indexer_bench::{
     measure_rss, transparent_huge_pages, BenchError, IndexMode, RssFigures,
 };
-use kvrouter_bench::indexer_experiment::IndexerExperiment;
+use kvrouter_bench::indexer_experiment::{IndexerExperiment, RssOf};
 use kvrouter_bench::indexer_scale::{run_scale, ScaleConfig, ScaleFigures};
 use kvrouter_bench::indexer_stream::StreamConfig;
+use kvrouter_bench::radix_ruler::measure_ruler_rss;
 use kvrouter_bench::stats::Spread;
 use kvrouter_bench::trace::load_trace;
 use kvrouter_bench::trace_gen::{generate, write_trace, ChatModel, TraceKind};
@@ -104,6 +105,9 @@ pub struct IndexerArgs {
     /// Write the stream as u64 little-endian records to this file.
     #[arg(long, env = "KVROUTER_EXPORT_STREAM")]
     export_stream: Option<PathBuf>,
+    /// Timed loads of each pointer chase calibrating the machine (0: no calibration).
+    #[arg(long, env = "KVROUTER_CHASE_LOADS", default_value_t = 10_000_000)]
+    chase_loads: u64,
     /// Print one JSON object.
     #[arg(long, env = "KVROUTER_JSON")]
     json: bool,
@@ -151,6 +155,9 @@ pub struct IndexerRssArgs {
     mode: IndexMode,
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// Measure the ruler (the plain radix tree) instead of the index.
+    #[arg(long)]
+    ruler: bool,
 }
 
 /// Runs a bench command; each picks its own runtime (the replay runs on a virtual clock).
@@ -171,8 +178,11 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::GenTrace(args) => gen_trace(args),
         BenchCommand::TraceStats(args) => trace_stats(args),
         BenchCommand::IndexerRss(args) => {
-            let figures =
-                super::runtime()?.block_on(measure_rss(&args.stream, args.mode, args.shards))?;
+            let figures = if args.ruler {
+                measure_ruler_rss(&args.stream)?
+            } else {
+                super::runtime()?.block_on(measure_rss(&args.stream, args.mode, args.shards))?
+            };
             println!("{}", serde_json::to_string(&figures)?);
             Ok(())
         }
@@ -284,10 +294,11 @@ async fn indexer(args: IndexerArgs) -> anyhow::Result<()> {
         runs: args.runs,
         stream_path,
         git_revision: env!("KVROUTER_GIT_REV").to_string(),
+        chase_loads: args.chase_loads,
     };
     let report = experiment
-        .run(|stream| {
-            rss_in_child(stream, args.mode, args.shards)
+        .run(|stream, of| {
+            rss_in_child(stream, args.mode, args.shards, of)
                 .map_err(|e| BenchError::MemoryRun(format!("{e:#}")))
         })
         .await?;
@@ -374,17 +385,22 @@ fn rss_in_child(
     stream: &std::path::Path,
     mode: IndexMode,
     shards: usize,
+    of: RssOf,
 ) -> anyhow::Result<RssFigures> {
     let exe = std::env::current_exe().context("cannot find the kvrouter executable")?;
     let mode = match mode {
         IndexMode::Sharded => "sharded",
         IndexMode::Core => "core",
     };
-    let out = std::process::Command::new(exe)
-        .args(["bench", "indexer-rss", "--mode", mode, "--shards"])
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["bench", "indexer-rss", "--mode", mode, "--shards"])
         .arg(shards.to_string())
         .arg("--stream")
-        .arg(stream)
+        .arg(stream);
+    if of == RssOf::Ruler {
+        cmd.arg("--ruler");
+    }
+    let out = cmd
         .env("KVROUTER_LOG", "warn")
         .output()
         .context("cannot start the memory-measurement run")?;

@@ -29,7 +29,15 @@ fn json_report_holds_every_figure_and_exact_counts() {
             "2",
             "4",
             "2",
-            &["--runs", "1", "--mode", mode, "--json"],
+            &[
+                "--runs",
+                "1",
+                "--mode",
+                mode,
+                "--json",
+                "--chase-loads",
+                "1000",
+            ],
         );
         assert!(
             out.status.success(),
@@ -58,7 +66,74 @@ fn json_report_holds_every_figure_and_exact_counts() {
         assert_eq!(v["refused_events"], 0);
         // best overlaps at the end: [1,2] -> 2 (evicted tail), [3,4] -> 4, [1] -> 2, [9] -> 2
         assert_eq!(v["mean_best_overlap"], 2.5);
+
+        // the ruler, on the same stream, finds the same and holds the same
+        let r = &v["ruler"];
+        assert_eq!(r["mean_best_overlap"], 2.5, "{r}");
+        assert_eq!(r["live_pairs"], 8);
+        assert_eq!(r["refused_events"], 0);
+        assert_eq!(v["overlaps_agree"], true);
+        for field in [
+            "block_ops_per_s",
+            "lookup_p99_us",
+            "lookups_per_s",
+            "bytes_per_pair",
+        ] {
+            assert!(r[field].is_number(), "ruler {field} missing in {r}");
+            assert!(
+                v["ruler_ratios"][field].is_number(),
+                "ratio {field} missing in {v}"
+            );
+        }
+        // the route's lookup: 8,192 tokens in blocks of 512 / K = 256
+        let route = &v["route"];
+        assert_eq!(route["prompt_tokens"], 8192);
+        assert_eq!(route["block_size"], 256);
+        assert_eq!(route["mean_query_blocks"], 3.0, "{route}");
+        assert!(route["p99_us"].as_f64().unwrap() >= route["hash_p50_us"].as_f64().unwrap());
+        // faults, counters (a count, or why not), the calibration
+        assert!(v["lookup_minor_page_faults"].is_u64());
+        let cycles = &v["lookup_pmu"]["cycles"];
+        assert!(
+            cycles.is_u64() || cycles.as_str().unwrap().starts_with("unavailable ("),
+            "{cycles}"
+        );
+        assert_eq!(v["apply_pmu"].is_null(), mode == "sharded");
+        let cal = &v["calibration"];
+        assert!(cal["table_huge"]["ns"].as_f64().unwrap() > 0.0, "{cal}");
+        assert_eq!(cal["table_8_chains"]["chains"], 8);
+        assert!(v["miss_equivalents"]["index_per_block_op"].is_number());
     }
+}
+
+#[test]
+fn text_report_is_one_table_beside_the_ruler() {
+    let t = trace(&[
+        r#"{"hash_ids": [1, 2]}"#,
+        r#"{"hash_ids": [1, 3]}"#,
+        r#"{"hash_ids": [1, 2, 4]}"#,
+    ]);
+    let out = bench_indexer(&t, "2", "16", "1", &["--runs", "2", "--chase-loads", "0"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for row in [
+        "ruler (plain radix tree)",
+        "index/ruler",
+        "block ops/s",
+        "lookup p99",
+        "mean best overlap",
+        "equal",
+        "route      8192 tokens in blocks of 512",
+        "PMU ",
+        "no calibration",
+    ] {
+        assert!(text.contains(row), "{row:?} missing in\n{text}");
+    }
+    assert!(!text.contains("chase ns"), "{text}");
 }
 
 #[test]
@@ -75,6 +150,8 @@ fn export_stream_matches_the_specified_records() {
             "--runs",
             "1",
             "--json",
+            "--chase-loads",
+            "0",
             "--engine-hash-salt",
             "0xff",
             "--export-stream",

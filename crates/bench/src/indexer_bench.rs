@@ -2,12 +2,17 @@
 //! request, and measure block ops/s, lookup latency and bytes per live (block, rank) pair.
 
 use crate::indexer_stream::{request_hashes, StreamBuilder, StreamConfig, StreamError};
+use crate::machine::{Pmu, PmuReading};
+use crate::radix_ruler::RadixRuler;
 use crate::stats::{percentile, Spread};
 use crate::stream_file::{write_event, StreamFileError, StreamFileReader};
 use crate::trace::TraceReader;
+use crate::trace_gen::TRACE_BLOCK_TOKENS;
 use kvrouter_indexer::{Index, IndexStats, ShardError, ShardedIndex, ShardedIndexConfig};
+use kvrouter_protocol::hashing::local_block_hashes;
 use kvrouter_protocol::{KvEvent, LocalBlockHash};
 use serde::Serialize;
+use std::cell::RefCell;
 use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -56,6 +61,8 @@ pub enum BenchError {
     Rss(String),
     #[error("the memory-measurement run failed: {0}")]
     MemoryRun(String),
+    #[error(transparent)]
+    Machine(#[from] crate::machine::MachineError),
 }
 
 /// The stream, decoded, with every request's lookup query.
@@ -65,6 +72,8 @@ pub struct BuiltStream {
     pub requests: u64,
     pub stored_blocks: u64,
     pub removed_blocks: u64,
+    /// K of the stream: sub-blocks per trace block.
+    pub sub_blocks: u64,
 }
 
 /// Builds the stream from a trace, writing it to `export` as it goes when given.
@@ -92,6 +101,7 @@ pub fn build_stream(
         requests: 0,
         stored_blocks: 0,
         removed_blocks: 0,
+        sub_blocks: config.sub_blocks,
     };
     for req in TraceReader::open(trace).map_err(StreamError::from)? {
         let req = req.map_err(StreamError::from)?;
@@ -137,8 +147,19 @@ pub struct RunFigures {
     pub live_pairs: usize,
     pub live_blocks: usize,
     pub refused_events: u64,
+    /// What the index's tables allocated at the end of the run.
+    pub table_bytes: usize,
     /// Page faults the process took while applying the stream (minor, major).
     pub apply_page_faults: (u64, u64),
+    /// Page faults the process took over both lookup passes (minor, major).
+    pub lookup_page_faults: (u64, u64),
+    /// Hardware counters of the applying thread (core mode only: in sharded mode the shard
+    /// actors apply on their own threads).
+    pub apply_pmu: Option<PmuReading>,
+    /// Hardware counters over both lookup passes.
+    pub lookup_pmu: PmuReading,
+    /// The lookup as a route does it.
+    pub route: RouteFigures,
 }
 
 /// Page faults of this process so far (minor, major).
@@ -166,17 +187,21 @@ pub async fn timed_run(
     match mode {
         IndexMode::Core => {
             let mut index = Index::new();
+            let mut pmu = Pmu::open();
             let faults = page_faults();
             let t0 = Instant::now();
-            for ev in &stream.events {
-                let _ = index.apply(ev);
-            }
+            let ((), apply_pmu) = pmu.count(|| {
+                for ev in &stream.events {
+                    let _ = index.apply(ev);
+                }
+            });
             let apply = t0.elapsed().as_secs_f64();
             let faults = faults_since(faults);
-            let mut figures = measure_lookups(apply, ops, &stream.queries, index.stats(), |q| {
-                index.find_matches(q).best()
-            });
+            let lookup = |q: &[LocalBlockHash]| index.find_matches(q).best();
+            let mut figures = measure_lookups(apply, ops, &stream.queries, index.stats(), lookup);
             figures.apply_page_faults = faults;
+            figures.apply_pmu = Some(apply_pmu);
+            figures.route = time_route_lookups(&stream.queries, stream.sub_blocks, lookup);
             Ok(figures)
         }
         IndexMode::Sharded => {
@@ -199,10 +224,10 @@ pub async fn timed_run(
             let apply = t0.elapsed().as_secs_f64();
             let faults = faults_since(faults);
             let reader = index.reader();
-            let mut figures = measure_lookups(apply, ops, &stream.queries, reader.stats(), |q| {
-                reader.find_matches(q).best()
-            });
+            let lookup = |q: &[LocalBlockHash]| reader.find_matches(q).best();
+            let mut figures = measure_lookups(apply, ops, &stream.queries, reader.stats(), lookup);
             figures.apply_page_faults = faults;
+            figures.route = time_route_lookups(&stream.queries, stream.sub_blocks, lookup);
             index.stop().await;
             Ok(figures)
         }
@@ -216,7 +241,10 @@ fn measure_lookups(
     stats: IndexStats,
     lookup: impl Fn(&[LocalBlockHash]) -> u32,
 ) -> RunFigures {
-    let t = time_lookups(queries, lookup);
+    let mut pmu = Pmu::open();
+    let faults = page_faults();
+    let (t, lookup_pmu) = pmu.count(|| time_lookups(queries, lookup));
+    let lookup_page_faults = faults_since(faults);
     let c = stats.counters;
     let n = queries.len().max(1) as f64;
     RunFigures {
@@ -229,8 +257,132 @@ fn measure_lookups(
         live_pairs: stats.live_pairs,
         live_blocks: stats.live_blocks,
         refused_events: c.stale_events + c.rejected_missing_parent + c.rejected_block_limit,
+        table_bytes: stats.table_bytes,
         apply_page_faults: (0, 0),
+        lookup_page_faults,
+        apply_pmu: None,
+        lookup_pmu,
+        route: RouteFigures::default(),
     }
+}
+
+/// Tokens in the prompt of the route's lookup.
+pub const ROUTE_PROMPT_TOKENS: usize = 8192;
+
+/// The lookup as a route does it: a prompt's tokens hashed, then looked up.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RouteFigures {
+    pub prompt_tokens: usize,
+    /// Tokens per block: a trace block's 512 tokens over K.
+    pub block_size: usize,
+    /// Query blocks looked up, on average (fewer than the prompt's blocks when the request
+    /// is shorter than the prompt).
+    pub mean_query_blocks: f64,
+    /// Hashing and lookup.
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// Hashing alone.
+    pub hash_p50_us: f64,
+    pub hash_p99_us: f64,
+}
+
+/// Per request: an 8,192-token prompt whose tokens follow from the request's sub-blocks
+/// (each sub-block's local hash, itself xxh3 of the sub-block id, seeds its tokens; past the
+/// request's end the request number does), hashed with
+/// [`local_block_hashes`] at the stream's block size, then the index's lookup of the
+/// request's own stream hashes for those tokens (the first 8,192 tokens' worth). The stream
+/// hashes are looked up rather than the tokens' hashes so that the lookup finds what the
+/// stream stored.
+pub fn time_route_lookups(
+    queries: &[Vec<LocalBlockHash>],
+    sub_blocks: u64,
+    lookup: impl Fn(&[LocalBlockHash]) -> u32,
+) -> RouteFigures {
+    let block_size = (TRACE_BLOCK_TOKENS / sub_blocks.max(1)).max(1) as usize;
+    let prompt_blocks = ROUTE_PROMPT_TOKENS / block_size;
+    let mut tokens = vec![0u32; ROUTE_PROMPT_TOKENS];
+    let mut total_ns = Vec::with_capacity(queries.len());
+    let mut hash_ns = Vec::with_capacity(queries.len());
+    let mut query_blocks = 0usize;
+    for (r, q) in queries.iter().enumerate() {
+        for (b, chunk) in tokens.chunks_mut(block_size).enumerate() {
+            let seed = q.get(b).map_or(((r as u64) << 32) | b as u64, |h| h.0);
+            for (i, t) in chunk.iter_mut().enumerate() {
+                *t = (seed as u32 ^ (seed >> 32) as u32).wrapping_add(i as u32);
+            }
+        }
+        let q = &q[..q.len().min(prompt_blocks)];
+        query_blocks += q.len();
+        let t0 = Instant::now();
+        let hashes = local_block_hashes(&tokens, block_size, None).unwrap_or_default();
+        let t1 = Instant::now();
+        std::hint::black_box(lookup(q));
+        let t2 = Instant::now();
+        std::hint::black_box(hashes);
+        hash_ns.push((t1 - t0).as_nanos() as u64);
+        total_ns.push((t2 - t0).as_nanos() as u64);
+    }
+    total_ns.sort_unstable();
+    hash_ns.sort_unstable();
+    let us = |v: &[u64], q: f64| percentile(v, q).unwrap_or(0) as f64 / 1000.0;
+    RouteFigures {
+        prompt_tokens: ROUTE_PROMPT_TOKENS,
+        block_size,
+        mean_query_blocks: query_blocks as f64 / queries.len().max(1) as f64,
+        p50_us: us(&total_ns, 0.50),
+        p99_us: us(&total_ns, 0.99),
+        hash_p50_us: us(&hash_ns, 0.50),
+        hash_p99_us: us(&hash_ns, 0.99),
+    }
+}
+
+/// Figures of one timed run of the ruler (the plain radix tree) on the same stream.
+#[derive(Clone, Debug, Serialize)]
+pub struct RulerFigures {
+    pub apply_secs: f64,
+    pub block_ops_per_s: f64,
+    pub lookup_p50_us: f64,
+    pub lookup_p99_us: f64,
+    pub lookups_per_s: f64,
+    pub mean_best_overlap: f64,
+    pub live_pairs: usize,
+    pub live_nodes: usize,
+    pub refused_events: u64,
+    pub apply_page_faults: (u64, u64),
+}
+
+/// One timed run of the ruler: apply every event, then look up every request, as
+/// [`timed_run`] does for the index.
+pub fn ruler_run(stream: &BuiltStream) -> RulerFigures {
+    let ops = (stream.stored_blocks + stream.removed_blocks) as f64;
+    let mut ruler = RadixRuler::new();
+    let faults = page_faults();
+    let t0 = Instant::now();
+    for ev in &stream.events {
+        ruler.apply(ev);
+    }
+    let apply_secs = t0.elapsed().as_secs_f64();
+    let apply_page_faults = faults_since(faults);
+    let scratch = RefCell::new(Vec::new());
+    let t = time_lookups(&stream.queries, |q| {
+        ruler.best(q, &mut scratch.borrow_mut())
+    });
+    let c = ruler.counters();
+    let figures = RulerFigures {
+        apply_secs,
+        block_ops_per_s: ops / apply_secs.max(1e-12),
+        lookup_p50_us: t.p50_us,
+        lookup_p99_us: t.p99_us,
+        lookups_per_s: t.per_s,
+        mean_best_overlap: t.best_sum as f64 / stream.queries.len().max(1) as f64,
+        live_pairs: ruler.live_pairs(),
+        live_nodes: ruler.live_nodes(),
+        refused_events: c.refused_missing_parent + c.ignored_tier,
+        apply_page_faults,
+    };
+    // Freeing a big tree takes a while; not part of any figure.
+    drop(ruler);
+    figures
 }
 
 /// Lookup figures: a throughput pass without per-lookup timers, then a latency pass.
@@ -364,6 +516,36 @@ pub fn median_figures(runs: &[RunFigures]) -> Option<RunFigures> {
         lookup_p99_us: med(|r| r.lookup_p99_us),
         lookups_per_s: med(|r| r.lookups_per_s),
         mean_best_overlap: med(|r| r.mean_best_overlap),
+        apply_page_faults: (
+            med(|r| r.apply_page_faults.0 as f64) as u64,
+            med(|r| r.apply_page_faults.1 as f64) as u64,
+        ),
+        lookup_page_faults: (
+            med(|r| r.lookup_page_faults.0 as f64) as u64,
+            med(|r| r.lookup_page_faults.1 as f64) as u64,
+        ),
+        route: RouteFigures {
+            p50_us: med(|r| r.route.p50_us),
+            p99_us: med(|r| r.route.p99_us),
+            hash_p50_us: med(|r| r.route.hash_p50_us),
+            hash_p99_us: med(|r| r.route.hash_p99_us),
+            ..first.route.clone()
+        },
+        ..first
+    })
+}
+
+/// Median of each figure of the ruler over runs.
+pub fn median_ruler_figures(runs: &[RulerFigures]) -> Option<RulerFigures> {
+    let first = runs.first()?.clone();
+    let med =
+        |f: fn(&RulerFigures) -> f64| Spread::of(runs.iter().map(f)).map_or(0.0, |s| s.median);
+    Some(RulerFigures {
+        apply_secs: med(|r| r.apply_secs),
+        block_ops_per_s: med(|r| r.block_ops_per_s),
+        lookup_p50_us: med(|r| r.lookup_p50_us),
+        lookup_p99_us: med(|r| r.lookup_p99_us),
+        lookups_per_s: med(|r| r.lookups_per_s),
         apply_page_faults: (
             med(|r| r.apply_page_faults.0 as f64) as u64,
             med(|r| r.apply_page_faults.1 as f64) as u64,

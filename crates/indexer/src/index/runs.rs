@@ -96,6 +96,8 @@ pub(super) struct Runs {
     heads: Table<Head>,
     /// Capacity of every run's id list, for the byte count.
     id_words: usize,
+    /// Holder lists spilled to the heap (more than two holders), in entries.
+    spilled_holders: usize,
 }
 
 impl Default for Runs {
@@ -105,6 +107,7 @@ impl Default for Runs {
             free: Vec::new(),
             heads: super::new_table(),
             id_words: 0,
+            spilled_holders: 0,
         }
     }
 }
@@ -228,6 +231,7 @@ impl Runs {
         }
         let r = &mut self.runs[run as usize];
         self.id_words -= r.ids.capacity();
+        self.spilled_holders -= spilled(&r.holders);
         r.ids = Vec::new();
         r.holders = SmallVec::new();
         self.free.push(run);
@@ -246,7 +250,9 @@ impl Runs {
                 added
             }
             Err(i) => {
+                let before = spilled(&r.holders);
                 r.holders.insert(i, Holder { bits, slot });
+                self.spilled_holders += spilled(&r.holders) - before;
                 bits
             }
         };
@@ -309,17 +315,11 @@ impl Runs {
     }
 
     pub fn bytes(&self) -> usize {
-        let spilled: usize = self
-            .runs
-            .iter()
-            .filter(|r| r.holders.spilled())
-            .map(|r| r.holders.capacity() * std::mem::size_of::<Holder>())
-            .sum();
         self.runs.capacity() * std::mem::size_of::<Run>()
             + self.free.capacity() * 4
             + self.heads.allocation_size()
             + self.id_words * 8
-            + spilled
+            + self.spilled_holders * std::mem::size_of::<Holder>()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -349,5 +349,15 @@ impl Runs {
             .zip(query)
             .position(|(a, b)| a != b)
             .unwrap_or(rem - 1)
+    }
+}
+
+/// Heap entries of a holder list (none while it fits inline).
+#[inline]
+fn spilled(h: &SmallVec<[Holder; 2]>) -> usize {
+    if h.spilled() {
+        h.capacity()
+    } else {
+        0
     }
 }

@@ -313,7 +313,7 @@ impl Index {
         }
         for (k, b) in blocks.iter().enumerate() {
             let p = prefix::extend(prefix, b.local_hash.0);
-            let loc = match self.runs.find_child(at, p) {
+            let loc = match self.runs.find_child(at, prefix, p) {
                 Some(l) => l,
                 None => match at {
                     Some(a) if self.runs.appendable(a) => self.runs.append(a.run, p),

@@ -98,6 +98,10 @@ pub(super) struct Runs {
     id_words: usize,
     /// Holder lists spilled to the heap (more than two holders), in entries.
     spilled_holders: usize,
+    /// Runs whose parent's prefix id falls in each slot (a counting filter by parent): a
+    /// block appended at a run's end skips the heads probe where no run hangs below it.
+    below: Vec<u32>,
+    below_shift: u32,
 }
 
 impl Default for Runs {
@@ -108,6 +112,8 @@ impl Default for Runs {
             heads: super::new_table(),
             id_words: 0,
             spilled_holders: 0,
+            below: Vec::new(),
+            below_shift: 64,
         }
     }
 }
@@ -142,10 +148,10 @@ impl Runs {
         self.runs[loc.run as usize].bits(slot) >> loc.pos & 1 != 0
     }
 
-    /// The existing location of the block with prefix id `id` whose parent is at `at` (the
-    /// root when `None`).
+    /// The existing location of the block with prefix id `id` whose parent, prefix id
+    /// `parent`, is at `at` (the root when `None`).
     #[inline]
-    pub fn find_child(&self, at: Option<Loc>, id: u64) -> Option<Loc> {
+    pub fn find_child(&self, at: Option<Loc>, parent: u64, id: u64) -> Option<Loc> {
         if let Some(a) = at {
             let r = &self.runs[a.run as usize];
             if r.ids.get(a.pos as usize + 1) == Some(&id) {
@@ -154,8 +160,41 @@ impl Runs {
                     pos: a.pos + 1,
                 });
             }
+            // Most new blocks extend a run below which no run hangs: no heads probe then.
+            if self.below[self.below_slot(parent)] == 0 {
+                return None;
+            }
         }
         self.head(id).map(|run| Loc { run, pos: 0 })
+    }
+
+    #[inline(always)]
+    fn below_slot(&self, parent: u64) -> usize {
+        // Prefix ids are well mixed: their top bits index the filter.
+        (parent >> self.below_shift) as usize
+    }
+
+    /// Counts a run hanging below `parent` (or uncounts it), growing the filter with the runs
+    /// (a new run is already in `runs`: a rebuild counts it).
+    fn count_below(&mut self, parent: u64, add: bool) {
+        if add && self.live() * 2 > self.below.len() {
+            let len = (self.below.len() * 2).max(1024);
+            self.below = vec![0; len];
+            self.below_shift = 64 - len.trailing_zeros();
+            for i in 0..self.runs.len() {
+                if !self.runs[i].ids.is_empty() {
+                    let slot = self.below_slot(self.runs[i].parent);
+                    self.below[slot] += 1;
+                }
+            }
+            return;
+        }
+        let slot = self.below_slot(parent);
+        if add {
+            self.below[slot] += 1;
+        } else {
+            self.below[slot] = self.below[slot].saturating_sub(1);
+        }
     }
 
     /// Whether a block may be added after `at`: it is its run's last block and there is room.
@@ -205,6 +244,7 @@ impl Runs {
             }
         };
         self.heads.insert_unique(id, Head { id, run: n }, |h| h.id);
+        self.count_below(parent, true);
         Loc { run: n, pos: 0 }
     }
 
@@ -229,6 +269,8 @@ impl Runs {
         if let Ok(e) = self.heads.find_entry(head, |h| h.run == run) {
             e.remove();
         }
+        let parent = r.parent;
+        self.count_below(parent, false);
         let r = &mut self.runs[run as usize];
         self.id_words -= r.ids.capacity();
         self.spilled_holders -= spilled(&r.holders);

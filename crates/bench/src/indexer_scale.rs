@@ -143,7 +143,7 @@ impl Plan<'_> {
 }
 
 enum Target {
-    Core(Index),
+    Core(Box<Index>),
     Sharded(ShardedIndex),
 }
 
@@ -166,7 +166,7 @@ pub async fn run_scale(
     };
     let rss_before = rss_bytes()?;
     let mut target = match mode {
-        IndexMode::Core => Target::Core(Index::new()),
+        IndexMode::Core => Target::Core(Box::default()),
         IndexMode::Sharded => Target::Sharded(
             ShardedIndex::start(ShardedIndexConfig {
                 shards,

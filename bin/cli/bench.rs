@@ -3,12 +3,11 @@
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use kvrouter_bench::indexer_bench::{
-    measure_rss, transparent_huge_pages, BenchError, IndexMode, RssFigures,
+    measure_rss, measure_ruler_rss, transparent_huge_pages, BenchError, IndexMode, RssFigures,
 };
 use kvrouter_bench::indexer_experiment::{IndexerExperiment, RssOf};
 use kvrouter_bench::indexer_scale::{run_scale, ScaleConfig, ScaleFigures};
 use kvrouter_bench::indexer_stream::StreamConfig;
-use kvrouter_bench::radix_ruler::measure_ruler_rss;
 use kvrouter_bench::stats::Spread;
 use kvrouter_bench::trace::load_trace;
 use kvrouter_bench::trace_gen::{generate, write_trace, ChatModel, TraceKind};

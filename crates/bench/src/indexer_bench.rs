@@ -2,6 +2,7 @@
 //! request, and measure block ops/s, lookup latency and bytes per live (block, rank) pair.
 
 use crate::indexer_stream::{request_hashes, StreamBuilder, StreamConfig, StreamError};
+pub use crate::machine::transparent_huge_pages;
 use crate::machine::{Pmu, PmuReading};
 use crate::radix_ruler::RadixRuler;
 use crate::stats::{percentile, Spread};
@@ -505,6 +506,27 @@ pub async fn measure_rss(
     }
 }
 
+/// Populates the ruler from an exported stream, one event at a time, and measures RSS before
+/// the first event and after the last (as [`measure_rss`] does for the
+/// index). Run it in a fresh process for a clean heap.
+pub fn measure_ruler_rss(stream_file: &Path) -> Result<RssFigures, BenchError> {
+    let file = std::fs::File::open(stream_file).map_err(StreamFileError::from)?;
+    let mut reader = StreamFileReader::new(BufReader::with_capacity(1 << 16, file));
+    let mut ruler = RadixRuler::new();
+    let before = rss_bytes()?;
+    while let Some(ev) = reader.next_event()? {
+        ruler.apply(&ev);
+        reader.recycle(ev);
+    }
+    Ok(RssFigures {
+        rss_before_bytes: before,
+        rss_after_bytes: rss_bytes()?,
+        live_pairs: ruler.live_pairs(),
+        live_blocks: ruler.live_nodes(),
+        table_bytes: ruler.table_bytes(),
+    })
+}
+
 /// Median of each figure over runs.
 pub fn median_figures(runs: &[RunFigures]) -> Option<RunFigures> {
     let first = runs.first()?.clone();
@@ -552,12 +574,4 @@ pub fn median_ruler_figures(runs: &[RulerFigures]) -> Option<RulerFigures> {
         ),
         ..first
     })
-}
-
-/// The kernel's transparent-huge-page mode (`always`, `madvise` or `never`), when known.
-pub fn transparent_huge_pages() -> Option<String> {
-    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
-    let start = s.find('[')? + 1;
-    let end = s[start..].find(']')? + start;
-    Some(s[start..end].to_owned())
 }

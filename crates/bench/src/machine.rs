@@ -36,7 +36,7 @@ impl MachineInfo {
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
             l2_bytes: cache(2),
             l3_bytes: cache(3),
-            transparent_huge_pages: crate::indexer_bench::transparent_huge_pages(),
+            transparent_huge_pages: transparent_huge_pages(),
         }
     }
 
@@ -641,6 +641,14 @@ impl Pmu {
         };
         (out, reading)
     }
+}
+
+/// The kernel's transparent-huge-page mode (`always`, `madvise` or `never`), when known.
+pub fn transparent_huge_pages() -> Option<String> {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    let start = s.find('[')? + 1;
+    let end = s[start..].find(']')? + start;
+    Some(s[start..end].to_owned())
 }
 
 #[cfg(test)]

@@ -12,12 +12,8 @@
 //! It is a ruler, not a target: only device-tier events are applied (others are counted and
 //! left out) and event ids are not checked.
 
-use crate::indexer_bench::{rss_bytes, BenchError, RssFigures};
-use crate::stream_file::{StreamFileError, StreamFileReader};
 use kvrouter_protocol::{KvEvent, KvEventData, LocalBlockHash, StoredBlock, Tier, WorkerKey};
 use rustc_hash::{FxHashMap, FxHashSet};
-use std::io::BufReader;
-use std::path::Path;
 
 const ROOT: u32 = 0;
 
@@ -268,27 +264,6 @@ impl RadixRuler {
         self.find_matches(query, scratch);
         scratch.iter().map(|&(_, n)| n).max().unwrap_or(0)
     }
-}
-
-/// Populates the ruler from an exported stream, one event at a time, and measures RSS before
-/// the first event and after the last (as [`crate::indexer_bench::measure_rss`] does for the
-/// index). Run it in a fresh process for a clean heap.
-pub fn measure_ruler_rss(stream_file: &Path) -> Result<RssFigures, BenchError> {
-    let file = std::fs::File::open(stream_file).map_err(StreamFileError::from)?;
-    let mut reader = StreamFileReader::new(BufReader::with_capacity(1 << 16, file));
-    let mut ruler = RadixRuler::new();
-    let before = rss_bytes()?;
-    while let Some(ev) = reader.next_event()? {
-        ruler.apply(&ev);
-        reader.recycle(ev);
-    }
-    Ok(RssFigures {
-        rss_before_bytes: before,
-        rss_after_bytes: rss_bytes()?,
-        live_pairs: ruler.live_pairs(),
-        live_blocks: ruler.live_nodes(),
-        table_bytes: ruler.table_bytes(),
-    })
 }
 
 #[cfg(test)]

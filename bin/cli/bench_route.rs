@@ -4,6 +4,7 @@
 use super::nats_args::NatsArgs;
 use anyhow::{bail, Context};
 use clap::Args;
+use kvrouter_bench::phase_ab::PhaseAb;
 use kvrouter_bench::route_latency::{
     run_route_latency, LatencySummary, RouteLatencyConfig, RouteLatencyReport,
 };
@@ -52,6 +53,18 @@ pub struct RouteLatencyArgs {
     /// Per-request timeout, in milliseconds.
     #[arg(long, env = "KVROUTER_TIMEOUT_MS", default_value_t = 2000)]
     pub timeout_ms: u64,
+    /// Measure what the replicas' phase timing costs in this run: their phase timing is
+    /// switched off and on every --ab-period-ms through these admin URLs
+    /// (`http://HOST:PORT`, comma-separated), and the service time of each half is reported.
+    #[arg(long, env = "KVROUTER_PHASE_TIMING_AB", value_delimiter = ',')]
+    pub phase_timing_ab: Vec<String>,
+    /// With --phase-timing-ab: how long each half-period lasts, in milliseconds.
+    #[arg(long, env = "KVROUTER_AB_PERIOD_MS", default_value_t = 500)]
+    pub ab_period_ms: u64,
+    /// With --phase-timing-ab: a file holding a bearer token with the `debug` scope, when
+    /// the admin endpoints are guarded.
+    #[arg(long, env = "KVROUTER_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// Print one JSON object.
     #[arg(long, env = "KVROUTER_JSON")]
     pub json: bool,
@@ -69,7 +82,23 @@ pub async fn run(args: RouteLatencyArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let phase_ab = match args.phase_timing_ab.is_empty() {
+        true => None,
+        false => Some(PhaseAb {
+            admin_urls: args.phase_timing_ab.clone(),
+            token: match &args.admin_token_file {
+                Some(path) => {
+                    let bytes = kvrouter_admin::secret::read_file(path, 4096)
+                        .with_context(|| format!("cannot read {}", path.display()))?;
+                    Some(String::from_utf8_lossy(&bytes).trim().to_string())
+                }
+                None => None,
+            },
+            period: Duration::from_millis(args.ab_period_ms),
+        }),
+    };
     let config = RouteLatencyConfig {
+        phase_ab,
         prefix_share: args.prefix_share,
         prefix_pool: args.prefix_pool,
         seed: args.seed,
@@ -137,6 +166,14 @@ fn print_table(report: &RouteLatencyReport, trace: Option<&std::path::Path>) {
     row("latency (from schedule)", &report.latency);
     row("service (from send)", &report.service);
     row("sender lag", &report.send_lag);
+    if let Some(ab) = &report.phase_ab {
+        row("service, timing on", &ab.on);
+        row("service, timing off", &ab.off);
+        println!(
+            "  phase timing adds {:+.1}% to the median service time ({} and {} requests)",
+            ab.p50_overhead_pct, ab.on.count, ab.off.count
+        );
+    }
     if report.errors.is_empty() {
         println!("  errors    none");
     } else {

@@ -104,6 +104,12 @@ pub struct MockerArgs {
     /// With --emulate: the interface to bind.
     #[arg(long, env = "KVROUTER_EMULATE_HOST", default_value = "127.0.0.1")]
     emulate_host: String,
+    /// With --emulate: answers report their cached prompt tokens
+    /// (`usage.prompt_tokens_details.cached_tokens`), as vLLM does with
+    /// --enable-prompt-tokens-details and SGLang with --enable-cache-report; without it the
+    /// details are null, as those engines answer by default.
+    #[arg(long, env = "KVROUTER_CACHE_REPORT", requires = "emulate")]
+    cache_report: bool,
 }
 
 impl MockerArgs {
@@ -217,6 +223,7 @@ async fn emulate(args: &MockerArgs, engine: &str, fleet: FleetConfig) -> anyhow:
         http_port: args.http_port.context("--emulate needs --http-port")?,
         host: args.emulate_host.clone(),
         topic: String::new(),
+        cache_report: args.cache_report,
         fleet,
     };
     let fleet = life

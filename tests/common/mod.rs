@@ -45,7 +45,8 @@ pub fn model_dir() -> tempfile::TempDir {
 }
 
 pub use kvrouter_testkit::{
-    free_port, free_ports, http_get, http_post, metric_sum_in, wait_until, NatsServer, Proc,
+    free_port, free_ports, http_get, http_post, metric_sum_in, metric_where_in, wait_until,
+    NatsServer, Proc,
 };
 
 /// Starts `kvrouter ARGS`; stdout is piped (read it with [`Proc::first_line`]).
@@ -148,6 +149,11 @@ pub fn metrics(port: u16) -> String {
 /// The sum of a metric's series on a `/metrics` port (0 when absent).
 pub fn metric_sum(port: u16, name: &str) -> f64 {
     metric_sum_in(&metrics(port), name)
+}
+
+/// [`metric_sum`] over the series carrying every one of `labels`.
+pub fn metric_where(port: u16, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metric_where_in(&metrics(port), name, labels)
 }
 
 /// `blocks` full blocks of [`E2E_BLOCK`] tokens, distinct per `seed`.

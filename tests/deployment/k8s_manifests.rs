@@ -1366,6 +1366,17 @@ fn exported(series: &str, registered: &BTreeSet<String>) -> bool {
         })
 }
 
+/// The `kvrouter_*` series a PromQL expression names, each with whether kvrouter exports it
+/// (the alert rules and the dashboard are read alike).
+fn kvrouter_series<'a>(
+    expr: &'a str,
+    registered: &'a BTreeSet<String>,
+) -> impl Iterator<Item = (&'a str, bool)> + 'a {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|token| token.starts_with("kvrouter_"))
+        .map(move |token| (token, exported(token, registered)))
+}
+
 #[test]
 fn prometheus_scrapes_every_kvrouter_pod_and_alerts_on_exported_metrics() {
     let m = base();
@@ -1456,15 +1467,12 @@ fn prometheus_scrapes_every_kvrouter_pod_and_alerts_on_exported_metrics() {
                 rule["annotations"]["summary"].is_string(),
                 "{name}: summary"
             );
-            let expr = text(rule, "/expr");
-            for token in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
-                if token.starts_with("kvrouter_") {
-                    assert!(
-                        exported(token, &registered),
-                        "alert {name} uses {token}, which kvrouter does not export"
-                    );
-                    used.insert(token.to_string());
-                }
+            for (series, exported) in kvrouter_series(text(rule, "/expr"), &registered) {
+                assert!(
+                    exported,
+                    "alert {name} uses {series}, which kvrouter does not export"
+                );
+                used.insert(series.to_string());
             }
         }
     }
@@ -1518,6 +1526,282 @@ fn prometheus_scrapes_every_kvrouter_pod_and_alerts_on_exported_metrics() {
         "kvrouter_state_recovery_failures_total",
     ] {
         assert!(used.contains(needed), "no alert on {needed}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grafana
+
+/// What the dashboard must chart, by row topic: every series of a topic in some panel.
+const DASHBOARD_TOPICS: [(&str, &[&str]); 7] = [
+    (
+        "routes and errors",
+        &["kvrouter_routes_total", "kvrouter_route_errors_total"],
+    ),
+    (
+        "overhead by phase (replica and doors)",
+        &[
+            "kvrouter_route_decision_seconds_bucket",
+            "kvrouter_route_phase_seconds_bucket",
+            "kvrouter_frontend_phase_seconds_bucket",
+            "kvrouter_epp_phase_seconds_bucket",
+        ],
+    ),
+    (
+        "hit rates by tier",
+        &[
+            "kvrouter_route_tier_hits_total",
+            "kvrouter_route_tier_hit_blocks_total",
+        ],
+    ),
+    (
+        "predicted against reported cache hits",
+        &[
+            "kvrouter_frontend_cache_predicted_tokens_total",
+            "kvrouter_frontend_cache_reported_tokens_total",
+            "kvrouter_frontend_cache_mispredictions_total",
+            "kvrouter_epp_cache_predicted_tokens_total",
+            "kvrouter_epp_cache_reported_tokens_total",
+            "kvrouter_epp_cache_mispredictions_total",
+        ],
+    ),
+    (
+        "per-worker load",
+        &[
+            "kvrouter_worker_active_blocks",
+            "kvrouter_worker_reported_active_blocks",
+            "kvrouter_worker_prefill_tokens",
+        ],
+    ),
+    (
+        "event freshness and index",
+        &[
+            "kvrouter_bridge_seconds_since_last_batch",
+            "kvrouter_kv_event_gaps_total",
+            "kvrouter_index_blocks",
+        ],
+    ),
+    (
+        "the bus",
+        &[
+            "kvrouter_bus_connected",
+            "kvrouter_bus_disconnects_total",
+            "kvrouter_undecodable_messages_total",
+            "kvrouter_misattributed_messages_total",
+            "kvrouter_replica_sync_peers",
+        ],
+    ),
+];
+
+/// Whether a Grafana datasource reference names the dashboard's `datasource` variable.
+fn names_datasource_variable(ds: &Value) -> bool {
+    ds["uid"] == "${datasource}" || ds["uid"] == "$datasource" || *ds == "${datasource}"
+}
+
+/// The argument text of every `histogram_quantile(...)` in a PromQL expression.
+fn histogram_quantile_args(expr: &str) -> Vec<&str> {
+    let mut args = Vec::new();
+    for (at, _) in expr.match_indices("histogram_quantile(") {
+        let start = at + "histogram_quantile(".len();
+        let mut depth = 1;
+        let end = expr[start..]
+            .char_indices()
+            .find_map(|(i, c)| {
+                depth += match c {
+                    '(' => 1,
+                    ')' => -1,
+                    _ => 0,
+                };
+                (depth == 0).then_some(start + i)
+            })
+            .unwrap_or_else(|| panic!("unbalanced histogram_quantile in {expr}"));
+        args.push(&expr[start..end]);
+    }
+    args
+}
+
+/// The label lists of every `by (...)` in a PromQL expression.
+fn by_clauses(expr: &str) -> Vec<Vec<&str>> {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    expr.match_indices("by")
+        .filter(|&(at, _)| {
+            !expr[..at].ends_with(word) && expr[at + 2..].trim_start().starts_with('(')
+        })
+        .map(|(at, _)| {
+            let rest = expr[at + 2..].trim_start().strip_prefix('(').unwrap();
+            let labels = &rest[..rest.find(')').expect("a closed by clause")];
+            labels.split(',').map(str::trim).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_grafana_dashboard_charts_every_topic_on_exported_metrics() {
+    let m = base();
+    let name = "kvrouter-grafana-dashboard";
+    let cm = m.config_map(name);
+    assert_eq!(cm["metadata"]["name"], name, "a stable name (no hash)");
+    assert_eq!(
+        cm["metadata"]["labels"]["grafana_dashboard"], "1",
+        "{name}: Grafana's dashboard sidecar loads ConfigMaps labelled grafana_dashboard=\"1\""
+    );
+    let data = m.data(name);
+    let raw = data
+        .get("grafana-dashboard.json")
+        .unwrap_or_else(|| panic!("{name} has no grafana-dashboard.json: {:?}", data.keys()));
+    // `kubectl apply` keeps the whole object in an annotation of at most 256 KiB.
+    assert!(
+        raw.len() < 200 * 1024,
+        "the dashboard is {} bytes: too big for `kubectl apply`",
+        raw.len()
+    );
+    let dash: Value = serde_json::from_str(raw)
+        .unwrap_or_else(|e| panic!("grafana-dashboard.json is not JSON: {e}"));
+    assert!(!text(&dash, "/title").is_empty());
+    assert!(
+        !text(&dash, "/uid").is_empty(),
+        "a uid, so links survive a re-import"
+    );
+    assert!(int(&dash, "/schemaVersion") >= 36, "schemaVersion");
+    let registered = registered_metrics();
+    let mut unexported = Vec::new();
+
+    // Variables: the Prometheus datasource to pick, and the models (from an exported series).
+    let vars = list(&dash, "/templating/list");
+    let var = |n: &str| {
+        vars.iter()
+            .find(|v| v["name"] == n)
+            .unwrap_or_else(|| panic!("no ${n} variable in the dashboard"))
+    };
+    let ds = var("datasource");
+    assert_eq!(ds["type"], "datasource", "$datasource");
+    assert_eq!(ds["query"], "prometheus", "$datasource");
+    let model = var("model");
+    assert!(
+        names_datasource_variable(&model["datasource"]),
+        "$model queries another datasource: {}",
+        model["datasource"]
+    );
+    let model_query = model["query"]["query"]
+        .as_str()
+        .or(model["query"].as_str())
+        .expect("$model's query");
+    assert!(
+        model_query.contains("kvrouter_routes_total"),
+        "{model_query}"
+    );
+    for (series, ok) in kvrouter_series(model_query, &registered) {
+        if !ok {
+            unexported.push(format!("variable $model: {series}"));
+        }
+    }
+
+    // Panels, with those inside collapsed rows.
+    let mut panels = Vec::new();
+    for p in list(&dash, "/panels") {
+        panels.push(p);
+        panels.extend(list(p, "/panels"));
+    }
+    assert!(
+        panels.iter().any(|p| p["type"] == "row"),
+        "no rows in the dashboard"
+    );
+    let mut ids = BTreeSet::new();
+    let mut titles = BTreeSet::new();
+    let mut used = BTreeSet::new();
+    let mut charts = 0;
+    for p in &panels {
+        let title = text(p, "/title");
+        assert!(!title.is_empty(), "a panel without a title: {p}");
+        assert!(titles.insert(title), "two panels titled {title:?}");
+        assert!(ids.insert(int(p, "/id")), "{title}: id {} twice", p["id"]);
+        let (x, w, h) = (
+            int(p, "/gridPos/x"),
+            int(p, "/gridPos/w"),
+            int(p, "/gridPos/h"),
+        );
+        assert!(x >= 0 && w > 0 && h > 0 && x + w <= 24, "{title}: gridPos");
+        if p["type"] == "row" {
+            continue;
+        }
+        charts += 1;
+        assert!(
+            text(p, "/description").len() > 40,
+            "{title}: a description saying what to look for"
+        );
+        assert!(
+            names_datasource_variable(&p["datasource"]),
+            "{title}: datasource {} is not $datasource",
+            p["datasource"]
+        );
+        assert!(
+            !text(p, "/fieldConfig/defaults/unit").is_empty(),
+            "{title}: a unit"
+        );
+        let targets = list(p, "/targets");
+        assert!(!targets.is_empty(), "{title}: no queries");
+        let mut ref_ids = BTreeSet::new();
+        for t in targets {
+            assert!(
+                ref_ids.insert(text(t, "/refId")),
+                "{title}: refId {} twice",
+                t["refId"]
+            );
+            if !t["datasource"].is_null() {
+                assert!(
+                    names_datasource_variable(&t["datasource"]),
+                    "{title}: a query on datasource {}",
+                    t["datasource"]
+                );
+            }
+            assert!(
+                !text(t, "/legendFormat").is_empty(),
+                "{title}: a query without a legendFormat"
+            );
+            let expr = text(t, "/expr");
+            let mut named = 0;
+            for (series, ok) in kvrouter_series(expr, &registered) {
+                named += 1;
+                used.insert(series);
+                if !ok {
+                    unexported.push(format!("{title}: {series}"));
+                }
+            }
+            assert!(named > 0, "{title}: {expr} charts no kvrouter series");
+            // A quantile of a classic histogram needs its buckets, summed keeping `le`.
+            for arg in histogram_quantile_args(expr) {
+                let series: Vec<_> = kvrouter_series(arg, &registered).collect();
+                assert!(
+                    !series.is_empty() && series.iter().all(|(s, _)| s.ends_with("_bucket")),
+                    "{title}: histogram_quantile over {series:?}, not _bucket series: {expr}"
+                );
+                assert!(
+                    arg.contains("rate("),
+                    "{title}: buckets without rate: {expr}"
+                );
+                let bys = by_clauses(arg);
+                assert!(
+                    !bys.is_empty() && bys.iter().all(|labels| labels.contains(&"le")),
+                    "{title}: histogram_quantile without `le` in its `by`: {expr}"
+                );
+            }
+        }
+    }
+    assert!(
+        (20..=40).contains(&charts),
+        "{charts} panels: keep the dashboard readable"
+    );
+    assert!(
+        unexported.is_empty(),
+        "the dashboard charts series kvrouter does not export:\n  {}",
+        unexported.join("\n  ")
+    );
+    for (topic, needed) in DASHBOARD_TOPICS {
+        let missing: Vec<_> = needed.iter().filter(|s| !used.contains(*s)).collect();
+        assert!(
+            missing.is_empty(),
+            "the dashboard does not cover {topic}: no panel charts {missing:?}"
+        );
     }
 }
 

@@ -318,7 +318,7 @@ fn emulated_vllm_with_a_host_tier_routes_offloaded_prefixes_to_their_holder() {
         http,
         16,
         100,
-        &["--host-capacity-blocks", "64"],
+        &["--host-capacity-blocks", "64", "--cache-report"],
     );
     let a1 = free_port();
     let _r1 = serve(&nats, "r1", a1, &[]);

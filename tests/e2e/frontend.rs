@@ -19,9 +19,13 @@ struct BridgedEngine {
 }
 
 fn bridged_engine(nats: &NatsServer, dp: u32) -> BridgedEngine {
+    bridged_engine_with(nats, dp, &["--cache-report"])
+}
+
+fn bridged_engine_with(nats: &NatsServer, dp: u32, extra: &[&str]) -> BridgedEngine {
     let ports = free_ports(5);
     let (zmq, http) = (ports, ports + 4);
-    let engine = emulated_engine_with("vllm", "array-batch", dp, zmq, http, 4096, 20, &[]);
+    let engine = emulated_engine_with("vllm", "array-batch", dp, zmq, http, 4096, 20, extra);
     let (bridge, worker_id, _admin) = common::bridge(nats, &engine.at());
     BridgedEngine {
         engine,
@@ -206,6 +210,177 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
         .terminate(Duration::from_secs(10))
         .is_some_and(|s| s.success()));
     drop((r1, r2, engines, victim.bridge));
+}
+
+/// Where each request's time went and whether the cache the router predicted was there:
+/// the frontend and the replica time every phase of a request (and stop when switched off
+/// at `/debug/phase-timing`), and the frontend holds each engine's reported cached tokens
+/// against the router's prediction: close along a conversation, `under` while the engine's
+/// KV events do not reach the router, missing from an engine that does not report them.
+#[test]
+fn the_doors_time_each_phase_and_check_the_engines_cached_tokens() {
+    let nats = NatsServer::start();
+    let a1 = free_port();
+    let r1 = serve(&nats, "r1", a1, &[]);
+    let mut reporting = bridged_engine(&nats, 1);
+    let dir = model_dir();
+    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
+    let url = nats.url();
+    let mut fe = kvrouter_proc(
+        "frontend",
+        &[
+            "frontend",
+            "--nats",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            &model_arg,
+            "--grant-overlap-header",
+        ],
+    );
+    let port = listen_port(&mut fe);
+    assert!(ready(a1), "replica not ready");
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_worker_ranks"
+    ) >= 1.0));
+
+    // Completions and chat (two each, one streamed), then a conversation of 4 rounds.
+    sdk("basic", port, &[]);
+    let v = sdk("prefix", port, &["4"]);
+    let overlaps: Vec<u64> = v["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["overlap"].as_u64().unwrap())
+        .collect();
+    assert_eq!(overlaps, [0, 4, 8, 12], "{v}");
+    let phases = |port: u16, name: &str, phase: &str| {
+        metric_where(port, name, &[("model", E2E_MODEL), ("phase", phase)])
+    };
+    let (door, replica) = (
+        "kvrouter_frontend_phase_seconds_count",
+        "kvrouter_route_phase_seconds_count",
+    );
+    for phase in ["parse", "tokenize", "route", "engine_first_byte"] {
+        assert_eq!(phases(port, door, phase), 8.0, "{phase}: {}", metrics(port));
+    }
+    assert_eq!(phases(port, door, "template"), 2.0, "the chats alone");
+    for phase in [
+        "decode",
+        "hash",
+        "index_local",
+        "schedule",
+        "queue",
+        "encode",
+    ] {
+        assert_eq!(phases(a1, replica, phase), 8.0, "{phase}: {}", metrics(a1));
+    }
+    assert_eq!(phases(a1, replica, "index_remote"), 0.0);
+    assert!(
+        phases(a1, "kvrouter_route_phase_seconds_sum", "hash") > 0.0,
+        "time was measured"
+    );
+
+    // Switched off, the replica times nothing; on again, it does.
+    let (status, body) = http_get(a1, "/debug/phase-timing?set=off");
+    assert_eq!((status, body.as_str()), (200, r#"{"phase_timing":false}"#));
+    sdk("many", port, &["2", "60"]);
+    assert_eq!(phases(a1, replica, "hash"), 8.0, "timed while off");
+    assert_eq!(http_get(a1, "/debug/phase-timing?set=maybe").0, 400);
+    assert_eq!(http_get(a1, "/debug/phase-timing?set=on").0, 200);
+    sdk("many", port, &["1", "61"]);
+    assert_eq!(phases(a1, replica, "hash"), 9.0);
+
+    // Every answer so far was where the router said (within a block): no misprediction.
+    let worker = reporting.worker_id.to_string();
+    let at = |name: &str, extra: &[(&str, &str)]| {
+        let mut labels = vec![("worker", worker.as_str())];
+        labels.extend_from_slice(extra);
+        metric_where(port, name, &labels)
+    };
+    let page = metrics(port);
+    assert_eq!(
+        metric_sum_in(&page, "kvrouter_frontend_cache_mispredictions_total"),
+        0.0,
+        "{page}"
+    );
+    let predicted = at("kvrouter_frontend_cache_predicted_tokens_total", &[]);
+    let reported = at("kvrouter_frontend_cache_reported_tokens_total", &[]);
+    let answers = at("kvrouter_frontend_cache_prediction_error_tokens_count", &[]);
+    assert_eq!(answers, 11.0, "every answer compared: {page}");
+    assert!(
+        predicted >= ((4 + 8 + 12) * E2E_BLOCK) as f64,
+        "the conversation's overlaps: {predicted}"
+    );
+    assert!(
+        (reported - predicted).abs() <= answers * E2E_BLOCK as f64,
+        "predicted {predicted}, reported {reported}"
+    );
+    assert_eq!(
+        metric_sum_in(&page, "kvrouter_frontend_cache_reports_missing_total"),
+        0.0
+    );
+
+    // The bridge stopped: the engine caches a prefix the router never hears of, and reports
+    // it cached where the router predicted nothing.
+    reporting.bridge.signal(libc::SIGSTOP);
+    let v = sdk("many", port, &["3", "62"]);
+    reporting.bridge.signal(libc::SIGCONT);
+    assert_eq!(v["ok"], 3, "{v}");
+    assert_eq!(
+        at(
+            "kvrouter_frontend_cache_mispredictions_total",
+            &[("direction", "under")]
+        ),
+        2.0,
+        "the second and third requests found the first's prefix: {}",
+        metrics(port)
+    );
+
+    // An engine started without its cache report (vLLM's default): its answers are counted
+    // as missing reports, nothing else.
+    let silent = bridged_engine_with(&nats, 1, &[]);
+    let BridgedEngine { engine, bridge, .. } = reporting;
+    assert!(bridge
+        .terminate(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+    engine.proc.kill();
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_worker_ranks"
+    ) == 1.0));
+    let compared = metric_sum(
+        port,
+        "kvrouter_frontend_cache_prediction_error_tokens_count",
+    );
+    let v = sdk("many", port, &["2", "63"]);
+    assert_eq!(v["ok"], 2, "{v}");
+    let silent_worker = silent.worker_id.to_string();
+    assert!(
+        v["workers"].as_array().unwrap().iter().all(|w| w
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{silent_worker}:"))),
+        "{v}"
+    );
+    assert_eq!(
+        metric_where(
+            port,
+            "kvrouter_frontend_cache_reports_missing_total",
+            &[("model", E2E_MODEL)]
+        ),
+        2.0
+    );
+    assert_eq!(
+        metric_sum(
+            port,
+            "kvrouter_frontend_cache_prediction_error_tokens_count"
+        ),
+        compared
+    );
+    drop((fe, r1, silent));
 }
 
 const OPERATOR_KEY: &str = "sk-operator-0123456789abcdef";

@@ -17,7 +17,8 @@ pub(crate) struct EmulatedEngine {
     pub(crate) capacity_blocks: u32,
 }
 
-/// An emulated engine of 512 blocks a rank at speedup 100; waits for its start line.
+/// An emulated engine of 512 blocks a rank at speedup 100, reporting its cached tokens;
+/// waits for its start line.
 pub(crate) fn emulated_engine(
     kind: &'static str,
     wire: &str,
@@ -25,7 +26,7 @@ pub(crate) fn emulated_engine(
     zmq: u16,
     http: u16,
 ) -> EmulatedEngine {
-    emulated_engine_with(kind, wire, dp, zmq, http, 512, 100, &[])
+    emulated_engine_with(kind, wire, dp, zmq, http, 512, 100, &["--cache-report"])
 }
 
 /// [`emulated_engine`] with its capacity, speedup and more arguments.

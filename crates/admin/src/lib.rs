@@ -11,6 +11,7 @@
 
 pub mod auth;
 mod http_server;
+pub mod phase_timing;
 pub mod secret;
 pub mod tls;
 
@@ -36,6 +37,9 @@ use tokio::task::JoinHandle;
 
 /// A `/debug/...` page being produced: (HTTP status, JSON body).
 pub type DebugPage = Pin<Box<dyn Future<Output = (u16, String)> + Send>>;
+
+/// The debug page of the phase-timing switch ([`AdminView::phase_switch`]).
+pub const PHASE_TIMING_PAGE: &str = "phase-timing";
 
 /// Where the JSON API lives: every path under it goes to [`AdminView::api`].
 pub const API_PREFIX: &str = "/v1/";
@@ -97,6 +101,12 @@ pub trait AdminView: Send + Sync + 'static {
     /// no such page. Answers (status, JSON body).
     fn debug(self: Arc<Self>, path: String, query: String) -> Option<DebugPage> {
         let _ = (path, query);
+        None
+    }
+
+    /// The process's phase-timing switch, served at `/debug/phase-timing` (`?set=on|off`)
+    /// when it has one.
+    fn phase_switch(&self) -> Option<&phase_timing::PhaseSwitch> {
         None
     }
 
@@ -252,6 +262,11 @@ async fn handle(
     }
     if let Some(page) = req.uri().path().strip_prefix("/debug/") {
         let query = req.uri().query().unwrap_or("").to_string();
+        if let (PHASE_TIMING_PAGE, Some(switch)) = (page, view.phase_switch()) {
+            let (status, body) = switch.debug_page(&query);
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            return respond(status, "application/json", body);
+        }
         return match view.debug(page.to_string(), query) {
             Some(f) => {
                 let (status, body) = f.await;

@@ -14,6 +14,7 @@ pub mod indexer_experiment;
 pub mod indexer_scale;
 pub mod indexer_stream;
 pub mod machine;
+pub mod phase_ab;
 pub mod plot;
 pub mod radix_ruler;
 pub mod route_latency;

@@ -6,11 +6,13 @@
 //! its own OS thread (`std::thread::sleep` is precise to tens of µs; the tokio timer ticks in
 //! milliseconds) and every request runs as its own task.
 
+use crate::phase_ab::{AbState, PhaseAb};
 use crate::stats::percentile;
 use kvrouter_client::{GenerateParams, KvRouterClient};
 use kvrouter_protocol::RouteRequest;
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What to send.
@@ -33,6 +35,9 @@ pub struct RouteLatencyConfig {
     /// Prompts to send instead of random ones (a trace's), cycled in order; the warm-up
     /// then runs the first `prefix_pool` of them.
     pub prompts: Option<std::sync::Arc<Vec<Vec<u32>>>>,
+    /// Flip the replicas' phase timing on and off during the run, and report the service
+    /// time of each half.
+    pub phase_ab: Option<PhaseAb>,
 }
 
 impl RouteLatencyConfig {
@@ -52,6 +57,7 @@ impl RouteLatencyConfig {
             seed: 0x6b76_726f_7574_6572,
             warm_up: true,
             prompts: None,
+            phase_ab: None,
         }
     }
 
@@ -76,6 +82,9 @@ impl RouteLatencyConfig {
         }
         if self.prefix_pool == 0 {
             return Err("the prefix pool needs at least one prefix".into());
+        }
+        if let Some(ab) = &self.phase_ab {
+            ab.validate()?;
         }
         if self.prompts.as_ref().is_some_and(|p| p.is_empty()) {
             return Err("the prompt list is empty".into());
@@ -227,6 +236,37 @@ pub struct RouteLatencyReport {
     pub service: LatencySummary,
     /// How late the sender was against the schedule.
     pub send_lag: LatencySummary,
+    /// With `phase_ab`: service times with the replicas' phase timing on and off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_ab: Option<PhaseAbReport>,
+}
+
+/// Service times of the requests answered while phase timing was on, and while it was off.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PhaseAbReport {
+    pub on: LatencySummary,
+    pub off: LatencySummary,
+    /// How much longer the median service time was with timing on, in percent.
+    pub p50_overhead_pct: f64,
+}
+
+impl PhaseAbReport {
+    fn new(mut on: Vec<u64>, mut off: Vec<u64>) -> Self {
+        let (on, off) = (
+            LatencySummary::from_samples(&mut on),
+            LatencySummary::from_samples(&mut off),
+        );
+        let p50_overhead_pct = if off.p50_us > 0 {
+            (on.p50_us as f64 / off.p50_us as f64 - 1.0) * 100.0
+        } else {
+            0.0
+        };
+        Self {
+            on,
+            off,
+            p50_overhead_pct,
+        }
+    }
 }
 
 struct Sample {
@@ -235,6 +275,9 @@ struct Sample {
     service_us: u64,
     lag_us: u64,
     done: Instant,
+    /// Phase timing was on (or off) from send to answer; `None` across a flip or without
+    /// an A/B run.
+    timing_on: Option<bool>,
 }
 
 /// A duration in whole µs (saturating).
@@ -262,6 +305,13 @@ pub async fn run_route_latency(
         // Let the KV events reach every replica.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let ab_state = Arc::new(AbState::default());
+    let (stop_ab, stopped) = tokio::sync::watch::channel(false);
+    let ab = config
+        .phase_ab
+        .clone()
+        .map(|ab| tokio::spawn(ab.run(ab_state.clone(), stopped)));
+    let with_ab = ab.is_some();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
     let handle = tokio::runtime::Handle::current();
     let client = client.clone();
@@ -282,16 +332,20 @@ pub async fn run_route_latency(
                 }
                 let client = client.clone();
                 let tx = tx.clone();
+                let ab_state = ab_state.clone();
                 handle.spawn(async move {
+                    let before = ab_state.read();
                     let sent = Instant::now();
                     let result = client.route(&req).await;
                     let done = Instant::now();
+                    let timing_on = AbState::settled(before, ab_state.read());
                     let _ = tx.send(Sample {
                         ok: result.map(|_| ()).map_err(|e| e.kind_label()),
                         latency_us: us(done.saturating_duration_since(intended)),
                         service_us: us(done.saturating_duration_since(sent)),
                         lag_us: us(sent.saturating_duration_since(intended)),
                         done,
+                        timing_on,
                     });
                 });
             }
@@ -303,6 +357,7 @@ pub async fn run_route_latency(
     let mut latency = Vec::with_capacity(cap);
     let mut service = Vec::with_capacity(cap);
     let mut lag = Vec::with_capacity(cap);
+    let (mut timed_on, mut timed_off) = (Vec::new(), Vec::new());
     let mut errors: BTreeMap<String, u64> = BTreeMap::new();
     let mut last_done = start;
     let mut received = 0u64;
@@ -316,6 +371,11 @@ pub async fn run_route_latency(
             Ok(()) => {
                 latency.push(s.latency_us);
                 service.push(s.service_us);
+                match s.timing_on {
+                    Some(true) => timed_on.push(s.service_us),
+                    Some(false) => timed_off.push(s.service_us),
+                    None => {}
+                }
             }
             Err(kind) => *errors.entry(kind.to_string()).or_default() += 1,
         }
@@ -324,6 +384,11 @@ pub async fn run_route_latency(
         .await
         .map_err(|e| format!("pacing thread lost: {e}"))?
         .map_err(|_| "pacing thread panicked".to_string())?;
+    let _ = stop_ab.send(true);
+    if let Some(ab) = ab {
+        ab.await
+            .map_err(|e| format!("the phase-timing switch task failed: {e}"))??;
+    }
     let ok = latency.len() as u64;
     let send_window = send_end.saturating_duration_since(start).as_secs_f64();
     let reply_window = last_done.saturating_duration_since(start).as_secs_f64();
@@ -352,6 +417,7 @@ pub async fn run_route_latency(
         latency: LatencySummary::from_samples(&mut latency),
         service: LatencySummary::from_samples(&mut service),
         send_lag: LatencySummary::from_samples(&mut lag),
+        phase_ab: with_ab.then(|| PhaseAbReport::new(timed_on, timed_off)),
     })
 }
 

@@ -15,6 +15,7 @@ use crate::ext_proc::{
     ProcessingResponse, StreamedBodyResponse, TrailersResponse, OVERWRITE_IF_EXISTS_OR_ADD,
 };
 use bytes::{Bytes, BytesMut};
+use kvrouter_openai::door_metrics::CachedTokensScan;
 use kvrouter_openai::ApiError;
 use prost_types::{value::Kind, Struct, Value};
 
@@ -51,6 +52,9 @@ pub enum Effect {
     PrefillDone,
     /// The gateway reports another endpoint served the request than the one picked.
     ServedBy(String),
+    /// A successful answer ended whole, with the cached prompt tokens the engine reported
+    /// in it, if any (before [`Effect::Finish`]).
+    Answered(Option<u64>),
     /// The exchange is over (answered, refused or failed): end the booking if one is held.
     Finish,
 }
@@ -100,6 +104,8 @@ pub struct Exchange {
     picked: Option<String>,
     /// The engine's status, once its answer's headers came.
     status: Option<u16>,
+    /// A successful answer's bytes, read for the engine's cached-token count.
+    answer_scan: Option<CachedTokensScan>,
 }
 
 impl Exchange {
@@ -114,6 +120,7 @@ impl Exchange {
             subset: None,
             picked: None,
             status: None,
+            answer_scan: None,
         }
     }
 
@@ -210,6 +217,8 @@ impl Exchange {
 
     /// The stream ended (Envoy or the client went away): whatever is held ends.
     pub fn broken(&mut self) -> Vec<Effect> {
+        // An answer cut short reports nothing.
+        self.answer_scan = None;
         self.finish()
     }
 
@@ -266,6 +275,9 @@ impl Exchange {
     ) -> Result<Vec<Effect>, ExchangeError> {
         self.expect(Phase::Forwarded, "response headers")?;
         self.status = header(&h, ":status").and_then(|s| s.parse().ok());
+        if self.status.is_some_and(|s| (200..300).contains(&s)) {
+            self.answer_scan = Some(CachedTokensScan::default());
+        }
         let mut out = vec![send(Response::ResponseHeaders(HeadersResponse::default()))];
         if let Some(served) = string_in(metadata.as_ref(), LB_NAMESPACE, SERVED) {
             if self.picked.as_deref() != Some(served.as_str()) {
@@ -288,6 +300,9 @@ impl Exchange {
             out.push(Effect::PrefillDone);
         }
         let end = b.end_of_stream;
+        if let Some(scan) = &mut self.answer_scan {
+            scan.feed(&b.body);
+        }
         out.push(send(Response::ResponseBody(streamed(b.body, end))));
         if end {
             out.extend(self.finish());
@@ -320,7 +335,11 @@ impl Exchange {
         if std::mem::replace(&mut self.phase, Phase::Done) == Phase::Done {
             return Vec::new();
         }
-        vec![Effect::Finish]
+        let answered = self
+            .answer_scan
+            .take()
+            .map(|s| Effect::Answered(s.finish()));
+        answered.into_iter().chain([Effect::Finish]).collect()
     }
 
     fn expect(&self, want: Phase, got: &'static str) -> Result<(), ExchangeError> {
@@ -631,24 +650,67 @@ mod tests {
             .unwrap();
         assert!(matches!(sent(&e)[..], [Response::ResponseHeaders(_)]));
         let e = x
-            .on_message(body(Request::ResponseBody, "data: 1", false))
+            .on_message(body(Request::ResponseBody, "data: 1\n\n", false))
             .unwrap();
         assert_eq!(e[0], Effect::PrefillDone);
         assert_eq!(
             streamed_body(sent(&e)[0]),
-            (Bytes::from_static(b"data: 1"), false)
+            (Bytes::from_static(b"data: 1\n\n"), false)
         );
+        let usage =
+            r#"data: {"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":48}}}"#;
         let e = x
-            .on_message(body(Request::ResponseBody, "data: 2", false))
+            .on_message(body(Request::ResponseBody, usage, false))
             .unwrap();
         assert!(
             !e.contains(&Effect::PrefillDone),
             "the prefill marked twice"
         );
-        let e = x.on_message(body(Request::ResponseBody, "", true)).unwrap();
-        assert_eq!(e.last(), Some(&Effect::Finish));
+        let e = x
+            .on_message(body(Request::ResponseBody, "\n\ndata: [DONE]\n\n", true))
+            .unwrap();
+        assert_eq!(
+            e[e.len() - 2..],
+            [Effect::Answered(Some(48)), Effect::Finish],
+            "the engine's cached tokens, then the end"
+        );
         assert!(x.is_done());
         assert_eq!(x.broken(), [], "finished twice");
+    }
+
+    /// Only a successful answer that ended whole reports cached tokens.
+    #[test]
+    fn failed_or_broken_answers_report_no_cached_tokens() {
+        let answered = |status: &str, end: bool| {
+            let mut x = Exchange::new(1 << 20);
+            x.on_message(req_headers(&[(":path", "/v1/completions")], None))
+                .unwrap();
+            x.on_message(body(Request::RequestBody, "{}", true))
+                .unwrap();
+            x.picked_route(Pick {
+                endpoints: vec!["10.0.0.1:8000".into()],
+                headers: vec![],
+                body: Bytes::from_static(b"{}"),
+            });
+            x.on_message(msg(
+                Request::ResponseHeaders(headers(&[(":status", status)], false)),
+                None,
+            ))
+            .unwrap();
+            let whole = r#"{"usage":{"prompt_tokens_details":{"cached_tokens":16}}}"#;
+            let mut e = x
+                .on_message(body(Request::ResponseBody, whole, end))
+                .unwrap();
+            if !end {
+                e.extend(x.broken());
+            }
+            e.into_iter()
+                .filter(|e| matches!(e, Effect::Answered(_)))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(answered("200", true), [Effect::Answered(Some(16))]);
+        assert_eq!(answered("500", true), []);
+        assert_eq!(answered("200", false), [], "cut short");
     }
 
     #[test]

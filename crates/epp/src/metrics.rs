@@ -1,8 +1,11 @@
 //! What the endpoint picker counts, on its admin listener's `/metrics` (the Inference
 //! Extension's convention is port 9090), and its `/readyz`.
 
+use kvrouter_admin::phase_timing::{phase_family, PhaseFamily, PhaseHistograms, PhaseSwitch};
 use kvrouter_admin::AdminView;
 use kvrouter_client::LeaseCounts;
+use kvrouter_openai::door_metrics::CacheMetrics;
+use kvrouter_openai::DoorClock;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -26,6 +29,11 @@ pub struct EppMetrics {
     /// Request body bytes held now (until each request is routed).
     pub buffered_bytes: Gauge,
     pub pick_seconds: Histogram,
+    /// Where a request's time goes in the picker, by phase.
+    pub phases: PhaseFamily,
+    pub phase_switch: PhaseSwitch,
+    /// Predicted against reported cache hits.
+    pub cache: CacheMetrics,
     /// Answers the gateway got from another endpoint than the pick (a fallback).
     pub served_elsewhere: Counter,
     pub leases: Arc<LeaseCounts>,
@@ -59,6 +67,38 @@ impl EppMetrics {
             "From the request's last body byte to the pick (parse, tokenize, route)",
             pick_seconds.clone(),
         );
+        let phases = phase_family();
+        registry.register(
+            "phase_seconds",
+            "Where a request's time goes in the endpoint picker, by phase: parse, template, tokenize, route (the router round trip), engine_first_byte (the pick answered until the answer's first bytes)",
+            phases.clone(),
+        );
+        let cache = CacheMetrics::default();
+        registry.register(
+            "cache_predicted_tokens",
+            "Prompt tokens the router predicted cached on the worker that served, for answers whose engine reported its own count",
+            cache.predicted_tokens.clone(),
+        );
+        registry.register(
+            "cache_reported_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            cache.reported_tokens.clone(),
+        );
+        registry.register(
+            "cache_prediction_error_tokens",
+            "Reported minus predicted cached prompt tokens, per answer",
+            cache.error_tokens.clone(),
+        );
+        registry.register(
+            "cache_mispredictions",
+            "Answers whose reported cached tokens were off the prediction by more than a block (over: fewer cached than predicted)",
+            cache.mispredictions.clone(),
+        );
+        registry.register(
+            "cache_reports_missing",
+            "Answers without a cached-token count (the engine's flag is off, or a streamed request did not ask stream_options.include_usage)",
+            cache.reports_missing.clone(),
+        );
         let served_elsewhere = Counter::default();
         registry.register(
             "served_elsewhere",
@@ -81,6 +121,9 @@ impl EppMetrics {
             open,
             buffered_bytes,
             pick_seconds,
+            phases,
+            phase_switch: PhaseSwitch::default(),
+            cache,
             served_elsewhere,
             leases,
             ready: AtomicBool::new(false),
@@ -94,6 +137,13 @@ impl EppMetrics {
                 status: 200,
             })
             .inc();
+    }
+
+    /// Observes a request's phases under its served model's name.
+    pub fn record_phases(&self, model: &str, clock: &DoorClock) {
+        if clock.is_on() {
+            PhaseHistograms::new(&self.phases, model).record(clock);
+        }
     }
 
     pub fn refused(&self, status: u16) {
@@ -113,6 +163,10 @@ impl AdminView for EppMetrics {
         } else {
             (false, "no router replica answers".into())
         }
+    }
+
+    fn phase_switch(&self) -> Option<&PhaseSwitch> {
+        Some(&self.phase_switch)
     }
 
     fn metrics(&self) -> String {

@@ -6,7 +6,10 @@
 use crate::directory::{endpoint_of, AtEndpoint, SharedDirectory};
 use crate::exchange::{Pick, RouteAsk};
 use kvrouter_client::{KvRouterClient, LeaseCounts, RouteLease};
-use kvrouter_openai::{parse, Access, ApiError, Endpoint, Models, RankConvention};
+use kvrouter_openai::door_metrics::CachePrediction;
+use kvrouter_openai::{
+    parse, Access, ApiError, DoorClock, DoorPhase, Endpoint, Models, RankConvention,
+};
 use kvrouter_protocol::{ErrorKind, Pin, RouteRequest};
 use std::sync::Arc;
 
@@ -31,10 +34,27 @@ pub struct Booking {
     rank: Option<u32>,
 }
 
+impl Booking {
+    /// The served model's name.
+    pub fn model(&self) -> &str {
+        &self.route.model
+    }
+
+    /// The cached prefix the router predicted where the booking is now.
+    pub fn prediction(&self) -> CachePrediction {
+        CachePrediction::of(&self.lease.decision, self.route.tokens.len())
+    }
+}
+
 impl Picker {
     /// Decides for `ask` under `route_id` (the booking's request id): the pick and the
-    /// booking it holds, or the error the client gets.
-    pub async fn pick(&self, ask: RouteAsk, route_id: &str) -> Result<(Pick, Booking), ApiError> {
+    /// booking it holds, or the error the client gets. `clock` times its phases.
+    pub async fn pick(
+        &self,
+        ask: RouteAsk,
+        route_id: &str,
+        clock: &mut DoorClock,
+    ) -> Result<(Pick, Booking), ApiError> {
         let grants = self
             .access
             .check(ask.authorization.as_deref().map(str::as_bytes))
@@ -54,7 +74,8 @@ impl Picker {
             }
         };
         let req = parse(endpoint, &ask.body, grants)?;
-        let understood = self.models.understand(&req).await?;
+        clock.lap(DoorPhase::Parse);
+        let understood = self.models.understand(&req, clock).await?;
         let mut route = understood
             .route_request(&req, route_id)?
             .with_fallbacks(self.fallbacks);
@@ -78,6 +99,7 @@ impl Picker {
             .route(&route)
             .await
             .map_err(|e| refusal(e.kind(), e.to_string(), ask.subset.is_some()))?;
+        clock.lap(DoorPhase::Route);
         let lease = RouteLease::new(
             self.router.clone(),
             understood.model.name().to_string(),

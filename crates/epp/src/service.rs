@@ -8,7 +8,7 @@ use crate::ext_proc::processing_response::Response as Answer;
 use crate::ext_proc::{ProcessingRequest, ProcessingResponse, PROCESS_PATH, SERVICE_NAME};
 use crate::metrics::EppMetrics;
 use crate::picker::{Booking, Picker};
-use kvrouter_openai::ApiError;
+use kvrouter_openai::{ApiError, DoorClock, DoorPhase};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -123,6 +123,8 @@ async fn exchange(
 ) {
     let mut x = Exchange::new(limits.max_body_bytes);
     let mut booking: Option<Booking> = None;
+    // The request's phases until the answer's first bytes.
+    let mut clock: Option<DoorClock> = None;
     let route_id = kvrouter_client::new_request_id();
     let read_by = tokio::time::Instant::now() + limits.read_timeout;
     loop {
@@ -194,11 +196,14 @@ async fn exchange(
                     }
                     Effect::Route(ask) => {
                         let t = std::time::Instant::now();
-                        let picked = picker.pick(ask, &route_id).await;
+                        let mut c =
+                            DoorClock::started_at(metrics.phase_switch.is_on().then_some(t));
+                        let picked = picker.pick(ask, &route_id, &mut c).await;
                         metrics.pick_seconds.observe(t.elapsed().as_secs_f64());
                         match picked {
                             Ok((pick, b)) => {
                                 metrics.picked();
+                                clock = Some(c);
                                 tracing::debug!(route_id, endpoint = ?pick.endpoints, "picked");
                                 booking = Some(b);
                                 next.extend(x.picked_route(pick));
@@ -212,6 +217,10 @@ async fn exchange(
                     Effect::PrefillDone => {
                         if let Some(b) = booking.as_mut() {
                             b.lease.mark_prefill();
+                            if let Some(mut c) = clock.take() {
+                                c.lap(DoorPhase::EngineFirstByte);
+                                metrics.record_phases(b.model(), &c);
+                            }
                         }
                     }
                     Effect::ServedBy(endpoint) => {
@@ -219,6 +228,20 @@ async fn exchange(
                         metrics.served_elsewhere.inc();
                         if let Some(b) = booking.take() {
                             booking = picker.rebook(&endpoint, b).await;
+                        }
+                    }
+                    Effect::Answered(reported) => {
+                        if let Some(b) = booking.as_ref() {
+                            let p = b.prediction();
+                            let verdict = metrics.cache.observe(b.model(), &p, reported);
+                            tracing::debug!(
+                                route_id,
+                                worker_id = p.worker_id,
+                                predicted = p.tokens,
+                                ?reported,
+                                ?verdict,
+                                "answered"
+                            );
                         }
                     }
                     Effect::Finish => {

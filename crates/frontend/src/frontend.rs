@@ -11,7 +11,8 @@ use hyper::Response;
 use kvrouter_admin::HttpStats;
 use kvrouter_client::{ClientError, KvRouterClient, LeaseCounts, RouteLease};
 use kvrouter_openai::body::with_token_prompt;
-use kvrouter_openai::{ApiError, ClientRequest, ModelFiles, Models};
+use kvrouter_openai::door_metrics::CachePrediction;
+use kvrouter_openai::{ApiError, ClientRequest, DoorClock, DoorPhase, ModelFiles, Models};
 use kvrouter_protocol::{ErrorKind, WorkerId};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -53,6 +54,8 @@ pub struct Routed {
     pub lease: RouteLease,
     pub answer: Response<Incoming>,
     pub model: Arc<ModelFiles>,
+    /// The cached prefix the router predicted, to hold against the engine's report.
+    pub prediction: CachePrediction,
 }
 
 impl Frontend {
@@ -112,20 +115,17 @@ impl Frontend {
     /// Checks, tokenizes and routes the request, and sends it to the chosen engine,
     /// routing again (that worker excluded) when an engine fails before answering.
     /// `route_id` names it to the router and the engine: the frontend's own, never the
-    /// client's `x-request-id`.
+    /// client's `x-request-id`. `clock` times its phases up to the engine's answer.
     pub async fn route_and_send(
         &self,
         req: &ClientRequest,
         route_id: &str,
+        clock: &mut DoorClock,
     ) -> Result<Routed, ApiError> {
         let started = Instant::now();
-        let understood = self.models.understand(req).await?;
+        let understood = self.models.understand(req, clock).await?;
         let model = understood.model.clone();
         let labels = FrontendMetrics::model(model.name());
-        self.metrics
-            .tokenize
-            .get_or_create(&labels)
-            .observe(started.elapsed().as_secs_f64());
         self.metrics
             .input_tokens
             .get_or_create(&labels)
@@ -148,7 +148,6 @@ impl Frontend {
                 // A fresh id: the failed one may not be freed on its replica yet.
                 route.request_id = format!("{route_id}/retry{attempt}");
             }
-            let t = Instant::now();
             let decision = match self.router.route(&route).await {
                 Ok(d) => d,
                 Err(ClientError::Router(e))
@@ -158,10 +157,8 @@ impl Frontend {
                 }
                 Err(e) => return Err(ApiError::from_route(e.kind(), e.to_string())),
             };
-            self.metrics
-                .route
-                .get_or_create(&labels)
-                .observe(t.elapsed().as_secs_f64());
+            clock.lap(DoorPhase::Route);
+            let prediction = CachePrediction::of(&decision, route.tokens.len());
             let lease = RouteLease::new(
                 self.router.clone(),
                 model.name().to_string(),
@@ -187,6 +184,7 @@ impl Frontend {
                         lease,
                         answer,
                         model,
+                        prediction,
                     })
                 }
                 Err(e) if e.route_around() => {
@@ -203,6 +201,8 @@ impl Frontend {
                         route.excluded_workers.push(worker);
                     }
                     last_failure = Some((worker, e));
+                    // The failed attempt is no phase: the next route is timed alone.
+                    clock.skip();
                     if attempt < self.config.route_retries {
                         self.metrics.retries.get_or_create(&labels).inc();
                     }

@@ -11,7 +11,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use kvrouter_admin::HttpServer;
 use kvrouter_openai::auth::{Grants, Refusal};
-use kvrouter_openai::{self as openai, ApiError, ClientRequest, Endpoint};
+use kvrouter_openai::{self as openai, ApiError, ClientRequest, DoorClock, DoorPhase, Endpoint};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -199,14 +199,17 @@ impl Frontend {
                 }
                 (String::new(), e)
             })?;
+        let mut clock = DoorClock::started_at(self.metrics.phase_switch.is_on().then_some(started));
+        clock.lap(DoorPhase::Parse);
         let model = self.label_for(&creq.model);
         let in_flight = self.admit().map_err(|e| (model.clone(), e))?;
         let Routed {
             lease,
             answer,
             model: served,
+            prediction,
         } = self
-            .route_and_send(&creq, route_id)
+            .route_and_send(&creq, route_id, &mut clock)
             .await
             .map_err(|e| (model.clone(), e))?;
         let d = &lease.decision;
@@ -229,7 +232,8 @@ impl Frontend {
             served.name(),
             started,
             in_flight,
-        );
+        )
+        .timed(clock, prediction);
         let mut res = if creq.stream {
             let body = StreamBody::new(relay.into_sse_body(
                 chat,

@@ -1,8 +1,11 @@
 //! What the frontend counts, on its `/metrics` (names in the style of Dynamo's frontend:
 //! requests by status, time to first token, inter-token latency, end-to-end duration).
 
+use kvrouter_admin::phase_timing::{phase_family, PhaseFamily, PhaseHistograms, PhaseSwitch};
 use kvrouter_client::LeaseCounts;
 use kvrouter_openai::auth::Refusal;
+use kvrouter_openai::door_metrics::CacheMetrics;
+use kvrouter_openai::DoorClock;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -43,8 +46,11 @@ pub struct FrontendMetrics {
     pub ttft: Family<ModelLabel, Histogram>,
     pub inter_token: Family<ModelLabel, Histogram>,
     pub duration: Family<ModelLabel, Histogram>,
-    pub tokenize: Family<ModelLabel, Histogram>,
-    pub route: Family<ModelLabel, Histogram>,
+    /// Where a request's time goes in the frontend, by phase.
+    pub phases: PhaseFamily,
+    pub phase_switch: PhaseSwitch,
+    /// Predicted against reported cache hits.
+    pub cache: CacheMetrics,
     pub retries: Family<ModelLabel, Counter>,
     pub inflight: Gauge,
     pub input_tokens: Family<ModelLabel, Counter>,
@@ -60,8 +66,9 @@ impl FrontendMetrics {
             ttft: histogram_family(),
             inter_token: histogram_family(),
             duration: histogram_family(),
-            tokenize: histogram_family(),
-            route: histogram_family(),
+            phases: phase_family(),
+            phase_switch: PhaseSwitch::default(),
+            cache: CacheMetrics::default(),
             retries: Family::default(),
             inflight: Gauge::default(),
             input_tokens: Family::default(),
@@ -90,14 +97,34 @@ impl FrontendMetrics {
             m.duration.clone(),
         );
         registry.register(
-            "tokenize_seconds",
-            "Rendering the chat template and tokenizing",
-            m.tokenize.clone(),
+            "phase_seconds",
+            "Where a request's time goes in the frontend, by phase: parse, template, tokenize, route (the router round trip), engine_first_byte",
+            m.phases.clone(),
         );
         registry.register(
-            "route_seconds",
-            "Asking the router replicas for a worker",
-            m.route.clone(),
+            "cache_predicted_tokens",
+            "Prompt tokens the router predicted cached on the chosen worker, for answers whose engine reported its own count",
+            m.cache.predicted_tokens.clone(),
+        );
+        registry.register(
+            "cache_reported_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            m.cache.reported_tokens.clone(),
+        );
+        registry.register(
+            "cache_prediction_error_tokens",
+            "Reported minus predicted cached prompt tokens, per answer",
+            m.cache.error_tokens.clone(),
+        );
+        registry.register(
+            "cache_mispredictions",
+            "Answers whose reported cached tokens were off the prediction by more than a block (over: fewer cached than predicted)",
+            m.cache.mispredictions.clone(),
+        );
+        registry.register(
+            "cache_reports_missing",
+            "Answers without a cached-token count (vLLM needs --enable-prompt-tokens-details, SGLang --enable-cache-report)",
+            m.cache.reports_missing.clone(),
         );
         registry.register(
             "route_retries",
@@ -142,6 +169,13 @@ impl FrontendMetrics {
         self.auth_refused
             .get_or_create(&ReasonLabel { reason: r.reason() })
             .inc();
+    }
+
+    /// Observes a request's phases under its served model's name.
+    pub fn record_phases(&self, model: &str, clock: &DoorClock) {
+        if clock.is_on() {
+            PhaseHistograms::new(&self.phases, model).record(clock);
+        }
     }
 
     pub fn model(model: &str) -> ModelLabel {

@@ -9,8 +9,9 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use kvrouter_client::RouteLease;
+use kvrouter_openai::door_metrics::{reported_cached_tokens, CachePrediction};
 use kvrouter_openai::sse::{self, SseEvent, SseParser};
-use kvrouter_openai::{read_chunk, ApiError, Chunk, ChunkShaper, Gathered};
+use kvrouter_openai::{read_chunk, ApiError, Chunk, ChunkShaper, DoorClock, DoorPhase, Gathered};
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -37,6 +38,11 @@ pub struct Relay {
     last_output: Option<Instant>,
     deadline: tokio::time::Instant,
     _in_flight: InFlight,
+    /// The request's phases, observed at the engine's first bytes.
+    clock: Option<DoorClock>,
+    /// The router's prediction, held against the engine's report when the answer ends.
+    prediction: Option<CachePrediction>,
+    reported_cached: Option<u64>,
 }
 
 impl Relay {
@@ -61,6 +67,52 @@ impl Relay {
             last_output: None,
             deadline,
             _in_flight: in_flight,
+            clock: None,
+            prediction: None,
+            reported_cached: None,
+        }
+    }
+
+    /// Times the engine's first bytes on `clock` and checks its cache report against
+    /// `prediction`.
+    pub fn timed(mut self, clock: DoorClock, prediction: CachePrediction) -> Self {
+        self.clock = Some(clock);
+        self.prediction = Some(prediction);
+        self
+    }
+
+    /// The engine's first answer bytes: the request's phases are complete.
+    fn first_bytes(&mut self) {
+        if let Some(mut clock) = self.clock.take() {
+            clock.lap(DoorPhase::EngineFirstByte);
+            self.frontend
+                .metrics
+                .record_phases(&self.labels.model, &clock);
+        }
+    }
+
+    /// A chunk of the answer: its usage may carry the engine's cached-token count (the
+    /// last one with usage wins).
+    fn saw_chunk(&mut self, chunk: &Value) {
+        if let Some(n) = reported_cached_tokens(chunk) {
+            self.reported_cached = Some(n);
+        }
+    }
+
+    /// The answer ended whole: the engine's report against the prediction.
+    fn check_cache(&mut self) {
+        let Some(p) = self.prediction.take() else {
+            return;
+        };
+        let verdict =
+            self.frontend
+                .metrics
+                .cache
+                .observe(&self.labels.model, &p, self.reported_cached);
+        if let Some(v) =
+            verdict.filter(|v| *v != kvrouter_openai::door_metrics::CacheVerdict::Close)
+        {
+            tracing::debug!(worker_id = p.worker_id, predicted = p.tokens, reported = ?self.reported_cached, verdict = ?v, "the engine's cached tokens differ from the router's prediction by more than a block");
         }
     }
 
@@ -86,6 +138,7 @@ impl Relay {
                 }
                 Ok(Some(Ok(frame))) => {
                     if let Ok(data) = frame.into_data() {
+                        self.first_bytes();
                         match self.parser.feed(&data) {
                             Ok(evs) => self.pending.extend(evs),
                             Err(e) => return Step::Failed(format!("bad event stream: {e}")),
@@ -132,6 +185,7 @@ impl Relay {
         loop {
             let failure = match self.step().await {
                 Step::Event(SseEvent::Done) => {
+                    self.check_cache();
                     self.finish();
                     return Some(Bytes::from_static(sse::DONE));
                 }
@@ -140,6 +194,7 @@ impl Relay {
                         if has_output {
                             self.saw_output();
                         }
+                        self.saw_chunk(&value);
                         match shaper.shape(value) {
                             Some(v) => return Some(sse::event(&v.to_string())),
                             None => continue,
@@ -190,6 +245,7 @@ impl Relay {
                         if has_output {
                             self.saw_output();
                         }
+                        self.saw_chunk(&value);
                         gathered.add(&value);
                         continue;
                     }
@@ -205,6 +261,7 @@ impl Relay {
             self.finish();
             return Err(failure);
         }
+        self.check_cache();
         self.finish();
         Ok(gathered.finish(chat))
     }

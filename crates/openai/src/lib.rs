@@ -6,8 +6,8 @@
 //! tokenizing exactly as the engine does, so the router sees the token blocks the engine
 //! will cache. Above them: the request parsed and checked ([`request`], [`body`]), the
 //! callers' API keys and grants ([`auth`]), what a request asks of the models served
-//! ([`models`]), and errors and answers as OpenAI clients read them ([`error`],
-//! [`response`], [`sse`]). Plain data, no I/O.
+//! ([`models`]), errors and answers as OpenAI clients read them ([`error`], [`response`],
+//! [`sse`]), and what every door measures ([`door_metrics`]). Plain data, no I/O.
 
 pub mod chat_template;
 pub mod model_dir;
@@ -15,6 +15,7 @@ pub mod tokenizer;
 
 pub mod auth;
 pub mod body;
+pub mod door_metrics;
 pub mod error;
 pub mod models;
 pub mod request;
@@ -28,6 +29,7 @@ static ALLOC: kvrouter_testkit::CountingAlloc = kvrouter_testkit::CountingAlloc;
 
 pub use auth::{Access, ApiKeys, Grants, KeyError, KeysError};
 pub use chat_template::{ChatInput, ChatTemplate, ChatTemplateError};
+pub use door_metrics::{DoorClock, DoorPhase};
 pub use error::ApiError;
 pub use model_dir::{ModelDirError, ModelFiles, PromptLimit, PromptLimitSource};
 pub use models::{Models, RankConvention, Understood, UNKNOWN_MODEL_LABEL};

@@ -3,12 +3,14 @@
 //! checked against the model's limits, and the route request for the replicas.
 
 use crate::chat_template::ChatInput;
+use crate::door_metrics::{DoorClock, DoorPhase};
 use crate::error::ApiError;
 use crate::model_dir::ModelFiles;
 use crate::request::{ClientRequest, Endpoint, Input, Prompt};
 use kvrouter_protocol::{PromptExtras, RouteRequest};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Prompts longer than this are tokenized off the async threads.
 const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
@@ -116,10 +118,20 @@ impl Models {
     /// The request's model, adapter and prompt tokens, as the engine would make them, or
     /// why not (an unknown model, an empty prompt, one over the model's context). A chat
     /// template's render and a long text's encoding run on the blocking pool, not on the
-    /// async threads.
-    pub async fn understand(&self, req: &ClientRequest) -> Result<Understood, ApiError> {
+    /// async threads. `clock` times the template and the tokenizer.
+    pub async fn understand(
+        &self,
+        req: &ClientRequest,
+        clock: &mut DoorClock,
+    ) -> Result<Understood, ApiError> {
         let (model, lora) = self.resolve(&req.model)?;
-        let tokens = Self::tokenize(&model, req, self.max_rendered_bytes).await?;
+        let timed = clock.is_on();
+        let (tokens, template) =
+            Self::tokenize(&model, req, self.max_rendered_bytes, timed).await?;
+        clock.lap(DoorPhase::Tokenize);
+        if let Some(t) = template {
+            clock.split(DoorPhase::Tokenize, DoorPhase::Template, t);
+        }
         if tokens.is_empty() {
             return Err(ApiError::invalid(
                 Some("prompt"),
@@ -144,16 +156,19 @@ impl Models {
         })
     }
 
+    /// The prompt's tokens and, for a chat timed when `timed`, how long its template took.
     async fn tokenize(
         model: &Arc<ModelFiles>,
         req: &ClientRequest,
         max_rendered_bytes: usize,
-    ) -> Result<Vec<u32>, ApiError> {
-        let job: Box<dyn FnOnce() -> Result<Vec<u32>, ApiError> + Send> = match &req.input {
-            Input::Prompt(Prompt::Tokens(t)) => return Ok(t.clone()),
+        timed: bool,
+    ) -> Result<(Vec<u32>, Option<Duration>), ApiError> {
+        type Job = Box<dyn FnOnce() -> Result<(Vec<u32>, Option<Duration>), ApiError> + Send>;
+        let job: Job = match &req.input {
+            Input::Prompt(Prompt::Tokens(t)) => return Ok((t.clone(), None)),
             Input::Prompt(Prompt::Text(t)) => {
                 let (model, text) = (model.clone(), t.clone());
-                let job = move || encode(&model, &text, true);
+                let job = move || Ok((encode(&model, &text, true)?, None));
                 if t.len() <= INLINE_TOKENIZE_BYTES {
                     return job();
                 }
@@ -162,6 +177,7 @@ impl Models {
             Input::Chat(c) => {
                 let (model, c) = (model.clone(), c.clone());
                 Box::new(move || {
+                    let started = timed.then(Instant::now);
                     let input = ChatInput {
                         messages: &c.messages,
                         add_generation_prompt: c.add_generation_prompt,
@@ -173,7 +189,8 @@ impl Models {
                     let text = model
                         .render_chat(&input)
                         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-                    encode(&model, &text, false)
+                    let template = started.map(|t| t.elapsed());
+                    Ok((encode(&model, &text, false)?, template))
                 })
             }
         };

@@ -27,6 +27,11 @@ impl AdminView for ReplicaShared {
         http_api::handle(self, req)
     }
 
+    /// Route phases are timed unless switched off here (to measure what the timing costs).
+    fn phase_switch(&self) -> Option<&kvrouter_admin::phase_timing::PhaseSwitch> {
+        Some(&self.metrics.phase_switch)
+    }
+
     /// `route` for routing and the worker list, `lease` for acting on routed requests.
     fn api_scope(&self, path: &str) -> Option<Scope> {
         http_api::scope(path)

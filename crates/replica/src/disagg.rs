@@ -115,14 +115,17 @@ pub async fn start(
     let (shared, server) = (shared.clone(), server.clone());
     let front = tokio::spawn(async move {
         let Ok(sub) = sub.await else { return };
-        serve_requests(sub, server, "route_disagg", OneWay::Drop, move |req| {
+        serve_requests(sub, server, "route_disagg", OneWay::Drop, move |req, _| {
             let (shared, models) = (shared.clone(), models.clone());
             async move {
-                let (model, decision) =
-                    route_disagg(&shared, &models, max_prompt_tokens, req).await?;
-                let labels = Metrics::model(&model);
-                shared.metrics.disagg_routes.get_or_create(&labels).inc();
-                Ok(decision)
+                let routed = route_disagg(&shared, &models, max_prompt_tokens, req).await;
+                routed
+                    .map(|(model, decision)| {
+                        let labels = Metrics::model(&model);
+                        shared.metrics.disagg_routes.get_or_create(&labels).inc();
+                        decision
+                    })
+                    .into()
             }
         })
         .await;

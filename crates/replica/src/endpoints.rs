@@ -4,8 +4,9 @@
 //! scheduler's queue holds up nobody. Every failure is answered with an [`ErrorReply`].
 
 use crate::layouts::aggregated_workers;
+use crate::route_phases::{RouteClock, RoutePhase};
 use crate::scheduler_actor::{route_job, Asker, Held, RouteJob, SchedulerMsg};
-use crate::serve::{serve_requests, OneWay, Server};
+use crate::serve::{serve_requests, Answer, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
 use kvrouter_protocol::{
@@ -15,7 +16,7 @@ use kvrouter_protocol::{
 };
 use kvrouter_scheduler::{RouteFilters, Selection};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
@@ -75,13 +76,27 @@ pub fn serve(
             server,
             kind,
             OneWay::Drop,
-            move |req| {
+            move |req, mut clock| {
                 let shared = shared.clone();
                 async move {
                     let started = Instant::now();
-                    let result = route(&shared, max_prompt_tokens, req).await;
+                    let result = route(&shared, max_prompt_tokens, req, &mut clock).await;
                     observe_route(&shared, &result, started);
-                    result.map(|(_, d)| d)
+                    let encoded = match &result {
+                        Ok((model, _)) if clock.is_on() => {
+                            let model = model.clone();
+                            let then = move |d: Duration| {
+                                clock.add(RoutePhase::Encode, d);
+                                record_phases(&shared, &model, &clock);
+                            };
+                            Some(Box::new(then) as Box<dyn FnOnce(Duration) + Send>)
+                        }
+                        _ => None,
+                    };
+                    Answer {
+                        result: result.map(|(_, d)| d),
+                        encoded,
+                    }
                 }
             },
         )),
@@ -90,9 +105,9 @@ pub fn serve(
             server,
             kind,
             OneWay::Drop,
-            move |req| {
+            move |req, _| {
                 let shared = shared.clone();
-                async move { overlap_scores(&shared, max_prompt_tokens, req).await }
+                async move { overlap_scores(&shared, max_prompt_tokens, req).await.into() }
             },
         )),
         Endpoint::PotentialLoads => Box::pin(serve_requests(
@@ -100,9 +115,13 @@ pub fn serve(
             server,
             kind,
             OneWay::Drop,
-            move |req| {
+            move |req, _| {
                 let shared = shared.clone();
-                async move { potential_loads(&shared, max_prompt_tokens, req).await }
+                async move {
+                    potential_loads(&shared, max_prompt_tokens, req)
+                        .await
+                        .into()
+                }
             },
         )),
         Endpoint::MarkPrefill | Endpoint::Free => Box::pin(serve_requests(
@@ -110,9 +129,9 @@ pub fn serve(
             server,
             kind,
             OneWay::Handle,
-            move |req| {
+            move |req, _| {
                 let shared = shared.clone();
-                async move { update(&shared, endpoint, req).await }
+                async move { update(&shared, endpoint, req).await.into() }
             },
         )),
         Endpoint::OutputBlock => Box::pin(serve_requests(
@@ -120,9 +139,9 @@ pub fn serve(
             server,
             kind,
             OneWay::Handle,
-            move |req| {
+            move |req, _| {
                 let shared = shared.clone();
-                async move { output_block(&shared, req).await }
+                async move { output_block(&shared, req).await.into() }
             },
         )),
         Endpoint::Abandon => Box::pin(serve_requests(
@@ -130,9 +149,9 @@ pub fn serve(
             server,
             kind,
             OneWay::Handle,
-            move |req| {
+            move |req, _| {
                 let shared = shared.clone();
-                async move { abandon(&shared, req) }
+                async move { abandon(&shared, req).into() }
             },
         )),
     }
@@ -168,6 +187,13 @@ pub(crate) fn observe_route(
         m.decision_seconds
             .get_or_create(&labels)
             .observe(started.elapsed().as_secs_f64());
+    }
+}
+
+/// Observes a routed request's phases under its (served) model.
+pub(crate) fn record_phases(shared: &ReplicaShared, model: &str, clock: &RouteClock) {
+    if let Some(h) = shared.metrics.route_phases(model) {
+        h.record(clock);
     }
 }
 
@@ -240,11 +266,13 @@ pub(crate) fn hash_prompt(
 }
 
 /// Routes one request: the one route path of the bus and HTTP endpoints. Answers the
-/// model's name with the decision (for [`observe_route`]).
+/// model's name with the decision (for [`observe_route`]); `clock` times its phases from
+/// hashing to scheduling.
 pub(crate) async fn route(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
     req: RouteRequest,
+    clock: &mut RouteClock,
 ) -> Result<(String, RouteDecision), ErrorReply> {
     // Sizes first: nothing below copies, logs or looks up an oversize input.
     req.check_limits()
@@ -276,6 +304,8 @@ pub(crate) async fn route(
         max_prompt_tokens,
     )
     .map_err(|e| error(shared, &req.model, e))?;
+    // With the request's checks above: what a replica does before its index.
+    clock.lap(RoutePhase::Hash);
     if req.update_states && req.request_id.is_empty() {
         return Err(error(
             shared,
@@ -309,6 +339,10 @@ pub(crate) async fn route(
         ));
     }
     let overlaps = m.find_overlaps(&local).instrument(_span.clone()).await;
+    clock.lap(match m.remote_index {
+        Some(_) => RoutePhase::IndexRemote,
+        None => RoutePhase::IndexLocal,
+    });
     // Approximate mode: a decision that updates state feeds the index once it is made.
     let record = match &m.recorder {
         Some(r) if req.update_states => Some((r, local, seq.clone())),
@@ -332,6 +366,8 @@ pub(crate) async fn route(
         (req.priority_jump, req.expected_output_tokens);
     drop(_span);
     let sel = schedule(shared, m, job, rx).await?;
+    clock.lap(RoutePhase::Schedule);
+    clock.split(RoutePhase::Schedule, RoutePhase::Queue, sel.queued);
     if let Some((recorder, local, seq)) = record {
         recorder.record(sel.key, local, seq);
     }

@@ -8,6 +8,7 @@ mod errors;
 mod json;
 
 use crate::endpoints::{self, Endpoint};
+use crate::route_phases::{RouteClock, RoutePhase};
 use crate::scheduler_actor::SchedulerMsg;
 use crate::state::{ModelShared, ReplicaShared};
 use bytes::Bytes;
@@ -127,6 +128,7 @@ fn to_json<T: serde::Serialize>(v: &T) -> Result<String, ApiError> {
 async fn route(shared: &ReplicaShared, body: &[u8]) -> Result<String, ApiError> {
     // Counted from here, so a shutdown waits for this answer.
     let _inflight = shared.inflight.enter();
+    let mut clock: RouteClock = shared.metrics.phase_switch.clock();
     let body: RouteBody = json::parse(body).map_err(|e| refused(shared, "", e))?;
     if let Err(e) = check_model(&body.model) {
         return Err(refused(shared, "", ApiError::invalid(e.to_string())));
@@ -146,11 +148,16 @@ async fn route(shared: &ReplicaShared, body: &[u8]) -> Result<String, ApiError> 
         .into_request(|| uuid::Uuid::new_v4().simple().to_string())
         .map_err(|e| refused(shared, &model, e))?;
     let request_id = req.request_id.clone();
+    clock.lap(RoutePhase::Decode);
     let started = Instant::now();
-    let result = endpoints::route(shared, shared.max_prompt_tokens, req).await;
+    let result = endpoints::route(shared, shared.max_prompt_tokens, req, &mut clock).await;
     endpoints::observe_route(shared, &result, started);
-    let (_, decision) = result?;
-    to_json(&RouteAnswer::new(decision, &request_id))
+    let (model, decision) = result?;
+    clock.skip();
+    let answer = to_json(&RouteAnswer::new(decision, &request_id));
+    clock.lap(RoutePhase::Encode);
+    endpoints::record_phases(shared, &model, &clock);
+    answer
 }
 
 async fn update(

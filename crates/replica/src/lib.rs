@@ -6,7 +6,7 @@
 //!   worker ranks are alive), [`worker_state`] (event ids, state fetches and their schedule),
 //!   `layouts` (worker roles and candidate rules), `transfer` (KV transfer tracking),
 //!   `breaker`, [`replica_sync`] (sharing active sequences with peers), `status` (what
-//!   readiness reads), `stall` (noticing the process was stopped), [`metrics`];
+//!   readiness reads), `stall` (noticing the process was stopped), [`route_phases`], [`metrics`];
 //! - actors and clients that own them: `scheduler_actor`, `worker_tracker` (discovery,
 //!   event ingest and state fetches of one model), `remote_indexer`, `approx`;
 //! - the shared read view the handlers use: `state`;
@@ -35,6 +35,7 @@ mod replica;
 pub mod replica_sync;
 mod replica_sync_bus;
 mod route_gate;
+pub mod route_phases;
 mod scheduler_actor;
 mod serve;
 mod served_indexer;

@@ -1,5 +1,7 @@
 //! Prometheus metrics of a replica (served on the admin address at `/metrics`).
 
+use crate::route_phases::RoutePhase;
+use kvrouter_admin::phase_timing::{phase_family, PhaseFamily, PhaseHistograms, PhaseSwitch};
 use kvrouter_protocol::{ErrorKind, WorkerKey};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -100,6 +102,11 @@ pub struct Metrics {
     pub tier_hits: Family<TierLabels, Counter>,
     pub tier_hit_blocks: Family<TierLabels, Counter>,
     pub decision_seconds: HistogramFamily<ModelLabels>,
+    /// Where a route's time goes, by phase (`route_phases`); its handles per served model.
+    pub route_phases: PhaseFamily,
+    phase_histograms: std::collections::HashMap<String, PhaseHistograms<RoutePhase>>,
+    /// Whether route phases are timed (`/debug/phase-timing`).
+    pub phase_switch: PhaseSwitch,
     pub events_applied: Family<ModelLabels, Counter>,
     pub events_stale: Family<ModelLabels, Counter>,
     pub event_gaps: Family<ModelLabels, Counter>,
@@ -187,6 +194,8 @@ impl Metrics {
     /// under [`OTHER_MODEL`].
     pub fn for_models<S: Into<String>>(models: impl IntoIterator<Item = S>) -> Self {
         let mut registry = Registry::with_prefix("kvrouter");
+        let served: std::collections::HashSet<String> =
+            models.into_iter().map(Into::into).collect();
         macro_rules! reg {
             ($name:literal, $help:literal, $metric:expr) => {{
                 let m = $metric;
@@ -221,6 +230,13 @@ impl Metrics {
                 "Time from receiving a route request to sending its answer",
                 HistogramFamily::new_with_constructor(latency_histogram as fn() -> Histogram)
             ),
+            route_phases: reg!(
+                "route_phase_seconds",
+                "Where a route's time goes on the replica, by phase: decode, hash, index_local or index_remote, schedule, queue, encode",
+                phase_family()
+            ),
+            phase_histograms: Default::default(),
+            phase_switch: PhaseSwitch::default(),
             events_applied: reg!(
                 "kv_events_applied",
                 "KV events applied to the index",
@@ -425,8 +441,23 @@ impl Metrics {
                 Family::default()
             ),
             registry,
-            served: models.into_iter().map(Into::into).collect(),
+            served,
         }
+        .with_phase_histograms()
+    }
+
+    fn with_phase_histograms(mut self) -> Self {
+        self.phase_histograms = self
+            .served
+            .iter()
+            .map(|m| (m.clone(), PhaseHistograms::new(&self.route_phases, m)))
+            .collect();
+        self
+    }
+
+    /// A served model's route phase histograms.
+    pub fn route_phases(&self, model: &str) -> Option<&PhaseHistograms<RoutePhase>> {
+        self.phase_histograms.get(model)
     }
 
     /// The `model` label for a name a caller sent: itself when served (or empty),

@@ -11,6 +11,7 @@
 
 use crate::config::ReplicaError;
 use crate::metrics::Metrics;
+use crate::route_phases::{RouteClock, RoutePhase};
 use bytes::Bytes;
 use kvrouter_bus::{Bus, Subscription};
 use kvrouter_protocol::{
@@ -95,6 +96,22 @@ pub fn encode_reply<T: Wire>(result: Result<T, ErrorReply>, version: u8) -> Byte
     }
 }
 
+/// A handler's answer, and what to do once it is encoded: the route endpoint observes its
+/// phases there, the encoding's time included.
+pub struct Answer<Resp> {
+    pub result: Result<Resp, ErrorReply>,
+    pub encoded: Option<Box<dyn FnOnce(Duration) + Send>>,
+}
+
+impl<Resp> From<Result<Resp, ErrorReply>> for Answer<Resp> {
+    fn from(result: Result<Resp, ErrorReply>) -> Self {
+        Self {
+            result,
+            encoded: None,
+        }
+    }
+}
+
 /// The error answer to a request that cannot be decoded.
 pub fn malformed(e: impl std::fmt::Display) -> ErrorReply {
     ErrorReply::new(
@@ -105,7 +122,8 @@ pub fn malformed(e: impl std::fmt::Display) -> ErrorReply {
 
 /// Serves the requests of `sub` with `handler`, each in a task of its own, until the
 /// subscription ends (run it in a task; aborting that task stops taking requests). `kind`
-/// names the subject in metrics (`kvrouter_undecodable_messages_total{subject}`).
+/// names the subject in metrics (`kvrouter_undecodable_messages_total{subject}`). The
+/// handler gets the request's phase clock, its decoding timed (when phase timing is on).
 pub async fn serve_requests<Req, Resp, F, Fut>(
     mut sub: Subscription,
     server: Server,
@@ -115,8 +133,8 @@ pub async fn serve_requests<Req, Resp, F, Fut>(
 ) where
     Req: Wire + Send + 'static,
     Resp: Wire + Send + 'static,
-    F: Fn(Req) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Resp, ErrorReply>> + Send + 'static,
+    F: Fn(Req, RouteClock) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Answer<Resp>> + Send + 'static,
 {
     let handler = Arc::new(handler);
     {
@@ -125,24 +143,35 @@ pub async fn serve_requests<Req, Resp, F, Fut>(
             let (server, handler) = (server.clone(), handler.clone());
             tokio::spawn(async move {
                 let _guard = guard;
-                let (result, version) = match decode_versioned::<Req>(&msg.payload) {
+                let mut clock: RouteClock = server.metrics.phase_switch.clock();
+                let (answer, version) = match decode_versioned::<Req>(&msg.payload) {
                     Ok((req, version)) => {
                         if msg.reply.is_none() && one_way == OneWay::Drop {
                             tracing::debug!(subject = %msg.subject, "request without a reply subject dropped");
                             return;
                         }
-                        (handler(req).await, version)
+                        clock.lap(RoutePhase::Decode);
+                        (handler(req, clock).await, version)
                     }
                     Err(e) => {
                         server.metrics.undecodable(kind);
                         server.metrics.error("", ErrorKind::Malformed);
                         tracing::debug!(subject = %msg.subject, error = %e, "undecodable request");
                         // Answered in the version it claims when this build reads it.
-                        (Err(malformed(e)), reply_version(&msg.payload))
+                        (Err(malformed(e)).into(), reply_version(&msg.payload))
                     }
                 };
                 let Some(reply_to) = msg.reply else { return };
-                let payload = encode_reply(result, version);
+                let Answer { result, encoded } = answer;
+                let payload = match encoded {
+                    Some(then) => {
+                        let started = Instant::now();
+                        let payload = encode_reply(result, version);
+                        then(started.elapsed());
+                        payload
+                    }
+                    None => encode_reply(result, version),
+                };
                 if let Err(e) = server.bus.publish(&reply_to, payload).await {
                     tracing::debug!(error = %e, "cannot send a reply (the requester may have gone)");
                 }

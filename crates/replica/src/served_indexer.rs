@@ -113,7 +113,7 @@ pub fn spawn_queries(
             server,
             "indexer_find_matches",
             OneWay::Drop,
-            move |q| {
+            move |q, _| {
                 let (model, metrics, labels) = (model.clone(), metrics.clone(), labels.clone());
                 async move {
                     let result = answer(
@@ -128,7 +128,7 @@ pub fn spawn_queries(
                         &metrics.served_indexer_refusals
                     };
                     counter.get_or_create(&labels).inc();
-                    result
+                    result.into()
                 }
             },
         )

@@ -27,6 +27,9 @@ pub struct Selection {
     /// than the chosen key's, the cheapest rank of each, as many as the query asked for (at
     /// most [`MAX_FALLBACKS`]). Not booked.
     pub fallbacks: Vec<(WorkerKey, u32)>,
+    /// How long the request waited in the queue before it was placed (zero if it was
+    /// placed on arrival).
+    pub queued: Duration,
 }
 
 /// What a key's load would be if the request went there.
@@ -465,7 +468,8 @@ impl<P> Scheduler<P> {
                     self.queue.requeue(r);
                 }
                 Err(e) => out.push((r.token, Err(e))),
-                Ok((sel, slot)) => {
+                Ok((mut sel, slot)) => {
+                    sel.queued = now.saturating_duration_since(r.enqueued_at);
                     let result = if r.update_states {
                         let id = r.request_id.clone();
                         self.record(id, slot, &sel, &query, now).map(|()| sel)
@@ -756,6 +760,7 @@ impl<P> Scheduler<P> {
             prefill_blocks: c.prefill_blocks,
             decode_blocks: c.decode_blocks,
             fallbacks,
+            queued: Duration::ZERO,
         };
         tracing::trace!(key = %sel.key, cost = sel.cost, overlap = cached.device, lower = cached.lower(), "selected");
         Ok((sel, slot))
@@ -1557,6 +1562,13 @@ mod tests {
         let out = s.drain_ready(t(4));
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].0, 1);
+        let placed = out[0].1.as_ref().unwrap();
+        assert_eq!(
+            placed.queued,
+            Duration::from_secs(3),
+            "queued at 1, placed at 4"
+        );
+        assert_eq!(first.queued, Duration::ZERO, "placed on arrival");
         assert!(s.contains_request("q1"));
         assert_eq!(s.queue_len(), 2);
 

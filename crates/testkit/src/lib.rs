@@ -21,7 +21,7 @@ mod tls;
 pub use alloc::{allocated_bytes, allocated_during, CountingAlloc};
 pub use envoy::{EnvoyError, EnvoyGateway};
 pub use http::{dechunk, http_get, http_post};
-pub use metrics::metric_sum_in;
+pub use metrics::{metric_sum_in, metric_where_in};
 pub use nats::{NatsError, NatsServer};
 pub use ports::{free_port, free_ports};
 pub use proc::Proc;

@@ -46,6 +46,10 @@ pub struct WorkerHttp {
     pub next_id: AtomicU64,
     /// The test hook's raw payloads, to the publisher: (rank, payload).
     pub raw_frames: mpsc::UnboundedSender<(u32, Bytes)>,
+    /// Answers carry `usage.prompt_tokens_details.cached_tokens`, as vLLM does with
+    /// `--enable-prompt-tokens-details` and SGLang with `--enable-cache-report` (both off by
+    /// default: the details are `null`).
+    pub cache_report: bool,
 }
 
 fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
@@ -343,6 +347,12 @@ impl WorkerHttp {
             .unwrap_or(16)
             .min(u64::from(u32::MAX)) as u32;
         let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        // A streamed answer carries usage only when asked, in a chunk of its own.
+        let include_usage = v
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         let index = match self.pick_rank(v, header_rank) {
             Ok(i) => i,
             Err(e) => return error(StatusCode::BAD_REQUEST, e),
@@ -387,6 +397,7 @@ impl WorkerHttp {
             chat,
             prompt_len,
             created: now_secs(),
+            include_usage,
         };
         if stream {
             call.stream(rx)
@@ -448,6 +459,7 @@ struct Call {
     chat: bool,
     prompt_len: usize,
     created: u64,
+    include_usage: bool,
 }
 
 impl Drop for Call {
@@ -482,9 +494,13 @@ impl Call {
 
     fn usage(&self, completion: u32, cached_blocks: usize) -> Value {
         let cached = cached_blocks * self.http.info.block_size as usize;
+        let details = match self.http.cache_report {
+            true => json!({"cached_tokens": cached}),
+            false => Value::Null,
+        };
         json!({"prompt_tokens": self.prompt_len, "completion_tokens": completion,
                "total_tokens": self.prompt_len + completion as usize,
-               "prompt_tokens_details": {"cached_tokens": cached}})
+               "prompt_tokens_details": details})
     }
 
     fn envelope(&self, choice: Value, chunk: bool, usage: Option<Value>) -> Value {
@@ -524,8 +540,9 @@ impl Call {
         }
     }
 
-    /// Server-sent events: one chunk per token, a last chunk with the finish reason and
-    /// usage, then `[DONE]`.
+    /// Server-sent events: one chunk per token, a last chunk with the finish reason, a
+    /// usage chunk (no choices) when the request asked `stream_options.include_usage`, then
+    /// `[DONE]`.
     fn stream(self, mut rx: mpsc::UnboundedReceiver<RankOut>) -> Response<Body> {
         let (tx, body_rx) = mpsc::channel::<Bytes>(64);
         tokio::spawn(async move {
@@ -541,12 +558,14 @@ impl Call {
                         send(self.envelope(self.choice(TOKEN_TEXT, None, true), true, None))
                     }
                     Some(RankOut::Output(OutputKind::Finished { output_tokens, .. })) => {
-                        let last = self.envelope(
-                            self.choice("", Some("length"), true),
-                            true,
-                            Some(self.usage(output_tokens, cached)),
-                        );
+                        let last = self.envelope(self.choice("", Some("length"), true), true, None);
                         let _ = tx.send(send(last)).await;
+                        if self.include_usage {
+                            let mut usage = self.envelope(Value::Null, true, None);
+                            usage["choices"] = json!([]);
+                            usage["usage"] = self.usage(output_tokens, cached);
+                            let _ = tx.send(send(usage)).await;
+                        }
                         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                         return;
                     }
@@ -589,6 +608,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "max_tokens",
     "max_completion_tokens",
     "stream",
+    "stream_options",
     "data_parallel_rank",
     "routed_dp_rank",
     "dp_rank",

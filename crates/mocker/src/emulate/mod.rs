@@ -44,6 +44,10 @@ pub struct EmulateConfig {
     /// Interface to bind (default 127.0.0.1).
     pub host: String,
     pub topic: String,
+    /// Report cached prompt tokens in answers (`usage.prompt_tokens_details`), as the
+    /// engines do when asked (vLLM `--enable-prompt-tokens-details`, SGLang
+    /// `--enable-cache-report`).
+    pub cache_report: bool,
     /// Model, workers, ranks, engine and speed, as a bus fleet has them.
     pub fleet: FleetConfig,
 }
@@ -228,6 +232,7 @@ impl EmulatedFleet {
             ranks,
             next_id: AtomicU64::new(0),
             raw_frames: raw_tx,
+            cache_report: config.cache_report,
         });
         let addr = format!("{host}:{http_port}");
         let listener = tokio::net::TcpListener::bind(&addr)

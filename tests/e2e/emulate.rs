@@ -467,3 +467,55 @@ fn a_bridge_restarted_beside_a_running_engine_rebuilds_its_cache_from_the_replay
     let d = client.route_tokens(&probe).expect("a route");
     assert_eq!((d.worker_id, d.dp_rank, d.overlap_blocks), (worker, 0, 3));
 }
+
+/// Usage as the engines send it: cached tokens only from an engine started to report them
+/// (vLLM's `--enable-prompt-tokens-details`, SGLang's `--enable-cache-report`; otherwise
+/// `prompt_tokens_details` is null), and a streamed answer's usage only when the request
+/// asked for it, in a chunk of its own with no choices.
+#[test]
+fn emulated_engines_report_usage_as_the_engines_do() {
+    for (kind, wire) in [("vllm", "array-batch"), ("sglang", "map")] {
+        let (zmq, http) = (free_ports(4), free_port());
+        let quiet = emulated_engine_with(kind, wire, 1, zmq, http, 512, 100, &[]);
+        let a = e2e_tokens(1, 2);
+        let whole = complete(&quiet, 0, &a);
+        assert_eq!(whole["usage"]["prompt_tokens"], 32, "{kind}: {whole}");
+        assert!(
+            whole["usage"]["prompt_tokens_details"].is_null(),
+            "{kind}: {whole}"
+        );
+        let stream = |options: Value| {
+            let mut body =
+                json!({"model": E2E_MODEL, "prompt": a, "max_tokens": 2, "stream": true});
+            if !options.is_null() {
+                body["stream_options"] = options;
+            }
+            let (status, text) = http_post(quiet.http, "/v1/completions", &[], &body.to_string());
+            assert_eq!(status, 200, "{kind}: {text}");
+            let events: Vec<Value> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|d| serde_json::from_str(d).ok())
+                .collect();
+            assert!(text.contains("data: [DONE]"), "{kind}: {text}");
+            events
+        };
+        for options in [Value::Null, json!({"include_usage": false})] {
+            let events = stream(options);
+            assert!(events.len() >= 3, "{kind}: {events:?}");
+            assert!(
+                events.iter().all(|e| e.get("usage").is_none()),
+                "{kind}: usage nobody asked for: {events:?}"
+            );
+        }
+        let events = stream(json!({"include_usage": true}));
+        let with_usage: Vec<&Value> = events.iter().filter(|e| e.get("usage").is_some()).collect();
+        assert_eq!(with_usage.len(), 1, "{kind}: {events:?}");
+        assert_eq!(with_usage[0]["choices"], json!([]), "{kind}");
+        assert_eq!(with_usage[0]["usage"]["completion_tokens"], 2, "{kind}");
+        assert!(
+            std::ptr::eq(with_usage[0], events.last().unwrap()),
+            "{kind}: the usage chunk comes last"
+        );
+    }
+}

@@ -17,7 +17,16 @@ use std::time::Duration;
 /// An emulated vLLM engine of `dp` ranks, its bridge, and the worker id it registered.
 fn bridged(nats: &NatsServer, dp: u32, bridge_args: &[&str]) -> (EmulatedEngine, Proc, u64) {
     let ports = free_ports(5);
-    let engine = emulated_engine_with("vllm", "array-batch", dp, ports, ports + 4, 4096, 20, &[]);
+    let engine = emulated_engine_with(
+        "vllm",
+        "array-batch",
+        dp,
+        ports,
+        ports + 4,
+        4096,
+        20,
+        &["--cache-report"],
+    );
     let (bridge, worker, _) = common::bridge_with(nats, &engine.at(), bridge_args);
     (engine, bridge, worker)
 }
@@ -248,6 +257,42 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     for (i, c) in cached.iter().enumerate().skip(1) {
         assert!(*c >= 64 * i as u64 - 16, "round {i} cached {c}: {v}");
     }
+    // The picker timed each routed request's phases, and held every answer's cached tokens
+    // against the prediction: all close; the streamed completion asked for no usage, so its
+    // engine reported nothing.
+    let count = |phase: &str| {
+        metric_where(
+            admin,
+            "kvrouter_epp_phase_seconds_count",
+            &[("model", E2E_MODEL), ("phase", phase)],
+        )
+    };
+    for phase in ["parse", "tokenize", "route", "engine_first_byte"] {
+        assert_eq!(count(phase), 8.0, "{phase}: {}", metrics(admin));
+    }
+    assert_eq!(count("template"), 2.0, "the chats");
+    let page = metrics(admin);
+    let sum = |name: &str| metric_sum_in(&page, name);
+    assert_eq!(
+        sum("kvrouter_epp_cache_prediction_error_tokens_count"),
+        7.0,
+        "{page}"
+    );
+    assert_eq!(
+        sum("kvrouter_epp_cache_reports_missing_total"),
+        1.0,
+        "{page}"
+    );
+    assert_eq!(
+        sum("kvrouter_epp_cache_mispredictions_total"),
+        0.0,
+        "{page}"
+    );
+    let reported = sum("kvrouter_epp_cache_reported_tokens_total");
+    assert!(
+        reported >= cached.iter().sum::<u64>() as f64,
+        "reported {reported}, the conversation alone {cached:?}"
+    );
     // A client hanging up mid-answer: its booking ends within a second on every replica.
     let v = sdk("disconnect", gateway, &[]);
     assert_eq!(v["chunks"], 3, "{v}");

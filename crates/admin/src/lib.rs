@@ -500,6 +500,66 @@ mod tests {
     const ROUTE: &str = "route-token-0123456789";
     const OPS: &str = "ops-token-abcdefghijkl";
 
+    /// A view with a phase-timing switch.
+    struct Switched(phase_timing::PhaseSwitch);
+
+    impl AdminView for Switched {
+        fn readiness(&self) -> (bool, String) {
+            (true, "ready".into())
+        }
+
+        fn metrics(&self) -> String {
+            String::new()
+        }
+
+        fn phase_switch(&self) -> Option<&phase_timing::PhaseSwitch> {
+            Some(&self.0)
+        }
+    }
+
+    /// The switch is a debug page: the `debug` scope flips it; a view without one has none.
+    #[tokio::test]
+    async fn the_phase_timing_switch_is_a_guarded_debug_page() {
+        let tokens =
+            auth::parse_tokens_file(&format!("{ROUTE} route\n{OPS} debug\n"), "tokens").unwrap();
+        let limits = HttpLimits {
+            auth: HttpAuth::new(tokens, Scopes::NONE, false).unwrap(),
+            ..HttpLimits::default()
+        };
+        let view = Arc::new(Switched(Default::default()));
+        let (addr, _stats, task) = serve("127.0.0.1:0".parse().unwrap(), limits, view.clone())
+            .await
+            .unwrap();
+        let off = "/debug/phase-timing?set=off";
+        assert!(call(addr, get_with(off, None))
+            .await
+            .starts_with("HTTP/1.1 401"));
+        assert!(call(addr, get_with(off, Some(ROUTE)))
+            .await
+            .starts_with("HTTP/1.1 403"));
+        assert!(view.0.is_on(), "refused calls change nothing");
+        let r = call(addr, get_with(off, Some(OPS))).await;
+        assert!(
+            r.starts_with("HTTP/1.1 200") && r.ends_with(r#"{"phase_timing":false}"#),
+            "{r}"
+        );
+        assert!(!view.0.is_on());
+        let r = call(addr, get_with("/debug/phase-timing?set=2", Some(OPS))).await;
+        assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+        task.abort();
+
+        let (addr, _stats, task) = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            HttpLimits::default(),
+            Arc::new(Echo),
+        )
+        .await
+        .unwrap();
+        let r = call(addr, get_with("/debug/phase-timing?set=off", None)).await;
+        assert!(r.starts_with("HTTP/1.1 404"), "{r}");
+        task.abort();
+    }
+
     fn get_with(path: &str, token: Option<&str>) -> String {
         let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
         format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n")

@@ -42,6 +42,26 @@ fn listen_port(fe: &mut Proc) -> u16 {
         .expect("the frontend prints its address")
 }
 
+/// `kvrouter frontend` on the bus of `nats` serving [`E2E_MODEL`] from `dir`, with `extra`
+/// flags, and the port it listens on.
+fn frontend(nats: &NatsServer, dir: &std::path::Path, extra: &[&str]) -> (Proc, u16) {
+    let model_arg = format!("{E2E_MODEL}={}", dir.display());
+    let url = nats.url();
+    let mut args = vec![
+        "frontend",
+        "--nats",
+        &url,
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        &model_arg,
+    ];
+    args.extend_from_slice(extra);
+    let mut fe = kvrouter_proc("frontend", &args);
+    let port = listen_port(&mut fe);
+    (fe, port)
+}
+
 /// `kvrouter_frontend_auth_refused_total` for one reason.
 fn auth_refused(port: u16, reason: &str) -> f64 {
     let page = metrics(port);
@@ -64,18 +84,10 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
     let r2 = serve(&nats, "r2", a2, &[]);
     let mut engines = vec![bridged_engine(&nats, 2), bridged_engine(&nats, 1)];
     let dir = model_dir();
-    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
-    let url = nats.url();
-    let mut fe = kvrouter_proc(
-        "frontend",
+    let (fe, port) = frontend(
+        &nats,
+        dir.path(),
         &[
-            "frontend",
-            "--nats",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            &model_arg,
             "--max-inflight",
             "4",
             "--route-retries",
@@ -84,7 +96,6 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
             "--grant-overlap-header",
         ],
     );
-    let port = listen_port(&mut fe);
     assert!(ready(a1) && ready(a2), "replicas not ready");
     // Both replicas see all three ranks before the first request.
     assert!(wait_until(Duration::from_secs(10), || {
@@ -224,22 +235,7 @@ fn the_doors_time_each_phase_and_check_the_engines_cached_tokens() {
     let r1 = serve(&nats, "r1", a1, &[]);
     let mut reporting = bridged_engine(&nats, 1);
     let dir = model_dir();
-    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
-    let url = nats.url();
-    let mut fe = kvrouter_proc(
-        "frontend",
-        &[
-            "frontend",
-            "--nats",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            &model_arg,
-            "--grant-overlap-header",
-        ],
-    );
-    let port = listen_port(&mut fe);
+    let (fe, port) = frontend(&nats, dir.path(), &["--grant-overlap-header"]);
     assert!(ready(a1), "replica not ready");
     assert!(wait_until(Duration::from_secs(10), || metric_sum(
         a1,
@@ -406,23 +402,8 @@ fn the_front_door_serves_each_key_what_it_was_granted() {
         ),
     )
     .unwrap();
-    let model_arg = format!("{E2E_MODEL}={}", dir.path().display());
-    let (url, keys) = (nats.url(), keys.display().to_string());
-    let mut fe = kvrouter_proc(
-        "frontend",
-        &[
-            "frontend",
-            "--nats",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            &model_arg,
-            "--api-keys-file",
-            &keys,
-        ],
-    );
-    let port = listen_port(&mut fe);
+    let keys = keys.display().to_string();
+    let (fe, port) = frontend(&nats, dir.path(), &["--api-keys-file", &keys]);
     assert!(ready(a1), "replica not ready");
     assert!(wait_until(Duration::from_secs(10), || metric_sum(
         a1,

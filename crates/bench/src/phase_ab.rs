@@ -4,12 +4,14 @@
 //! flip are left out. So both halves see the same machine, the same minute and the same
 //! index.
 
-use crate::http_load::{http_client, HttpClient};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+type AdminClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Where the switches are and how often to flip them.
 #[derive(Clone, Debug, PartialEq)]
@@ -54,7 +56,7 @@ impl PhaseAb {
         Ok(())
     }
 
-    async fn set(&self, client: &HttpClient, on: bool) -> Result<(), String> {
+    async fn set(&self, client: &AdminClient, on: bool) -> Result<(), String> {
         let state = if on { "on" } else { "off" };
         for base in &self.admin_urls {
             let url = format!(
@@ -92,7 +94,8 @@ impl PhaseAb {
         state: Arc<AbState>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) -> Result<(), String> {
-        let client = http_client();
+        let client =
+            Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new());
         self.set(&client, true).await?;
         let mut on = true;
         loop {

@@ -199,7 +199,8 @@ impl Frontend {
                 }
                 (String::new(), e)
             })?;
-        let mut clock = DoorClock::started_at(self.metrics.phase_switch.is_on().then_some(started));
+        // Always on: the frontend's answers take milliseconds, its phases a few clock reads.
+        let mut clock = DoorClock::started_at(Some(started));
         clock.lap(DoorPhase::Parse);
         let model = self.label_for(&creq.model);
         let in_flight = self.admit().map_err(|e| (model.clone(), e))?;

@@ -1,7 +1,7 @@
 //! What the frontend counts, on its `/metrics` (names in the style of Dynamo's frontend:
 //! requests by status, time to first token, inter-token latency, end-to-end duration).
 
-use kvrouter_admin::phase_timing::{phase_family, PhaseFamily, PhaseHistograms, PhaseSwitch};
+use kvrouter_admin::phase_timing::{phase_family, PhaseFamily, PhaseHistograms};
 use kvrouter_client::LeaseCounts;
 use kvrouter_openai::auth::Refusal;
 use kvrouter_openai::door_metrics::CacheMetrics;
@@ -48,7 +48,6 @@ pub struct FrontendMetrics {
     pub duration: Family<ModelLabel, Histogram>,
     /// Where a request's time goes in the frontend, by phase.
     pub phases: PhaseFamily,
-    pub phase_switch: PhaseSwitch,
     /// Predicted against reported cache hits.
     pub cache: CacheMetrics,
     pub retries: Family<ModelLabel, Counter>,
@@ -67,7 +66,6 @@ impl FrontendMetrics {
             inter_token: histogram_family(),
             duration: histogram_family(),
             phases: phase_family(),
-            phase_switch: PhaseSwitch::default(),
             cache: CacheMetrics::default(),
             retries: Family::default(),
             inflight: Gauge::default(),

@@ -227,7 +227,8 @@ fn the_openai_sdk_through_the_frontend_replicas_and_engines() {
 /// the frontend and the replica time every phase of a request (and stop when switched off
 /// at `/debug/phase-timing`), and the frontend holds each engine's reported cached tokens
 /// against the router's prediction: close along a conversation, `under` while the engine's
-/// KV events do not reach the router, missing from an engine that does not report them.
+/// KV events do not reach the router, missing from an engine that does not report them. The
+/// client's `traceparent` reaches the engine.
 #[test]
 fn the_doors_time_each_phase_and_check_the_engines_cached_tokens() {
     let nats = NatsServer::start();
@@ -317,6 +318,22 @@ fn the_doors_time_each_phase_and_check_the_engines_cached_tokens() {
     assert_eq!(
         metric_sum_in(&page, "kvrouter_frontend_cache_reports_missing_total"),
         0.0
+    );
+
+    // The client's trace context reaches the engine as it was sent (its own spans join the
+    // client's trace); a malformed one is not passed on.
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let body = format!(r#"{{"model":"{E2E_MODEL}","prompt":[1,2,3],"max_tokens":1}}"#);
+    for sent in [tp, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1"] {
+        let (status, text) = http_post(port, "/v1/completions", &[("traceparent", sent)], &body);
+        assert_eq!(status, 200, "{text}");
+    }
+    let (_, seen) = http_get(reporting.engine.http, "/kvrouter/test/traceparents");
+    let seen: Vec<Value> = serde_json::from_str(&seen).unwrap();
+    assert_eq!(
+        seen[seen.len() - 2..],
+        [Value::from(tp), Value::Null],
+        "{seen:?}"
     );
 
     // The bridge stopped: the engine caches a prefix the router never hears of, and reports

@@ -13,7 +13,7 @@ use kvrouter_client::{ClientError, KvRouterClient, LeaseCounts, RouteLease};
 use kvrouter_openai::body::with_token_prompt;
 use kvrouter_openai::door_metrics::CachePrediction;
 use kvrouter_openai::{ApiError, ClientRequest, DoorClock, DoorPhase, ModelFiles, Models};
-use kvrouter_protocol::{ErrorKind, WorkerId};
+use kvrouter_protocol::{ErrorKind, TraceContext, WorkerId, TRACEPARENT};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -120,6 +120,7 @@ impl Frontend {
         &self,
         req: &ClientRequest,
         route_id: &str,
+        trace: Option<TraceContext>,
         clock: &mut DoorClock,
     ) -> Result<Routed, ApiError> {
         let started = Instant::now();
@@ -171,7 +172,7 @@ impl Frontend {
                 body.insert("data_parallel_rank".into(), d.dp_rank.into());
             }
             // The engine knows the request by the id the router booked it under.
-            let headers = self.upstream_headers(&route.request_id, d.dp_rank);
+            let headers = self.upstream_headers(&route.request_id, d.dp_rank, trace);
             let payload = Bytes::from(with_token_prompt(&body, &req.passthrough, &route.tokens));
             let timeout = deadline.saturating_duration_since(Instant::now());
             match self
@@ -229,13 +230,22 @@ impl Frontend {
         })
     }
 
-    fn upstream_headers(&self, request_id: &str, dp_rank: u32) -> Vec<(HeaderName, HeaderValue)> {
+    fn upstream_headers(
+        &self,
+        request_id: &str,
+        dp_rank: u32,
+        trace: Option<TraceContext>,
+    ) -> Vec<(HeaderName, HeaderValue)> {
         let mut h = vec![(
             HeaderName::from_static("x-data-parallel-rank"),
             HeaderValue::from(dp_rank),
         )];
         if let Ok(v) = HeaderValue::from_str(request_id) {
             h.push((HeaderName::from_static("x-request-id"), v));
+        }
+        // The engine's own spans (vLLM and SGLang with tracing on) join the client's trace.
+        if let Some(Ok(v)) = trace.map(|t| HeaderValue::from_str(&t.to_string())) {
+            h.push((HeaderName::from_static(TRACEPARENT), v));
         }
         h
     }

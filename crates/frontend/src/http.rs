@@ -12,6 +12,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use kvrouter_admin::HttpServer;
 use kvrouter_openai::auth::{Grants, Refusal};
 use kvrouter_openai::{self as openai, ApiError, ClientRequest, DoorClock, DoorPhase, Endpoint};
+use kvrouter_protocol::{TraceContext, TRACEPARENT};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -187,6 +188,12 @@ impl Frontend {
         route_id: &str,
         started: Instant,
     ) -> Result<(String, Response<Body>), (String, ApiError)> {
+        // The client's trace, passed on to the engine (a malformed one is dropped).
+        let trace = req
+            .headers()
+            .get(TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| TraceContext::parse(v).ok());
         // A place among the in-flight requests only for a whole, well-formed request: a
         // client that sends its body slowly holds a connection, never a permit.
         let creq = self
@@ -210,7 +217,7 @@ impl Frontend {
             model: served,
             prediction,
         } = self
-            .route_and_send(&creq, route_id, &mut clock)
+            .route_and_send(&creq, route_id, trace, &mut clock)
             .await
             .map_err(|e| (model.clone(), e))?;
         let d = &lease.decision;

@@ -10,6 +10,7 @@
 //! - [`limits`]: how large a caller's input may be, and the checks ([`LimitError`]).
 //! - [`chunk`]: splitting lists into messages under a byte budget.
 //! - [`hashing`]: Dynamo-compatible local block hashes and sequence hashes.
+//! - [`trace_context`]: W3C `traceparent`, parsed strictly.
 
 pub mod chunk;
 pub mod codec;
@@ -18,6 +19,7 @@ pub mod lease;
 pub mod limits;
 pub mod messages;
 pub mod subjects;
+pub mod trace_context;
 pub mod types;
 pub mod v6;
 pub mod wire;
@@ -37,6 +39,7 @@ pub use messages::*;
 pub use subjects::{
     fleet_subjects, model_token, ModelSubjects, SubjectError, Subjects, WorkerSubject,
 };
+pub use trace_context::{TraceContext, TraceParentError, TRACEPARENT};
 pub use types::*;
 pub use wire::Wire;
 

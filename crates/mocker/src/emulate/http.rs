@@ -1,9 +1,11 @@
 //! One emulated worker's HTTP side, OpenAI-compatible as vLLM and SGLang serve it:
 //! `/v1/completions` and `/v1/chat/completions` (with and without `stream`), `/v1/models`,
 //! `/health`, `/metrics` (the engine's metric names), and the test hooks
-//! `POST /kvrouter/test/drop {dp_rank, count}` and `POST /kvrouter/test/raw_frame {dp_rank,
+//! `POST /kvrouter/test/drop {dp_rank, count}`, `POST /kvrouter/test/raw_frame {dp_rank,
 //! hex}` (publishes the bytes as they are, a malformed frame say, as the rank's next batch:
-//! it takes the next sequence number and stays in the replay buffer).
+//! it takes the next sequence number and stays in the replay buffer) and
+//! `GET /kvrouter/test/traceparents` (the `traceparent` headers of the last generation
+//! requests, as received, oldest first; `null` for a request without one).
 
 use super::wire::{BlockTokens, Emulated};
 use super::zmq::RankStream;
@@ -37,6 +39,9 @@ pub struct HttpRank {
     pub in_flight: AtomicU64,
 }
 
+/// Generation requests whose `traceparent` the test hook keeps.
+pub const TRACEPARENTS_KEPT: usize = 64;
+
 pub struct WorkerHttp {
     pub engine: Emulated,
     pub model: String,
@@ -46,6 +51,8 @@ pub struct WorkerHttp {
     pub next_id: AtomicU64,
     /// The test hook's raw payloads, to the publisher: (rank, payload).
     pub raw_frames: mpsc::UnboundedSender<(u32, Bytes)>,
+    /// The `traceparent` of the last [`TRACEPARENTS_KEPT`] generation requests (test hook).
+    pub traceparents: parking_lot::Mutex<std::collections::VecDeque<Option<String>>>,
     /// Answers carry `usage.prompt_tokens_details.cached_tokens`, as vLLM does with
     /// `--enable-prompt-tokens-details` and SGLang with `--enable-cache-report` (both off by
     /// default: the details are `null`).
@@ -139,6 +146,10 @@ impl WorkerHttp {
             (Method::GET, "/metrics") => {
                 full(StatusCode::OK, "text/plain; version=0.0.4", self.metrics())
             }
+            (Method::GET, "/kvrouter/test/traceparents") => {
+                let seen: Vec<Option<String>> = self.traceparents.lock().iter().cloned().collect();
+                json_response(StatusCode::OK, &json!(seen))
+            }
             (Method::GET, "/kvrouter/test/cache") => {
                 let rank = req.uri().query().and_then(|q| {
                     q.split('&')
@@ -160,6 +171,15 @@ impl WorkerHttp {
                     .get("x-data-parallel-rank")
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.trim().parse::<u32>().ok());
+                if path.starts_with("/v1/") {
+                    let tp = req.headers().get("traceparent");
+                    let tp = tp.map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+                    let mut seen = self.traceparents.lock();
+                    if seen.len() == TRACEPARENTS_KEPT {
+                        seen.pop_front();
+                    }
+                    seen.push_back(tp);
+                }
                 let limits = kvrouter_admin::HttpLimits::default();
                 let body = match kvrouter_admin::read_body(req, MAX_BODY, limits.body_timeout).await
                 {

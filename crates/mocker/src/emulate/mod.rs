@@ -233,6 +233,7 @@ impl EmulatedFleet {
             next_id: AtomicU64::new(0),
             raw_frames: raw_tx,
             cache_report: config.cache_report,
+            traceparents: Default::default(),
         });
         let addr = format!("{host}:{http_port}");
         let listener = tokio::net::TcpListener::bind(&addr)

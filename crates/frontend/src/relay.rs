@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use kvrouter_client::RouteLease;
-use kvrouter_openai::door_metrics::{reported_cached_tokens, CachePrediction};
+use kvrouter_openai::door_metrics::{reported_cached_tokens, CachePrediction, CacheVerdict};
 use kvrouter_openai::sse::{self, SseEvent, SseParser};
 use kvrouter_openai::{read_chunk, ApiError, Chunk, ChunkShaper, DoorClock, DoorPhase, Gathered};
 use serde_json::{json, Value};
@@ -109,9 +109,7 @@ impl Relay {
                 .metrics
                 .cache
                 .observe(&self.labels.model, &p, self.reported_cached);
-        if let Some(v) =
-            verdict.filter(|v| *v != kvrouter_openai::door_metrics::CacheVerdict::Close)
-        {
+        if let Some(v) = verdict.filter(|v| *v != CacheVerdict::Close) {
             tracing::debug!(worker_id = p.worker_id, predicted = p.tokens, reported = ?self.reported_cached, verdict = ?v, "the engine's cached tokens differ from the router's prediction by more than a block");
         }
     }

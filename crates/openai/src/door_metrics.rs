@@ -128,6 +128,10 @@ pub fn reported_cached_tokens(answer: &Value) -> Option<u64> {
 /// not read (an answer that long is not worth holding for a metric).
 pub const MAX_SCANNED_ANSWER_BYTES: usize = 1 << 20;
 
+/// The most of one streamed event held to read its usage: usage chunks are a few hundred
+/// bytes, and the bytes pass on to the client whatever the scan makes of them.
+pub const MAX_SCANNED_EVENT_BYTES: usize = 64 << 10;
+
 /// Reads the engine's cached-token count from an answer's bytes as they pass on (the
 /// endpoint picker sees the answer only as bytes): server-sent events, each event that
 /// mentions `cached_tokens` parsed; or one JSON answer, held up to
@@ -159,7 +163,11 @@ impl CachedTokensScan {
             match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
                 None => return,
                 Some(b'{') => self.mode = ScanMode::Whole(Vec::new()),
-                Some(_) => self.mode = ScanMode::Events(Default::default()),
+                Some(_) => {
+                    let parser =
+                        crate::sse::SseParser::with_max_event_bytes(MAX_SCANNED_EVENT_BYTES);
+                    self.mode = ScanMode::Events(parser);
+                }
             }
         }
         match &mut self.mode {
@@ -399,6 +407,16 @@ mod tests {
             "nothing held past the bound"
         );
         assert_eq!(s.finish(), None);
+        // A stream's event without its end is held up to its own, smaller bound.
+        let mut s = CachedTokensScan::default();
+        s.feed(b"data: {\"pad\":\"");
+        s.feed(&vec![b'x'; MAX_SCANNED_EVENT_BYTES]);
+        assert!(
+            matches!(s.mode, ScanMode::GaveUp),
+            "an endless event dropped"
+        );
+        s.feed(b"\"}\n\ndata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":5}}}\n\n");
+        assert_eq!(s.finish(), None, "nothing read after giving up");
     }
 
     #[test]

@@ -17,25 +17,44 @@ pub enum SseEvent {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SseError {
-    #[error("an event of more than {MAX_EVENT_BYTES} bytes")]
-    TooLarge,
+    #[error("an event of more than {0} bytes")]
+    TooLarge(usize),
     #[error("an event that is not UTF-8")]
     NotUtf8,
 }
 
 /// Feeds bytes in, takes whole events out.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseParser {
     buf: BytesMut,
     /// Bytes of `buf` already searched for a line end.
     scanned: usize,
     data: Vec<u8>,
     has_data: bool,
+    max_event_bytes: usize,
+}
+
+impl Default for SseParser {
+    fn default() -> Self {
+        Self::with_max_event_bytes(MAX_EVENT_BYTES)
+    }
 }
 
 impl SseParser {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A parser that holds at most `max` bytes of one event (a reader that wants only small
+    /// events need not hold [`MAX_EVENT_BYTES`]).
+    pub fn with_max_event_bytes(max: usize) -> Self {
+        Self {
+            buf: BytesMut::new(),
+            scanned: 0,
+            data: Vec::new(),
+            has_data: false,
+            max_event_bytes: max,
+        }
     }
 
     /// Appends `bytes` and returns every event they complete.
@@ -62,13 +81,13 @@ impl SseParser {
                 self.has_data = true;
             }
             // Comments (`:`), `event:`, `id:` and `retry:` lines carry nothing we use.
-            if self.data.len() > MAX_EVENT_BYTES {
-                return Err(SseError::TooLarge);
+            if self.data.len() > self.max_event_bytes {
+                return Err(SseError::TooLarge(self.max_event_bytes));
             }
         }
         self.scanned = self.buf.len();
-        if self.buf.len() + self.data.len() > MAX_EVENT_BYTES {
-            return Err(SseError::TooLarge);
+        if self.buf.len() + self.data.len() > self.max_event_bytes {
+            return Err(SseError::TooLarge(self.max_event_bytes));
         }
         Ok(out)
     }
@@ -160,7 +179,9 @@ mod tests {
     fn oversized_and_invalid_events_are_errors() {
         let mut p = SseParser::new();
         let big = vec![b'x'; MAX_EVENT_BYTES + 1];
-        assert_eq!(p.feed(&big), Err(SseError::TooLarge));
+        assert_eq!(p.feed(&big), Err(SseError::TooLarge(MAX_EVENT_BYTES)));
+        let mut small = SseParser::with_max_event_bytes(8);
+        assert_eq!(small.feed(b"data: 0123456"), Err(SseError::TooLarge(8)));
         let mut p = SseParser::new();
         assert_eq!(p.feed(b"data: \xff\xfe\n\n"), Err(SseError::NotUtf8));
     }

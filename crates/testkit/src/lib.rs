@@ -1,7 +1,7 @@
 //! The test kit: what tests and the benches need to drive real processes. A real
 //! nats-server on a loopback port ([`NatsServer`]), Envoy as an inference gateway
 //! ([`EnvoyGateway`]), child processes stopped by PID ([`Proc`]), free ports, blocking HTTP
-//! probes, Prometheus text sums, throwaway certificates for TLS tests ([`TestCerts`]), and a
+//! probes, Prometheus text sums, an OTLP traces receiver ([`OtlpReceiver`]), throwaway certificates for TLS tests ([`TestCerts`]), and a
 //! counting global allocator for tests that bound what a decoder allocates
 //! ([`CountingAlloc`]). Blocking on purpose: tests call it from plain
 //! threads, async callers from `spawn_blocking`.
@@ -14,6 +14,7 @@ mod envoy;
 mod http;
 mod metrics;
 mod nats;
+mod otlp;
 mod ports;
 mod proc;
 mod tls;
@@ -23,6 +24,7 @@ pub use envoy::{EnvoyError, EnvoyGateway};
 pub use http::{dechunk, http_get, http_post};
 pub use metrics::{metric_sum_in, metric_where_in};
 pub use nats::{NatsError, NatsServer};
+pub use otlp::{decode_traces, OtlpReceiver, ReceivedSpan};
 pub use ports::{free_port, free_ports};
 pub use proc::Proc;
 pub use tls::TestCerts;

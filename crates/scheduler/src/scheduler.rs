@@ -21,6 +21,9 @@ pub struct Selection {
     /// The key's cached prefix by tier (`device` = `overlap_blocks`).
     pub tier_overlap_blocks: TierBlocks,
     pub cost: f64,
+    /// The cheapest cost among the other eligible keys (any worker's, another rank of the
+    /// chosen worker too): how close the choice was. `None` when there was no other.
+    pub runner_up_cost: Option<f64>,
     pub prefill_blocks: f64,
     pub decode_blocks: u64,
     /// The next-best keys by cost, best first, with their device overlap: other workers
@@ -750,6 +753,10 @@ impl<P> Scheduler<P> {
         };
         let (slot, cached, c) = scored[i];
         let key = self.active.state(slot).key;
+        let runner_up_cost = (scored.iter().enumerate())
+            .filter(|&(j, _)| j != i)
+            .map(|(_, s)| s.2.cost)
+            .min_by(f64::total_cmp);
         let fallbacks = self.fallbacks(&mut scored, key.worker_id, req.fallbacks);
         self.scored = scored;
         let sel = Selection {
@@ -757,6 +764,7 @@ impl<P> Scheduler<P> {
             overlap_blocks: cached.device,
             tier_overlap_blocks: cached,
             cost: c.cost,
+            runner_up_cost,
             prefill_blocks: c.prefill_blocks,
             decode_blocks: c.decode_blocks,
             fallbacks,
@@ -859,7 +867,7 @@ mod tests {
         /// Fallbacks, against a reference: each candidate worker's cost is the cheapest of
         /// its keys as a pinned selection prices it; the fallbacks are the cheapest workers
         /// but the chosen one's, best first, as many as asked for (at most MAX_FALLBACKS),
-        /// each at its cheapest key.
+        /// each at its cheapest key. The runner-up's cost is the cheapest other key's.
         #[test]
         fn fallbacks_are_the_next_cheapest_workers(
             ranks in proptest::collection::vec(1u32..4, 1..12),
@@ -890,6 +898,7 @@ mod tests {
             let q = RouteQuery { fallbacks: wanted, ..RouteQuery::new(24, &h) };
             let sel = s.select(&q, &ov).unwrap();
             let mut cheapest: BTreeMap<u64, f64> = BTreeMap::new();
+            let mut runner_up: Option<f64> = None;
             for key in s.worker_keys().collect::<Vec<_>>() {
                 let pinned = RouteQuery {
                     filters: FilterView { pinned: Some(key), ..q.filters },
@@ -899,6 +908,13 @@ mod tests {
                 let c = s.select(&pinned, &ov).unwrap().cost;
                 let e = cheapest.entry(key.worker_id).or_insert(f64::INFINITY);
                 *e = e.min(c);
+                if key != sel.key {
+                    runner_up = Some(runner_up.map_or(c, |r| r.min(c)));
+                }
+            }
+            proptest::prop_assert_eq!(sel.runner_up_cost, runner_up);
+            if let Some(r) = runner_up {
+                proptest::prop_assert!(r >= sel.cost, "the choice is the cheapest at temperature 0");
             }
             let mut others: Vec<f64> = cheapest
                 .iter()

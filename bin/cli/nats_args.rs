@@ -55,8 +55,8 @@ pub struct NatsArgs {
         value_name = "NS"
     )]
     pub namespace: String,
-    /// Wire format version this process writes: the current one (7), or 6 while a fleet is
-    /// upgraded from version-6 builds, so they read everything (set it on every upgraded
+    /// Wire format version this process writes: the current one (8), or 7 while a fleet is
+    /// upgraded from version-7 builds, so they read everything (set it on every upgraded
     /// process until none of the old ones is left). Answers always follow their request.
     #[arg(long, env = "KVROUTER_WIRE_VERSION", default_value_t = kvrouter_protocol::FORMAT_VERSION,
           value_parser = clap::value_parser!(u8).range(kvrouter_protocol::MIN_READ_VERSION as i64..=kvrouter_protocol::FORMAT_VERSION as i64))]

@@ -115,6 +115,7 @@ pub async fn run(args: RouteArgs) -> anyhow::Result<()> {
             allowed_workers: args.allowed_workers,
             update_states: !args.no_update_states,
             lease: kvrouter_protocol::Lease::NONE, // the client makes one when booking
+            trace: None,
         };
         let d = client.route_disagg(&req).await?;
         println!("{}", disagg_json(&req.request_id, &d));

@@ -161,6 +161,7 @@ impl E2eClient {
             allowed_workers: Some(vec![prefill, 20]),
             update_states: true,
             lease: kvrouter_protocol::Lease::random(),
+            trace: None,
         };
         let d = self
             .rt

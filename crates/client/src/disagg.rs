@@ -130,6 +130,7 @@ impl KvRouterClient {
                 allowed_workers: params.allowed_workers.clone(),
                 update_states: true,
                 lease: Lease::random(),
+                trace: None,
             })
             .await?;
         let route_wall_us = micros(t0);

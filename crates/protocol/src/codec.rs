@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 
 /// The format version this build writes.
-pub const FORMAT_VERSION: u8 = 7;
+pub const FORMAT_VERSION: u8 = 8;
 /// The oldest version this build still reads: the previous one, read through [`Wire`].
 pub const MIN_READ_VERSION: u8 = FORMAT_VERSION - 1;
 /// Upper bound on an encoded message and on what decoding may allocate for it.
@@ -177,8 +177,9 @@ mod tests {
     use super::*;
     use crate::lease::Lease;
     use crate::messages::*;
+    use crate::trace_context::TraceContext;
     use crate::types::*;
-    use crate::v6;
+    use crate::v7;
     use crate::wire::Wire;
     use proptest::prelude::*;
     use uuid::Uuid;
@@ -282,29 +283,30 @@ mod tests {
     }
 
     proptest! {
-        /// A registration is unchanged since version 6: the same bytes behind either version
+        /// A registration is unchanged since version 7: the same bytes behind either version
         /// byte, read back whole from both.
         #[test]
         fn registrations_round_trip_in_both_versions(reg in arb_registration()) {
             let now = encode(&reg).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 7));
-            let old = encode_as(&reg, 6).unwrap();
-            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 6));
+            prop_assert_eq!(decode_versioned::<Registration>(&now).unwrap(), (reg.clone(), 8));
+            let old = encode_as(&reg, 7).unwrap();
+            prop_assert_eq!(decode_versioned::<Registration>(&old).unwrap(), (reg.clone(), 7));
             prop_assert_eq!(&old[1..], &now[1..]);
         }
 
         #[test]
-        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..8) {
+        fn registrations_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 0u8..10) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             prop_assert!(decode_within_bounds::<Registration>(&bytes));
         }
 
         #[test]
-        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..8) {
+        fn route_requests_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), v in 1u8..10) {
             let mut bytes = bytes;
             bytes.insert(0, v);
             prop_assert!(decode_within_bounds::<RouteRequest>(&bytes));
+            prop_assert!(decode_within_bounds::<DisaggRouteRequest>(&bytes));
             prop_assert!(decode_within_bounds::<SyncBatch>(&bytes));
         }
 
@@ -360,33 +362,116 @@ mod tests {
         allocated <= bound
     }
 
-    /// Routes cross versions: a version-6 request asks for no fallbacks; a version-6 peer
-    /// reads exactly what version 6 wrote.
+    /// Routes cross versions: a version-7 request carries no trace; a version-7 peer reads
+    /// exactly what version 7 wrote.
     #[test]
     fn route_requests_in_both_versions() {
-        let req = v7_route_request();
+        let req = v8_route_request();
+        assert!(req.trace.is_some());
         assert_eq!(
             decode_versioned::<RouteRequest>(&encode(&req).unwrap()).unwrap(),
-            (req.clone(), 7)
+            (req.clone(), 8)
         );
-        let old = v6_codec_read::<v6::RouteRequest>(&encode_as(&req, 6).unwrap());
+        let old = v7_codec_read::<v7::RouteRequest>(&encode_as(&req, 7).unwrap());
         assert_eq!(old, req.to_previous());
-        assert_eq!((old.call_id, old.lease), (req.call_id, req.lease));
-        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 6).unwrap()).unwrap();
-        assert_eq!((v, back.fallbacks), (6, 0));
+        assert_eq!(
+            (old.call_id, old.lease, old.fallbacks),
+            (req.call_id, req.lease, req.fallbacks)
+        );
+        let (back, v) = decode_versioned::<RouteRequest>(&encode_as(&req, 7).unwrap()).unwrap();
+        assert_eq!((v, back.trace), (7, None));
         assert_eq!(
             RouteRequest {
-                fallbacks: 3,
+                trace: req.trace,
                 ..back
             },
             req
         );
+
+        let disagg = v8_disagg_request();
+        assert!(disagg.trace.is_some());
+        assert_eq!(
+            decode_versioned::<DisaggRouteRequest>(&encode(&disagg).unwrap()).unwrap(),
+            (disagg.clone(), 8)
+        );
+        let old = v7_codec_read::<v7::DisaggRouteRequest>(&encode_as(&disagg, 7).unwrap());
+        assert_eq!(old, disagg.to_previous());
+        let (back, v) =
+            decode_versioned::<DisaggRouteRequest>(&encode_as(&disagg, 7).unwrap()).unwrap();
+        assert_eq!((v, back.trace), (7, None));
+        assert_eq!(
+            DisaggRouteRequest {
+                trace: disagg.trace,
+                ..back
+            },
+            disagg
+        );
     }
 
-    /// A version-6 decision carries no fallbacks; leases cross unchanged.
+    /// A traced request crosses version 8 whole; its context is 1 tag byte and 25 raw bytes
+    /// at the end.
+    #[test]
+    fn a_traced_request_round_trips_in_version_8() {
+        let req = v8_route_request();
+        let t = req.trace.unwrap();
+        let bytes = encode_as(&req, 8).unwrap();
+        assert_eq!(bytes[0], 8);
+        let mut tail = vec![1u8];
+        tail.extend_from_slice(&t.trace_id);
+        tail.extend_from_slice(&t.parent_id);
+        tail.push(t.flags);
+        assert!(bytes.ends_with(&tail));
+        let untraced = encode_as(&req.clone().with_trace(None), 8).unwrap();
+        assert_eq!(bytes.len(), untraced.len() + 25);
+        assert_eq!(untraced.last(), Some(&0));
+        assert_eq!(decode::<RouteRequest>(&bytes).unwrap(), req);
+        assert_eq!(
+            decode::<RouteRequest>(&untraced).unwrap(),
+            req.clone().with_trace(None)
+        );
+    }
+
+    /// A peer's context with a zero id is not a decoding error: the request decodes, and
+    /// `valid()` tells the receiver to ignore the context.
+    #[test]
+    fn a_request_whose_trace_has_zero_ids_still_decodes() {
+        for zero in [
+            TraceContext {
+                trace_id: [0; 16],
+                parent_id: [0; 8],
+                flags: 0,
+            },
+            TraceContext {
+                trace_id: [0; 16],
+                parent_id: [7; 8],
+                flags: 1,
+            },
+            TraceContext {
+                trace_id: [7; 16],
+                parent_id: [0; 8],
+                flags: 1,
+            },
+        ] {
+            let req = v8_route_request().with_trace(Some(zero));
+            let back: RouteRequest = decode(&encode(&req).unwrap()).unwrap();
+            assert_eq!(back, req);
+            assert_eq!(back.trace.and_then(TraceContext::valid), None);
+            let disagg = DisaggRouteRequest {
+                trace: Some(zero),
+                ..v8_disagg_request()
+            };
+            let back: DisaggRouteRequest = decode(&encode(&disagg).unwrap()).unwrap();
+            assert_eq!(back.trace.and_then(TraceContext::valid), None);
+        }
+        let good = v8_route_request().trace;
+        assert_eq!(good.and_then(TraceContext::valid), good);
+    }
+
+    /// Decisions are unchanged since version 7: the same bytes behind either version byte,
+    /// fallbacks and leases included.
     #[test]
     fn decisions_in_both_versions() {
-        let d = v7_decision();
+        let d = v8_decision();
         let both = DisaggDecision {
             prefill: d.clone(),
             decode: d.clone(),
@@ -395,23 +480,27 @@ mod tests {
         assert_eq!(
             decode_versioned::<Reply<DisaggDecision>>(&encode(&Reply::Ok(both.clone())).unwrap())
                 .unwrap(),
-            (Reply::Ok(both.clone()), 7)
+            (Reply::Ok(both.clone()), 8)
         );
-        let old: v6::DisaggDecision = v6_codec_read(&encode_as(&both, 6).unwrap());
-        assert_eq!((old.decode.block_size, old.decode.lease), (16, d.lease));
-        let (back, _) = decode_versioned::<DisaggDecision>(&encode_as(&both, 6).unwrap()).unwrap();
-        let bare = RouteDecision {
-            fallbacks: Vec::new(),
-            ..d
-        };
-        assert_eq!((back.prefill, back.decode), (bare.clone(), bare));
+        let old_bytes = encode_as(&both, 7).unwrap();
+        assert_eq!(old_bytes[1..], encode(&both).unwrap()[1..]);
+        let old: DisaggDecision = v7_codec_read(&old_bytes);
+        assert_eq!(old, both);
+        let (back, v) = decode_versioned::<DisaggDecision>(&old_bytes).unwrap();
+        assert_eq!((v, back), (7, both));
+        let old_bytes = encode_as(&Reply::Ok(d.clone()), 7).unwrap();
+        assert_eq!(old_bytes[1..], encode(&Reply::Ok(d.clone())).unwrap()[1..]);
+        assert_eq!(
+            decode::<Reply<RouteDecision>>(&old_bytes).unwrap(),
+            Reply::Ok(d)
+        );
 
         let update = RequestUpdate {
             model: "m".into(),
             request_id: "req-1".into(),
             lease: Lease::random(),
         };
-        let back: RequestUpdate = decode(&encode_as(&update, 6).unwrap()).unwrap();
+        let back: RequestUpdate = decode(&encode_as(&update, 7).unwrap()).unwrap();
         assert_eq!(back, update);
     }
 
@@ -474,24 +563,25 @@ mod tests {
         ));
     }
 
-    /// What the version-6 codec wrote: the version byte, then bincode of the v6 type.
-    fn v6_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
-        let mut out = vec![6u8];
+    /// What the version-7 codec wrote: the version byte, then bincode of the v7 type.
+    fn v7_codec_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+        let mut out = vec![7u8];
         let config = config::standard().with_fixed_int_encoding();
         out.extend(bincode::serde::encode_to_vec(value, config).unwrap());
         out
     }
 
-    /// What a version-6 peer reads.
-    fn v6_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
-        assert_eq!(bytes[0], 6, "a version-6 peer reads only version 6");
+    /// What a version-7 peer reads.
+    fn v7_codec_read<T: DeserializeOwned>(bytes: &[u8]) -> T {
+        assert_eq!(bytes[0], 7, "a version-7 peer reads only version 7");
         let config = config::standard().with_fixed_int_encoding();
         let (v, n) = bincode::serde::decode_from_slice(&bytes[1..], config).unwrap();
         assert_eq!(n, bytes.len() - 1);
         v
     }
 
-    fn v7_route_request() -> RouteRequest {
+    /// A route request with every field set, its trace too.
+    fn v8_route_request() -> RouteRequest {
         RouteRequest {
             model: "llama".into(),
             request_id: "req-1".into(),
@@ -520,10 +610,33 @@ mod tests {
             call_id: 0x1122_3344_5566_7788,
             lease: Lease::from_bits(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff),
             fallbacks: 3,
+            trace: Some(TraceContext {
+                trace_id: *b"0123456789abcdef",
+                parent_id: *b"parent!!",
+                flags: 1,
+            }),
         }
     }
 
-    fn v7_decision() -> RouteDecision {
+    /// A disaggregated route request with every field set, its trace too.
+    fn v8_disagg_request() -> DisaggRouteRequest {
+        DisaggRouteRequest {
+            model: "llama".into(),
+            request_id: "req-2".into(),
+            tokens: vec![7, 8, 0x0102_0304],
+            lora: Some("b".into()),
+            allowed_workers: Some(vec![10, 11]),
+            update_states: true,
+            lease: Lease::from_bits(0x0f0e_0d0c_0b0a_0908_0706_0504_0302_0100),
+            trace: Some(TraceContext {
+                trace_id: [0xab; 16],
+                parent_id: [0xcd; 8],
+                flags: 0,
+            }),
+        }
+    }
+
+    fn v8_decision() -> RouteDecision {
         RouteDecision {
             worker_id: 7,
             dp_rank: 1,
@@ -542,7 +655,7 @@ mod tests {
         }
     }
 
-    fn v7_sync_batch() -> SyncBatch {
+    fn v8_sync_batch() -> SyncBatch {
         let id = || "r1:a".to_string();
         SyncBatch {
             replica_id: "r1".into(),
@@ -567,23 +680,24 @@ mod tests {
         }
     }
 
-    /// `v7_route_request()` and `v7_decision()` (less their fallbacks) as the version-6
-    /// codec encoded them, captured by running the code before version 7 existed. Never
-    /// update these: a mismatch means v6 types changed.
-    const V6_REQUEST_HEX: &str = concat!(
-        "0605000000000000006c6c616d6105000000000000007265712d310300000000",
+    /// `v8_route_request()` and `v8_disagg_request()` (less their traces) as the version-7
+    /// codec encoded them, captured by running the code before version 8 existed. Never
+    /// update these: a mismatch means v7 types changed.
+    const V7_REQUEST_HEX: &str = concat!(
+        "0705000000000000006c6c616d6105000000000000007265712d310300000000",
         "0000000100000002000000efbeadde0101000000000000006101020000000000",
         "0000040000000000000008070605040302010109000000000000000103000000",
         "0101020000000000000002000000000000000300000000000000696d67010000",
         "0000000000320000000000000000010100000000000000730200000000000000",
         "050000000000000006000000000000000101000000000000e03f0001cdcccccc",
         "ccccec3f00000000000000000440012c0100008877665544332211ffeeddccbb",
-        "aa99887766554433221100",
+        "aa9988776655443322110003",
     );
-    const V6_DECISION_HEX: &str = concat!(
-        "0607000000000000000100000003000000020000000000000072311400000000",
-        "000000687474703a2f2f31302e302e302e353a38303030030000000000000000",
-        "0000000000000010000000efbe000000000000000000000000edfe",
+    const V7_DISAGG_HEX: &str = concat!(
+        "0705000000000000006c6c616d6105000000000000007265712d320300000000",
+        "0000000700000008000000040302010101000000000000006201020000000000",
+        "00000a000000000000000b0000000000000001000102030405060708090a0b0c",
+        "0d0e0f",
     );
 
     fn unhex(s: &str) -> Vec<u8> {
@@ -594,25 +708,36 @@ mod tests {
     }
 
     #[test]
-    fn version_6_bytes_are_frozen() {
-        let frozen = unhex(V6_REQUEST_HEX);
-        let req = v7_route_request();
-        assert_eq!(v6_codec_bytes(&req.to_previous()), frozen);
-        assert_eq!(encode_as(&req, 6).unwrap(), frozen);
-        let back = decode::<RouteRequest>(&frozen).unwrap();
-        assert_eq!(back.to_previous(), req.to_previous());
+    fn version_7_bytes_are_frozen() {
+        let frozen = unhex(V7_REQUEST_HEX);
+        let req = v8_route_request();
+        assert_eq!(v7_codec_bytes(&req.to_previous()), frozen);
+        assert_eq!(encode_as(&req, 7).unwrap(), frozen);
+        let (back, v) = decode_versioned::<RouteRequest>(&frozen).unwrap();
+        assert_eq!((v, back.trace), (7, None));
+        assert_eq!(back, req.clone().with_trace(None));
 
-        let frozen = unhex(V6_DECISION_HEX);
-        let d = v7_decision();
-        assert_eq!(encode_as(&d, 6).unwrap(), frozen);
-        let (back, v) = decode_versioned::<RouteDecision>(&frozen).unwrap();
-        assert_eq!((v, back.fallbacks.len()), (6, 0));
-        assert_eq!(back.to_previous(), d.to_previous());
-
-        // ...and a sync batch, unchanged, is the same bytes behind either version byte.
-        let batch = v7_sync_batch();
+        let frozen = unhex(V7_DISAGG_HEX);
+        let disagg = v8_disagg_request();
+        assert_eq!(v7_codec_bytes(&disagg.to_previous()), frozen);
+        assert_eq!(encode_as(&disagg, 7).unwrap(), frozen);
+        let (back, v) = decode_versioned::<DisaggRouteRequest>(&frozen).unwrap();
+        assert_eq!((v, back.trace), (7, None));
         assert_eq!(
-            encode_as(&batch, 6).unwrap()[1..],
+            back,
+            DisaggRouteRequest {
+                trace: None,
+                ..disagg
+            }
+        );
+
+        // ...and a decision and a sync batch, unchanged, are the same bytes behind either
+        // version byte.
+        let d = v8_decision();
+        assert_eq!(encode_as(&d, 7).unwrap()[1..], encode(&d).unwrap()[1..]);
+        let batch = v8_sync_batch();
+        assert_eq!(
+            encode_as(&batch, 7).unwrap()[1..],
             encode(&batch).unwrap()[1..]
         );
     }
@@ -620,47 +745,48 @@ mod tests {
     #[test]
     fn containers_convert_their_items() {
         let replies = vec![
-            Reply::Ok(v7_decision()),
+            Reply::Ok(v8_disagg_request()),
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x")),
         ];
-        let seen: Vec<Reply<v6::RouteDecision>> = v6_codec_read(&encode_as(&replies, 6).unwrap());
-        assert_eq!(seen[0], Reply::Ok(v7_decision().to_previous()));
+        let seen: Vec<Reply<v7::DisaggRouteRequest>> =
+            v7_codec_read(&encode_as(&replies, 7).unwrap());
+        assert_eq!(seen[0], Reply::Ok(v8_disagg_request().to_previous()));
         assert_eq!(
             seen[1],
             Reply::Err(ErrorReply::new(ErrorKind::Internal, "x"))
         );
-        let back: Vec<Option<RouteDecision>> =
-            decode(&encode_as(&vec![Some(v7_decision()), None], 6).unwrap()).unwrap();
-        assert_eq!(back[0].as_ref().map(|d| d.fallbacks.len()), Some(0));
+        let back: Vec<Option<RouteRequest>> =
+            decode(&encode_as(&vec![Some(v8_route_request()), None], 7).unwrap()).unwrap();
+        assert_eq!(back[0].as_ref().map(|r| r.trace), Some(None));
         assert_eq!(back[1], None);
         // An unchanged message is the same bytes behind either version byte.
         let q = StateQuery { dp_rank: 4 };
-        assert_eq!(encode_as(&q, 6).unwrap()[1..], encode(&q).unwrap()[1..]);
+        assert_eq!(encode_as(&q, 7).unwrap()[1..], encode(&q).unwrap()[1..]);
         assert_eq!(encode(&q).unwrap()[0], FORMAT_VERSION);
     }
 
     #[test]
     fn only_the_current_and_previous_versions_are_read_and_written() {
-        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (6, 7));
-        let req = v7_route_request();
+        assert_eq!((MIN_READ_VERSION, FORMAT_VERSION), (7, 8));
+        let req = v8_route_request();
         let bytes = encode(&req).unwrap();
-        for v in [0u8, 1, 2, 3, 4, 5, 8, 255] {
+        for v in [0u8, 1, 2, 3, 4, 5, 6, 9, 255] {
             let mut bad = bytes.clone();
             bad[0] = v;
             assert_eq!(
                 decode::<RouteRequest>(&bad),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 6,
-                    max: 7
+                    min: 7,
+                    max: 8
                 })
             );
             assert_eq!(
                 encode_as(&req, v),
                 Err(CodecError::BadVersion {
                     got: v,
-                    min: 6,
-                    max: 7
+                    min: 7,
+                    max: 8
                 })
             );
         }
@@ -669,18 +795,19 @@ mod tests {
     #[test]
     fn replies_go_out_in_the_request_version() {
         let q = StateQuery { dp_rank: 1 };
-        assert_eq!(reply_version(&encode(&q).unwrap()), 7);
-        assert_eq!(reply_version(&encode_as(&q, 6).unwrap()), 6);
+        assert_eq!(reply_version(&encode(&q).unwrap()), 8);
+        assert_eq!(reply_version(&encode_as(&q, 7).unwrap()), 7);
         assert_eq!(reply_version(&[]), FORMAT_VERSION);
         assert_eq!(reply_version(&[0, 1, 2]), FORMAT_VERSION);
-        assert_eq!(reply_version(&[5]), FORMAT_VERSION);
-        // Even an undecodable request in version 6 is answered in version 6.
-        assert_eq!(reply_version(&[6, 0xff]), 6);
+        assert_eq!(reply_version(&[6]), FORMAT_VERSION);
+        assert_eq!(reply_version(&[9]), FORMAT_VERSION);
+        // Even an undecodable request in version 7 is answered in version 7.
+        assert_eq!(reply_version(&[7, 0xff]), 7);
     }
 
     #[test]
     fn encoded_len_is_the_payload_size() {
-        let req = v7_route_request();
+        let req = v8_route_request();
         assert_eq!(encoded_len(&req).unwrap(), encode(&req).unwrap().len() - 1);
     }
 

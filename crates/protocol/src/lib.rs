@@ -5,7 +5,7 @@
 //! - [`subjects`]: where on the bus each message travels.
 //! - [`codec`]: bincode 2 behind a one-byte format version, safe on untrusted bytes.
 //! - [`wire`]: the [`Wire`] trait: a message's current and previous-version shapes.
-//! - [`v6`]: the frozen version-6 shapes of the types version 7 changed.
+//! - [`v7`]: the frozen version-7 shapes of the types version 8 changed.
 //! - [`lease`]: route leases, what a route answer grants its caller.
 //! - [`limits`]: how large a caller's input may be, and the checks ([`LimitError`]).
 //! - [`chunk`]: splitting lists into messages under a byte budget.
@@ -21,7 +21,7 @@ pub mod messages;
 pub mod subjects;
 pub mod trace_context;
 pub mod types;
-pub mod v6;
+pub mod v7;
 pub mod wire;
 
 pub use chunk::chunk_by_budget;

@@ -379,6 +379,7 @@ mod tests {
             allowed_workers: None,
             update_states: true,
             lease: crate::Lease::NONE,
+            trace: None,
         };
         assert_eq!(disagg.check_limits().unwrap_err().field(), "model");
         let overlap = OverlapRequest {

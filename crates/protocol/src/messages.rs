@@ -6,6 +6,7 @@
 
 use crate::chunk::chunk_by_budget;
 use crate::lease::Lease;
+use crate::trace_context::TraceContext;
 use crate::types::{DpRank, EventId, KvEvent, PromptExtras, TierBlocks, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -313,6 +314,10 @@ pub struct RouteRequest {
     /// rank of each (0: none; at most 8 are given, more asked for count as 8). They are
     /// not booked. New in format version 7.
     pub fallbacks: u8,
+    /// The caller's span (the route call's parent) in the distributed trace the request
+    /// belongs to (`None`: not traced; a context with a zero id counts as none). New in
+    /// format version 8.
+    pub trace: Option<TraceContext>,
 }
 
 /// Building a request: [`RouteRequest::new`] is a plain lookup (no request id, nothing
@@ -334,6 +339,7 @@ impl RouteRequest {
         Self {
             model: model.into(),
             tokens,
+            trace: None,
             ..Self::default()
         }
     }
@@ -355,6 +361,13 @@ impl RouteRequest {
     /// Ask for up to `n` fallbacks beside the choice (see [`RouteRequest::fallbacks`]).
     pub fn with_fallbacks(mut self, n: u8) -> Self {
         self.fallbacks = n;
+        self
+    }
+
+    /// The caller's span in the distributed trace the request belongs to (see
+    /// [`RouteRequest::trace`]).
+    pub fn with_trace(mut self, trace: Option<TraceContext>) -> Self {
+        self.trace = trace;
         self
     }
 
@@ -565,6 +578,10 @@ pub struct DisaggRouteRequest {
     /// The lease both halves are booked under (see [`RouteRequest::lease`]). New in format
     /// version 6.
     pub lease: Lease,
+    /// The caller's span (the route call's parent) in the distributed trace the request
+    /// belongs to (`None`: not traced; a context with a zero id counts as none). New in
+    /// format version 8.
+    pub trace: Option<TraceContext>,
 }
 
 /// Both halves of a disaggregated decision, made by one replica. `decode.dp_rank` is the
@@ -1002,6 +1019,7 @@ mod tests {
                 call_id: 0,
                 lease: crate::Lease::NONE,
                 fallbacks: 0,
+                trace: None,
             }
         );
         let pin = Pin {
@@ -1016,6 +1034,11 @@ mod tests {
             temperature: Some(0.5),
             ..RouteOverrides::default()
         };
+        let trace = TraceContext {
+            trace_id: [1; 16],
+            parent_id: [2; 8],
+            flags: 1,
+        };
         let full = RouteRequest::new("m", vec![4])
             .booked("req-1")
             .with_lora("adapter".to_string())
@@ -1027,7 +1050,8 @@ mod tests {
             .with_priority_jump(2.5)
             .with_expected_output_tokens(64)
             .with_call_id(42)
-            .with_fallbacks(2);
+            .with_fallbacks(2)
+            .with_trace(Some(trace));
         assert_eq!(
             full,
             RouteRequest {
@@ -1046,6 +1070,7 @@ mod tests {
                 call_id: 42,
                 lease: full.lease,
                 fallbacks: 2,
+                trace: Some(trace),
             }
         );
         assert!(!full.lease.is_none(), "a booked route is leased");

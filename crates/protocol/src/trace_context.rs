@@ -3,10 +3,12 @@
 //! pass it on. Parsed strictly: a header that is not a valid version-00 `traceparent` is
 //! dropped rather than passed on.
 
+use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// A `traceparent`'s trace, parent span and flags.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+/// A `traceparent`'s trace, parent span and flags. On the wire (format version 8, a route
+/// request's `trace`) the 16 trace-id bytes, the 8 parent-id bytes, then the flags byte.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TraceContext {
     pub trace_id: [u8; 16],
     /// The caller's span: the parent of whatever the receiver does.
@@ -44,6 +46,13 @@ fn hex_into(s: &[u8], out: &mut [u8]) -> Result<(), TraceParentError> {
 }
 
 impl TraceContext {
+    /// The context, unless its trace id or parent id is all zero (which W3C forbids). A
+    /// context from a peer's bytes is not checked by decoding: a receiver treats one this
+    /// gives `None` for as no context at all, rather than failing the request.
+    pub fn valid(self) -> Option<Self> {
+        (self.trace_id != [0; 16] && self.parent_id != [0; 8]).then_some(self)
+    }
+
     /// Parses a version-00 `traceparent` (surrounding whitespace allowed).
     pub fn parse(value: &str) -> Result<Self, TraceParentError> {
         let v = value.trim().as_bytes();
@@ -68,10 +77,7 @@ impl TraceContext {
         let mut flags = [0u8; 1];
         hex_into(&v[53..55], &mut flags)?;
         t.flags = flags[0];
-        if t.trace_id == [0; 16] || t.parent_id == [0; 8] {
-            return Err(TraceParentError::ZeroId);
-        }
-        Ok(t)
+        t.valid().ok_or(TraceParentError::ZeroId)
     }
 }
 
@@ -153,6 +159,47 @@ mod tests {
         for (value, why) in bad {
             assert_eq!(TraceContext::parse(value), Err(why), "{value:?}");
         }
+    }
+
+    #[test]
+    fn a_context_with_a_zero_id_is_not_valid() {
+        let t = TraceContext::parse(EXAMPLE).unwrap();
+        assert_eq!(t.valid(), Some(t));
+        let no_trace = TraceContext {
+            trace_id: [0; 16],
+            ..t
+        };
+        assert_eq!(no_trace.valid(), None);
+        let no_parent = TraceContext {
+            parent_id: [0; 8],
+            ..t
+        };
+        assert_eq!(no_parent.valid(), None);
+        // The flags do not matter.
+        let unsampled = TraceContext { flags: 0, ..t };
+        assert_eq!(unsampled.valid(), Some(unsampled));
+        let one_bit = TraceContext {
+            trace_id: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+            parent_id: [1, 0, 0, 0, 0, 0, 0, 0],
+            flags: 0xff,
+        };
+        assert_eq!(one_bit.valid(), Some(one_bit));
+    }
+
+    /// 25 raw bytes in bincode's fixed-int encoding: trace id, parent id, flags.
+    #[test]
+    fn a_context_encodes_as_its_raw_bytes() {
+        let t = TraceContext::parse(EXAMPLE).unwrap();
+        let config = bincode::config::standard().with_fixed_int_encoding();
+        let bytes = bincode::serde::encode_to_vec(t, config).unwrap();
+        let mut want = t.trace_id.to_vec();
+        want.extend_from_slice(&t.parent_id);
+        want.push(t.flags);
+        assert_eq!(bytes, want);
+        assert_eq!(bytes.len(), 25);
+        let (back, n): (TraceContext, usize) =
+            bincode::serde::decode_from_slice(&bytes, config).unwrap();
+        assert_eq!((back, n), (t, 25));
     }
 
     proptest! {

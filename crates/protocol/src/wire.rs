@@ -3,7 +3,8 @@
 //!
 //! The codec writes the current version and reads the current and the previous one (rolling
 //! upgrades). A type unchanged between the two is its own previous shape; a changed one names
-//! its frozen previous type (in the module named after the previous version, `v6`) and converts. See docs/protocol.md, "Versions".
+//! its frozen previous type (in the module named after the previous version, `v7`) and
+//! converts. See docs/protocol.md, "Versions".
 
 use crate::messages::Reply;
 use serde::{de::DeserializeOwned, Serialize};

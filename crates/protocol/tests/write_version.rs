@@ -1,8 +1,8 @@
 //! The process-wide write version (its own test binary: it is global state).
 
 use kvrouter_protocol::{
-    decode, decode_versioned, encode, set_write_version, v6, write_version, Lease, RouteOverrides,
-    RouteRequest, FORMAT_VERSION,
+    decode, decode_versioned, encode, set_write_version, v7, write_version, Lease, RouteOverrides,
+    RouteRequest, TraceContext, FORMAT_VERSION,
 };
 
 /// A route request with every field set, the current version's new ones too.
@@ -27,6 +27,9 @@ fn request_with_every_field() -> RouteRequest {
         call_id: 3,
         lease: Lease::parse_hex("0123456789abcdef0123456789abcdef").unwrap(),
         fallbacks: 2,
+        trace: Some(
+            TraceContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap(),
+        ),
     }
 }
 
@@ -40,13 +43,16 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
     let old = encode(&request_with_every_field()).unwrap();
     assert_eq!(old[0], FORMAT_VERSION - 1);
     // A previous-version peer reads it with its own types...
-    let seen: v6::RouteRequest = bincode::serde::decode_from_slice(
+    let seen: v7::RouteRequest = bincode::serde::decode_from_slice(
         &old[1..],
         bincode::config::standard().with_fixed_int_encoding(),
     )
     .unwrap()
     .0;
-    assert_eq!((seen.tokens, seen.update_states), (vec![1, 2, 3], true));
+    assert_eq!(
+        (seen.tokens, seen.update_states, seen.fallbacks),
+        (vec![1, 2, 3], true, 2)
+    );
     // ...and this build reads it too, without the fields the previous version lacks.
     let (back, version): (RouteRequest, u8) = decode_versioned(&old).unwrap();
     assert_eq!(version, FORMAT_VERSION - 1);
@@ -60,7 +66,8 @@ fn a_process_set_to_the_previous_version_writes_what_previous_peers_read() {
         (1.5, Some(64), 3)
     );
     assert_eq!(back.lease, request_with_every_field().lease);
-    assert_eq!(back.fallbacks, 0);
+    assert_eq!(back.fallbacks, 2);
+    assert_eq!(back.trace, None);
 
     assert!(set_write_version(FORMAT_VERSION + 1).is_err());
     assert!(set_write_version(0).is_err());

@@ -46,6 +46,7 @@ fn disagg_request(tokens: Vec<u32>, update_states: bool) -> DisaggRouteRequest {
         allowed_workers: None,
         update_states,
         lease: LEASE,
+        trace: None,
     }
 }
 

@@ -1,20 +1,20 @@
-//! Format version 6, the previous version: the types version 7 changed, as version 6 encodes
-//! them, and how they convert. Version 7 added fallbacks: `fallbacks` (how many are wanted)
-//! on `RouteRequest`, and the next-best workers on `RouteDecision` (so `DisaggDecision`). A
-//! version-6 caller asks for none; a version-6 replica gives none.
+//! Format version 7, the previous version: the types version 8 changed, as version 7 encodes
+//! them, and how they convert. Version 8 added a W3C trace context: `trace` (the caller's
+//! span) on `RouteRequest` and `DisaggRouteRequest`. A version-7 caller's routes carry no
+//! trace; a request written as version 7 drops it.
 //!
-//! FROZEN: these types are what version-6 peers send and read. Never change them (fields,
+//! FROZEN: these types are what version-7 peers send and read. Never change them (fields,
 //! their order, their types, enum variants); a test pins their bytes. The current types they
-//! borrow (`Pin`, `RouteOverrides`, `Lease`, ...) encode as in version 6, as every type not
+//! borrow (`Pin`, `RouteOverrides`, `Lease`, ...) encode as in version 7, as every type not
 //! listed here does.
 
 use crate::lease::Lease;
 use crate::messages::*;
-use crate::types::{DpRank, PromptExtras, TierBlocks, WorkerId};
+use crate::types::{PromptExtras, WorkerId};
 use crate::wire::{unchanged_since_previous, Wire};
 use serde::{Deserialize, Serialize};
 
-/// [`crate::RouteRequest`] in version 6.
+/// [`crate::RouteRequest`] in version 7: no trace.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
     pub model: String,
@@ -31,9 +31,10 @@ pub struct RouteRequest {
     pub expected_output_tokens: Option<u32>,
     pub call_id: u64,
     pub lease: Lease,
+    pub fallbacks: u8,
 }
 
-/// A version-6 request asks for no fallbacks.
+/// A version-7 request is not traced.
 impl Wire for crate::messages::RouteRequest {
     type Previous = RouteRequest;
 
@@ -53,7 +54,8 @@ impl Wire for crate::messages::RouteRequest {
             expected_output_tokens: p.expected_output_tokens,
             call_id: p.call_id,
             lease: p.lease,
-            fallbacks: 0,
+            fallbacks: p.fallbacks,
+            trace: None,
         }
     }
 
@@ -73,85 +75,57 @@ impl Wire for crate::messages::RouteRequest {
             expected_output_tokens: self.expected_output_tokens,
             call_id: self.call_id,
             lease: self.lease,
+            fallbacks: self.fallbacks,
         }
     }
 }
 
-/// [`crate::RouteDecision`] in version 6: no fallbacks.
+/// [`crate::DisaggRouteRequest`] in version 7: no trace.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RouteDecision {
-    pub worker_id: WorkerId,
-    pub dp_rank: DpRank,
-    pub overlap_blocks: u32,
-    pub replica_id: String,
-    pub base_url: String,
-    pub tier_overlap_blocks: TierBlocks,
-    pub block_size: u32,
+pub struct DisaggRouteRequest {
+    pub model: String,
+    pub request_id: String,
+    pub tokens: Vec<u32>,
+    pub lora: Option<String>,
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    pub update_states: bool,
     pub lease: Lease,
 }
 
-impl Wire for crate::messages::RouteDecision {
-    type Previous = RouteDecision;
+/// A version-7 request is not traced.
+impl Wire for crate::messages::DisaggRouteRequest {
+    type Previous = DisaggRouteRequest;
 
-    fn from_previous(p: RouteDecision) -> Self {
+    fn from_previous(p: DisaggRouteRequest) -> Self {
         Self {
-            worker_id: p.worker_id,
-            dp_rank: p.dp_rank,
-            overlap_blocks: p.overlap_blocks,
-            replica_id: p.replica_id,
-            base_url: p.base_url,
-            tier_overlap_blocks: p.tier_overlap_blocks,
-            block_size: p.block_size,
+            model: p.model,
+            request_id: p.request_id,
+            tokens: p.tokens,
+            lora: p.lora,
+            allowed_workers: p.allowed_workers,
+            update_states: p.update_states,
             lease: p.lease,
-            fallbacks: Vec::new(),
+            trace: None,
         }
     }
 
-    fn to_previous(&self) -> RouteDecision {
-        RouteDecision {
-            worker_id: self.worker_id,
-            dp_rank: self.dp_rank,
-            overlap_blocks: self.overlap_blocks,
-            replica_id: self.replica_id.clone(),
-            base_url: self.base_url.clone(),
-            tier_overlap_blocks: self.tier_overlap_blocks,
-            block_size: self.block_size,
+    fn to_previous(&self) -> DisaggRouteRequest {
+        DisaggRouteRequest {
+            model: self.model.clone(),
+            request_id: self.request_id.clone(),
+            tokens: self.tokens.clone(),
+            lora: self.lora.clone(),
+            allowed_workers: self.allowed_workers.clone(),
+            update_states: self.update_states,
             lease: self.lease,
         }
     }
 }
 
-/// [`crate::DisaggDecision`] in version 6.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DisaggDecision {
-    pub prefill: RouteDecision,
-    pub decode: RouteDecision,
-    pub replica_id: String,
-}
-
-impl Wire for crate::messages::DisaggDecision {
-    type Previous = DisaggDecision;
-
-    fn from_previous(p: DisaggDecision) -> Self {
-        Self {
-            prefill: Wire::from_previous(p.prefill),
-            decode: Wire::from_previous(p.decode),
-            replica_id: p.replica_id,
-        }
-    }
-
-    fn to_previous(&self) -> DisaggDecision {
-        DisaggDecision {
-            prefill: self.prefill.to_previous(),
-            decode: self.decode.to_previous(),
-            replica_id: self.replica_id.clone(),
-        }
-    }
-}
-
-// Every message encoded the same in versions 6 and 7.
+// Every message encoded the same in versions 7 and 8.
 unchanged_since_previous!(
-    DisaggRouteRequest,
+    RouteDecision,
+    DisaggDecision,
     RequestUpdate,
     OutputBlock,
     Abandon,

@@ -29,7 +29,7 @@ enum Command {
     /// Print the local and sequence block hashes of a token list.
     Hash(cli::hash::HashArgs),
     /// Run a router replica.
-    Serve(cli::serve::ServeArgs),
+    Serve(Box<cli::serve::ServeArgs>),
     /// Run a fleet of simulated engine workers (no GPU) on the bus.
     Mocker(cli::mocker::MockerArgs),
     /// Speak for one vLLM or SGLang engine on the bus: its KV events from ZeroMQ, its
@@ -91,7 +91,7 @@ fn main() -> std::process::ExitCode {
     );
     let result = match cli.command {
         Command::Hash(args) => cli::hash::run(args),
-        Command::Serve(args) => cli::block_on(cli::serve::run(args)),
+        Command::Serve(args) => cli::block_on(cli::serve::run(*args)),
         Command::Mocker(args) => cli::block_on(cli::mocker::run(args)),
         Command::Bridge(args) => cli::block_on(cli::bridge::run(args)),
         Command::Frontend(args) => cli::block_on(cli::frontend::run(args)),

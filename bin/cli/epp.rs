@@ -22,6 +22,8 @@ use std::time::Duration;
 pub struct EppArgs {
     #[command(flatten)]
     nats: NatsArgs,
+    #[command(flatten)]
+    traces: super::traces_args::TracesArgs,
     /// Where the gateway's ext_proc filter connects (gRPC over HTTP/2; the Inference
     /// Extension's convention is 9002).
     #[arg(long, env = "KVROUTER_EPP_LISTEN", default_value = "0.0.0.0:9002")]
@@ -115,7 +117,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
     let read_timeout =
         super::serve::secs("request-read-timeout-secs", args.request_read_timeout_secs)?;
     let mut life = Lifecycle::install("epp", drain_timeout)?;
-    let (server, admin, admin_task) = life
+    let (server, admin, (admin_task, exporter)) = life
         .startup(async {
             let bus = args.nats.connect("kvrouter-epp").await?;
             let router = KvRouterClient::new(bus, &args.nats.namespace)?
@@ -128,7 +130,15 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
             .await?;
             let leases = Arc::new(LeaseCounts::default());
             let metrics = Arc::new(EppMetrics::new(leases.clone()));
+            let (tracer, exporter) = args.traces.config().start(
+                kvrouter_otlp::ServiceInfo {
+                    name: "kvrouter-epp".into(),
+                    instance_id: kvrouter_client::new_request_id(),
+                },
+                metrics.traces.clone(),
+            );
             let picker = Picker {
+                tracer,
                 directory,
                 models,
                 access,
@@ -173,7 +183,7 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
                         args.listen, args.health_listen
                     )
                 })?;
-            anyhow::Ok((server, admin, admin_task))
+            anyhow::Ok((server, admin, (admin_task, exporter)))
         })
         .await?;
     tracing::info!(listen = %server.addr, health = %server.health_addr, admin = %admin, "endpoint picker serving");
@@ -189,6 +199,9 @@ pub async fn run(args: EppArgs) -> anyhow::Result<()> {
     let drain_budget = life.drain_budget();
     life.shutdown(|| "finishing exchanges in flight".to_string(), async {
         server.shutdown_within(drain_budget).await;
+        if let Some(e) = exporter {
+            e.shutdown(Duration::from_secs(2)).await;
+        }
         admin_task.abort();
         Ok(())
     })

@@ -18,6 +18,8 @@ pub struct FrontendArgs {
     nats: NatsArgs,
     #[command(flatten)]
     http: super::http_args::HttpArgs,
+    #[command(flatten)]
+    traces: super::traces_args::TracesArgs,
     /// Where clients connect.
     #[arg(long, env = "KVROUTER_LISTEN", default_value = "0.0.0.0:8000")]
     listen: SocketAddr,
@@ -56,6 +58,7 @@ impl FrontendArgs {
             max_body_bytes: self.doors.max_body_bytes,
             http_limits: self.http.limits()?,
             max_buffered_body_bytes: self.max_buffered_body_bytes,
+            traces: self.traces.config(),
             ..FrontendConfig::default()
         })
     }

@@ -33,6 +33,7 @@ pub mod replay;
 pub mod route;
 pub mod serve;
 pub mod subjects;
+pub mod traces_args;
 
 use anyhow::Context;
 use std::io::IsTerminal;

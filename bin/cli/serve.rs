@@ -20,6 +20,8 @@ pub struct ServeArgs {
     http: super::http_args::HttpArgs,
     #[command(flatten)]
     http_auth: super::http_args::HttpAuthArgs,
+    #[command(flatten)]
+    traces: super::traces_args::TracesArgs,
     /// Model to serve (repeat, or comma-separate in the environment variable).
     #[arg(
         long = "model",
@@ -245,6 +247,7 @@ impl ServeArgs {
                 .transpose()?,
             transfer_timeout: secs("transfer-timeout-secs", self.transfer_timeout_secs)?,
             allow_unleased: self.allow_unleased,
+            traces: self.traces.config(),
             ..ReplicaConfig::default()
         })
     }

@@ -6,6 +6,7 @@ use crate::common;
 
 use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
 use common::*;
+use kvrouter_testkit::{OtlpReceiver, ReceivedSpan};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
@@ -592,4 +593,199 @@ fn the_frontend_refuses_to_start_on_an_empty_or_weak_key() {
         // The key is refused before the model directory is looked at.
         assert!(!err.contains("no-model"), "{args:?}: {err}");
     }
+}
+
+/// One request, one trace across three processes: the frontend's request span (under the
+/// client's `traceparent`), its route call and the replica's route span under it (the
+/// context on the bus), its engine call, whose id the engine receives as its parent. The
+/// route span names the choice, its overlap by tier, its cost and the runner-up's, the
+/// policy. A frontend that exports nothing still carries the client's context on to the
+/// replica and the engine.
+#[test]
+fn one_request_is_one_trace_across_frontend_replica_and_engine() {
+    let nats = NatsServer::start();
+    let rx = OtlpReceiver::start().unwrap();
+    let endpoint = rx.endpoint();
+    let a1 = free_port();
+    let _r1 = serve(&nats, "r1", a1, &["--otlp-traces-endpoint", &endpoint]);
+    let engine = bridged_engine(&nats, 2);
+    let dir = model_dir();
+    let (_fe, port) = frontend(&nats, dir.path(), &["--otlp-traces-endpoint", &endpoint]);
+    assert!(ready(a1), "replica not ready");
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_worker_ranks"
+    ) >= 2.0));
+
+    let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let tp = format!("00-{client_trace}-{client_span}-01");
+    // Two full blocks, cached where they are routed.
+    let prompt: Vec<u32> = (100..100 + 2 * E2E_BLOCK as u32).collect();
+    let body = format!(
+        r#"{{"model":"{E2E_MODEL}","prompt":{},"max_tokens":2}}"#,
+        serde_json::to_string(&prompt).unwrap()
+    );
+    let (status, text) = http_post(port, "/v1/completions", &[("traceparent", &tp)], &body);
+    assert_eq!(status, 200, "{text}");
+
+    let spans = rx.wait_for(Duration::from_secs(10), |s| {
+        s.iter().filter(|s| s.trace_id == client_trace).count() >= 4
+    });
+    let ours: Vec<&ReceivedSpan> = spans
+        .iter()
+        .filter(|s| s.trace_id == client_trace)
+        .collect();
+    let named = |name: &str| -> &ReceivedSpan {
+        let found: Vec<_> = ours.iter().filter(|s| s.name == name).collect();
+        assert_eq!(found.len(), 1, "one {name} span: {ours:#?}");
+        found[0]
+    };
+    let request = named("kvrouter.frontend.request");
+    let call = named("kvrouter.route_call");
+    let route = named("kvrouter.route");
+    let engine_call = named("kvrouter.engine_call");
+    assert_eq!(ours.len(), 4, "{ours:#?}");
+    assert_eq!(rx.rejected(), 0, "every export decoded");
+
+    // Nesting across the processes.
+    assert_eq!(request.service, "kvrouter-frontend");
+    assert_eq!(request.parent_span_id.as_deref(), Some(client_span));
+    assert_eq!(
+        (request.kind, call.kind, route.kind, engine_call.kind),
+        (2, 3, 2, 3)
+    );
+    assert_eq!(call.parent_span_id, Some(request.span_id.clone()));
+    assert_eq!(engine_call.parent_span_id, Some(request.span_id.clone()));
+    assert_eq!(route.service, "kvrouter-replica");
+    assert_eq!(
+        route.parent_span_id,
+        Some(call.span_id.clone()),
+        "the bus carried the route call's context"
+    );
+    let (_, seen) = http_get(engine.engine.http, "/kvrouter/test/traceparents");
+    let seen: Vec<Value> = serde_json::from_str(&seen).unwrap();
+    assert_eq!(
+        seen.last().and_then(Value::as_str),
+        Some(format!("00-{client_trace}-{}-01", engine_call.span_id).as_str()),
+        "the engine's parent is the engine call"
+    );
+    // Each span within its parent's time (one host: one clock).
+    for (child, parent) in [(call, request), (engine_call, request)] {
+        assert!(
+            child.start_unix_nano >= parent.start_unix_nano
+                && child.end_unix_nano <= parent.end_unix_nano,
+            "{child:#?} within {parent:#?}"
+        );
+    }
+
+    // What the route span says of the choice.
+    let worker = engine.worker_id.to_string();
+    assert_eq!(route.attr("kvrouter.worker_id"), Some(worker.as_str()));
+    assert_eq!(call.attr("kvrouter.worker_id"), Some(worker.as_str()));
+    assert_eq!(
+        engine_call.attr("kvrouter.worker_id"),
+        Some(worker.as_str())
+    );
+    let rank = route.attr("kvrouter.dp_rank").unwrap();
+    assert!(rank == "0" || rank == "1", "{rank}");
+    assert_eq!(route.attr("kvrouter.policy"), Some("kv"));
+    assert_eq!(route.attr("kvrouter.model"), Some(E2E_MODEL));
+    assert_eq!(route.attr("kvrouter.replica_id"), Some("r1"));
+    for tier in ["device", "host", "disk", "shared"] {
+        let key = format!("kvrouter.overlap_blocks.{tier}");
+        assert_eq!(route.attr(&key), Some("0"), "{key}: nothing cached yet");
+    }
+    let cost: f64 = route.attr("kvrouter.cost").unwrap().parse().unwrap();
+    let runner_up: f64 = route
+        .attr("kvrouter.runner_up_cost")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        runner_up >= cost,
+        "two ranks: the other one is the runner-up ({cost} vs {runner_up})"
+    );
+    assert_eq!(request.attr("kvrouter.model"), Some(E2E_MODEL));
+    assert_eq!(request.attr("kvrouter.endpoint"), Some("completions"));
+    assert_eq!(request.status_code, 0);
+
+    // The same prompt again, now without a traceparent: a new trace rooted at the frontend,
+    // the prefix cached on the rank it chose.
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_kv_events_applied_total"
+    ) >= 1.0));
+    let (status, text) = http_post(port, "/v1/completions", &[], &body);
+    assert_eq!(status, 200, "{text}");
+    let spans = rx.wait_for(Duration::from_secs(10), |s| {
+        s.iter()
+            .any(|s| s.name == "kvrouter.frontend.request" && s.parent_span_id.is_none())
+            && s.iter().filter(|s| s.name == "kvrouter.route").count() >= 2
+    });
+    let root = spans
+        .iter()
+        .find(|s| s.name == "kvrouter.frontend.request" && s.parent_span_id.is_none())
+        .expect("a root request span");
+    let second = spans
+        .iter()
+        .find(|s| s.name == "kvrouter.route" && s.trace_id == root.trace_id)
+        .expect("the replica's span in the new trace");
+    assert_ne!(root.trace_id, client_trace);
+    assert_eq!(second.attr("kvrouter.dp_rank"), Some(rank), "cached there");
+    assert_eq!(second.attr("kvrouter.overlap_blocks.device"), Some("2"));
+
+    // A frontend that exports nothing passes the client's context on: the replica's span
+    // hangs under the client's span directly, the engine gets the client's traceparent.
+    let (_quiet, quiet_port) = frontend(&nats, dir.path(), &[]);
+    let other_trace = "0af7651916cd43dd8448eb211c80319c";
+    let tp2 = format!("00-{other_trace}-b7ad6b7169203331-01");
+    let (status, text) = http_post(
+        quiet_port,
+        "/v1/completions",
+        &[("traceparent", &tp2)],
+        &body,
+    );
+    assert_eq!(status, 200, "{text}");
+    let spans = rx.wait_for(Duration::from_secs(10), |s| {
+        s.iter().any(|s| s.trace_id == other_trace)
+    });
+    let theirs: Vec<&ReceivedSpan> = spans.iter().filter(|s| s.trace_id == other_trace).collect();
+    assert_eq!(theirs.len(), 1, "the replica's alone: {theirs:#?}");
+    assert_eq!(theirs[0].name, "kvrouter.route");
+    assert_eq!(
+        theirs[0].parent_span_id.as_deref(),
+        Some("b7ad6b7169203331")
+    );
+    let (_, seen) = http_get(engine.engine.http, "/kvrouter/test/traceparents");
+    let seen: Vec<Value> = serde_json::from_str(&seen).unwrap();
+    assert_eq!(seen.last().and_then(Value::as_str), Some(tp2.as_str()));
+
+    // The replicas' JSON API takes a caller's traceparent too.
+    let (t3, p3) = ("1bf92f3577b34da6a3ce929d0e0e4736", "c0f067aa0ba902b7");
+    let route_body = format!(
+        r#"{{"model":"{E2E_MODEL}","tokens":{}}}"#,
+        serde_json::to_string(&prompt).unwrap()
+    );
+    let (status, text) = http_post(
+        a1,
+        "/v1/route",
+        &[("traceparent", &format!("00-{t3}-{p3}-01"))],
+        &route_body,
+    );
+    assert_eq!(status, 200, "{text}");
+    let spans = rx.wait_for(Duration::from_secs(10), |s| {
+        s.iter().any(|s| s.trace_id == t3)
+    });
+    let api = spans.iter().find(|s| s.trace_id == t3).unwrap();
+    assert_eq!(
+        (api.name.as_str(), api.parent_span_id.as_deref()),
+        ("kvrouter.route", Some(p3))
+    );
+    assert_eq!(api.attr("kvrouter.overlap_blocks.device"), Some("2"));
+
+    // The exporters count what the collector took.
+    assert!(metric_sum(port, "kvrouter_frontend_otlp_spans_exported_total") >= 6.0);
+    assert!(metric_sum(a1, "kvrouter_otlp_spans_exported_total") >= 3.0);
+    assert_eq!(metric_sum(a1, "kvrouter_otlp_spans_dropped_total"), 0.0);
 }

@@ -55,6 +55,8 @@ pub struct ApiRequest {
     pub path: String,
     /// The raw query string (empty when none).
     pub query: String,
+    /// The `traceparent` header, as sent (the API parses it; a malformed one is ignored).
+    pub traceparent: Option<String>,
     pub body: Bytes,
 }
 
@@ -214,6 +216,9 @@ async fn handle_api(
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
+    let traceparent = (req.headers().get("traceparent"))
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let body = match read_body(req, view.max_body_bytes(), body_timeout).await {
         Ok(b) => b,
         Err(e) => {
@@ -228,6 +233,7 @@ async fn handle_api(
         method,
         path,
         query,
+        traceparent,
         body,
     };
     let what = format!("{} {}", req.method, req.path);

@@ -122,6 +122,7 @@ pub async fn run_epp_bench(config: &EppBenchConfig) -> Result<EppBenchReport, Do
         ranks: RankConvention::Vllm,
         leases,
         fallbacks: 2,
+        tracer: Default::default(),
     };
     let limits = ExchangeLimits {
         max_body_bytes: MAX_BODY_BYTES,

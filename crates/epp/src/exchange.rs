@@ -69,6 +69,8 @@ pub struct RouteAsk {
     pub authorization: Option<String>,
     /// The gateway's subset hint: the endpoints the pick must come from (`None`: any).
     pub subset: Option<Vec<String>>,
+    /// The request's `traceparent` header, as sent (the picker parses it).
+    pub traceparent: Option<String>,
 }
 
 /// Where the exchange is.
@@ -101,6 +103,7 @@ pub struct Exchange {
     path: Option<String>,
     authorization: Option<String>,
     subset: Option<Vec<String>>,
+    traceparent: Option<String>,
     picked: Option<String>,
     /// The engine's status, once its answer's headers came.
     status: Option<u16>,
@@ -118,6 +121,7 @@ impl Exchange {
             path: None,
             authorization: None,
             subset: None,
+            traceparent: None,
             picked: None,
             status: None,
             answer_scan: None,
@@ -230,6 +234,7 @@ impl Exchange {
         self.expect(Phase::Headers, "request headers")?;
         self.path = header(&h, ":path");
         self.authorization = header(&h, "authorization");
+        self.traceparent = header(&h, "traceparent");
         self.subset = subset_hint(metadata.as_ref());
         if h.end_of_stream {
             return Ok(self.immediate(&ApiError::invalid(
@@ -265,6 +270,7 @@ impl Exchange {
             body: std::mem::take(&mut self.body).freeze(),
             authorization: self.authorization.take(),
             subset: self.subset.take(),
+            traceparent: self.traceparent.take(),
         })])
     }
 
@@ -575,8 +581,12 @@ mod tests {
         );
         let auth = ("authorization", "Bearer k");
         let path = (":path", "/v1/completions");
+        let trace = (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        );
         assert_eq!(
-            x.on_message(req_headers(&[path, auth], Some(hint)))
+            x.on_message(req_headers(&[path, auth, trace], Some(hint)))
                 .unwrap(),
             []
         );
@@ -595,6 +605,7 @@ mod tests {
                 body: Bytes::from_static(b"{\"a\":1}"),
                 authorization: Some("Bearer k".into()),
                 subset: Some(vec!["10.0.0.1:8000".into(), "10.0.0.2:8000".into()]),
+                traceparent: Some(trace.1.into()),
             })]
         );
         let e = x.picked_route(Pick {

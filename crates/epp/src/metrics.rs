@@ -39,6 +39,8 @@ pub struct EppMetrics {
     pub leases: Arc<LeaseCounts>,
     /// A router replica answered the last readiness probe.
     pub ready: AtomicBool,
+    /// Pick spans exported, dropped, failed exports (`otlp_*`).
+    pub traces: kvrouter_otlp::TraceMetrics,
 }
 
 impl EppMetrics {
@@ -115,8 +117,11 @@ impl EppMetrics {
             "Route decisions freed (equal to routes_taken at rest)",
             leases.freed.clone(),
         );
+        let traces = kvrouter_otlp::TraceMetrics::default();
+        traces.register(&mut registry);
         Self {
             registry,
+            traces,
             exchanges,
             open,
             buffered_bytes,

@@ -10,7 +10,8 @@ use kvrouter_openai::door_metrics::CachePrediction;
 use kvrouter_openai::{
     parse, Access, ApiError, DoorClock, DoorPhase, Endpoint, Models, RankConvention,
 };
-use kvrouter_protocol::{ErrorKind, Pin, RouteRequest};
+use kvrouter_otlp::{Span, SpanKind, Tracer};
+use kvrouter_protocol::{ErrorKind, Pin, RouteRequest, TraceContext, TRACEPARENT};
 use std::sync::Arc;
 
 pub struct Picker {
@@ -23,6 +24,8 @@ pub struct Picker {
     pub leases: Arc<LeaseCounts>,
     /// Endpoints to answer after the pick, for the gateway to retry on (`--fallbacks`).
     pub fallbacks: u8,
+    /// Starts pick spans (off without `--otlp-traces-endpoint`).
+    pub tracer: Tracer,
 }
 
 /// A booking, and what it takes to move it to the worker that served instead.
@@ -49,11 +52,32 @@ impl Booking {
 impl Picker {
     /// Decides for `ask` under `route_id` (the booking's request id): the pick and the
     /// booking it holds, or the error the client gets. `clock` times its phases.
+    ///
+    /// The pick is a span of the client's trace (its `traceparent`), the parent of the
+    /// replica's route span; when it records, the engine's `traceparent` names it too.
     pub async fn pick(
         &self,
         ask: RouteAsk,
         route_id: &str,
         clock: &mut DoorClock,
+    ) -> Result<(Pick, Booking), ApiError> {
+        let parent = (ask.traceparent.as_deref()).and_then(|t| TraceContext::parse(t).ok());
+        let mut span = self
+            .tracer
+            .span("kvrouter.epp.pick", SpanKind::Server, parent);
+        let picked = self.pick_traced(ask, route_id, clock, &mut span).await;
+        if let Err(e) = &picked {
+            span.fail(e.message.clone());
+        }
+        picked
+    }
+
+    async fn pick_traced(
+        &self,
+        ask: RouteAsk,
+        route_id: &str,
+        clock: &mut DoorClock,
+        span: &mut Span,
     ) -> Result<(Pick, Booking), ApiError> {
         let grants = self
             .access
@@ -78,7 +102,10 @@ impl Picker {
         let understood = self.models.understand(&req, clock).await?;
         let mut route = understood
             .route_request(&req, route_id)?
-            .with_fallbacks(self.fallbacks);
+            .with_fallbacks(self.fallbacks)
+            .with_trace(span.context());
+        span.set("kvrouter.model", understood.model.name().to_string());
+        span.set("kvrouter.prompt_tokens", route.tokens.len());
         if let Some(subset) = &ask.subset {
             // Only workers at the endpoints the gateway allows (and the caller's own
             // allowed workers among them).
@@ -130,7 +157,17 @@ impl Picker {
             }
             (endpoints, rank)
         };
+        span.set("kvrouter.replica_id", d.replica_id.clone());
+        span.set("kvrouter.worker_id", d.worker_id);
+        span.set("kvrouter.dp_rank", d.dp_rank);
+        span.set("kvrouter.overlap_blocks.device", d.overlap_blocks);
+        span.set("kvrouter.fallbacks", endpoints.len() - 1);
         let mut headers = vec![("x-request-id".to_string(), route_id.to_string())];
+        // The engine's own spans nest under the pick when the picker exports (otherwise
+        // the client's traceparent reaches the engine through the gateway unchanged).
+        if let Some(ctx) = span.context().filter(|_| span.is_recording()) {
+            headers.push((TRACEPARENT.to_string(), ctx.to_string()));
+        }
         let body = match (self.ranks, rank) {
             (_, None) => ask.body,
             (RankConvention::Vllm, Some(r)) => {

@@ -24,6 +24,9 @@ pub struct FrontendConfig {
     /// Request body bytes held at once over all connections (read, not yet parsed); a
     /// body that finds them spent gets 503.
     pub max_buffered_body_bytes: usize,
+    /// Where request spans go (`--otlp-traces-endpoint`; none: not recorded, a client's
+    /// `traceparent` still passed on).
+    pub traces: kvrouter_otlp::TracesConfig,
 }
 
 impl Default for FrontendConfig {
@@ -38,6 +41,7 @@ impl Default for FrontendConfig {
             connect_timeout: Duration::from_secs(2),
             http_limits: kvrouter_admin::HttpLimits::default(),
             max_buffered_body_bytes: 512 << 20,
+            traces: kvrouter_otlp::TracesConfig::default(),
         }
     }
 }

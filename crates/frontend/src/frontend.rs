@@ -13,6 +13,7 @@ use kvrouter_client::{ClientError, KvRouterClient, LeaseCounts, RouteLease};
 use kvrouter_openai::body::with_token_prompt;
 use kvrouter_openai::door_metrics::CachePrediction;
 use kvrouter_openai::{ApiError, ClientRequest, DoorClock, DoorPhase, ModelFiles, Models};
+use kvrouter_otlp::{Span, SpanKind, Tracer};
 use kvrouter_protocol::{ErrorKind, TraceContext, WorkerId, TRACEPARENT};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -35,6 +36,10 @@ pub struct Frontend {
     pub(crate) parse_slots: Arc<Semaphore>,
     /// The client listener's connection counts, once it listens.
     pub(crate) http_stats: parking_lot::Mutex<Vec<(std::net::SocketAddr, Arc<HttpStats>)>>,
+    /// Starts request spans (off without `--otlp-traces-endpoint`).
+    pub(crate) tracer: Tracer,
+    /// Sends the spans still queued at shutdown.
+    pub(crate) exporter: parking_lot::Mutex<Option<kvrouter_otlp::Exporter>>,
 }
 
 /// A request's place among the in-flight ones; gives it back (and the gauge) on drop.
@@ -56,6 +61,8 @@ pub struct Routed {
     pub model: Arc<ModelFiles>,
     /// The cached prefix the router predicted, to hold against the engine's report.
     pub prediction: CachePrediction,
+    /// The engine call: its span lasts until the answer ends.
+    pub engine_span: Span,
 }
 
 impl Frontend {
@@ -67,13 +74,24 @@ impl Frontend {
     ) -> Result<Self, String> {
         let models = Models::new(models, loras, config.max_body_bytes)?;
         let leases = Arc::new(LeaseCounts::default());
+        let metrics = FrontendMetrics::new(leases.clone());
+        // With an endpoint, the exporter's task starts here (on the caller's runtime).
+        let (tracer, exporter) = config.traces.start(
+            kvrouter_otlp::ServiceInfo {
+                name: "kvrouter-frontend".into(),
+                instance_id: kvrouter_client::new_request_id(),
+            },
+            metrics.traces.clone(),
+        );
         Ok(Self {
             models,
             router,
             upstream: Upstream::new(config.connect_timeout),
             permits: Arc::new(Semaphore::new(config.max_inflight)),
             body_budget: kvrouter_admin::BodyBudget::new(config.max_buffered_body_bytes),
-            metrics: FrontendMetrics::new(leases.clone()),
+            metrics,
+            tracer,
+            exporter: parking_lot::Mutex::new(exporter),
             leases,
             config,
             http_stats: Default::default(),
@@ -115,17 +133,21 @@ impl Frontend {
     /// Checks, tokenizes and routes the request, and sends it to the chosen engine,
     /// routing again (that worker excluded) when an engine fails before answering.
     /// `route_id` names it to the router and the engine: the frontend's own, never the
-    /// client's `x-request-id`. `clock` times its phases up to the engine's answer.
+    /// client's `x-request-id`. `clock` times its phases up to the engine's answer. Each
+    /// route call and engine call is a span under `request` (the route's context travels on
+    /// the bus, the engine call's as the engine's `traceparent`).
     pub async fn route_and_send(
         &self,
         req: &ClientRequest,
         route_id: &str,
-        trace: Option<TraceContext>,
+        request: &mut Span,
         clock: &mut DoorClock,
     ) -> Result<Routed, ApiError> {
         let started = Instant::now();
         let understood = self.models.understand(req, clock).await?;
         let model = understood.model.clone();
+        request.set("kvrouter.model", model.name().to_string());
+        request.set("kvrouter.prompt_tokens", understood.tokens.len());
         let labels = FrontendMetrics::model(model.name());
         self.metrics
             .input_tokens
@@ -149,15 +171,28 @@ impl Frontend {
                 // A fresh id: the failed one may not be freed on its replica yet.
                 route.request_id = format!("{route_id}/retry{attempt}");
             }
+            let mut route_span =
+                (self.tracer).span("kvrouter.route_call", SpanKind::Client, request.context());
+            route.trace = route_span.context();
             let decision = match self.router.route(&route).await {
                 Ok(d) => d,
                 Err(ClientError::Router(e))
                     if e.kind == ErrorKind::NoAllowedWorkers && last_failure.is_some() =>
                 {
+                    route_span.fail(e.kind.to_string());
                     break; // every worker it may use has failed it
                 }
-                Err(e) => return Err(ApiError::from_route(e.kind(), e.to_string())),
+                Err(e) => {
+                    route_span.fail(e.kind().to_string());
+                    return Err(ApiError::from_route(e.kind(), e.to_string()));
+                }
             };
+            route_span.set("kvrouter.attempt", attempt);
+            route_span.set("kvrouter.replica_id", decision.replica_id.clone());
+            route_span.set("kvrouter.worker_id", decision.worker_id);
+            route_span.set("kvrouter.dp_rank", decision.dp_rank);
+            route_span.set("kvrouter.overlap_blocks.device", decision.overlap_blocks);
+            route_span.end();
             clock.lap(DoorPhase::Route);
             let prediction = CachePrediction::of(&decision, route.tokens.len());
             let lease = RouteLease::new(
@@ -171,8 +206,15 @@ impl Frontend {
             if self.config.ranks == RankConvention::Sglang {
                 body.insert("data_parallel_rank".into(), d.dp_rank.into());
             }
-            // The engine knows the request by the id the router booked it under.
-            let headers = self.upstream_headers(&route.request_id, d.dp_rank, trace);
+            let mut engine_span =
+                (self.tracer).span("kvrouter.engine_call", SpanKind::Client, request.context());
+            engine_span.set("kvrouter.worker_id", d.worker_id);
+            engine_span.set("kvrouter.dp_rank", d.dp_rank);
+            engine_span.set("kvrouter.attempt", attempt);
+            // The engine knows the request by the id the router booked it under; its own
+            // spans (vLLM, SGLang with tracing on) nest under the engine call.
+            let headers =
+                self.upstream_headers(&route.request_id, d.dp_rank, engine_span.context());
             let payload = Bytes::from(with_token_prompt(&body, &req.passthrough, &route.tokens));
             let timeout = deadline.saturating_duration_since(Instant::now());
             match self
@@ -186,6 +228,7 @@ impl Frontend {
                         answer,
                         model,
                         prediction,
+                        engine_span,
                     })
                 }
                 Err(e) if e.route_around() => {
@@ -196,6 +239,7 @@ impl Frontend {
                         error = %e,
                         "engine failed the request before answering; routing around it"
                     );
+                    engine_span.fail(e.to_string());
                     let worker = d.worker_id;
                     lease.free();
                     if !route.excluded_workers.contains(&worker) {
@@ -209,10 +253,12 @@ impl Frontend {
                     }
                 }
                 Err(UpstreamError::Status { status, body, .. }) => {
+                    engine_span.fail(format!("HTTP {status}"));
                     lease.free();
                     return Err(engine_refusal(status, &body));
                 }
                 Err(e) => {
+                    engine_span.fail(e.to_string());
                     lease.free();
                     return Err(ApiError::upstream(e.to_string()));
                 }

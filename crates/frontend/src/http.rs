@@ -12,6 +12,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use kvrouter_admin::HttpServer;
 use kvrouter_openai::auth::{Grants, Refusal};
 use kvrouter_openai::{self as openai, ApiError, ClientRequest, DoorClock, DoorPhase, Endpoint};
+use kvrouter_otlp::SpanKind;
 use kvrouter_protocol::{TraceContext, TRACEPARENT};
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -188,18 +189,22 @@ impl Frontend {
         route_id: &str,
         started: Instant,
     ) -> Result<(String, Response<Body>), (String, ApiError)> {
-        // The client's trace, passed on to the engine (a malformed one is dropped).
+        // The client's trace (a malformed one is dropped): the request's span joins it, or
+        // with tracing off it is passed on as it came.
         let trace = req
             .headers()
             .get(TRACEPARENT)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| TraceContext::parse(v).ok());
+        let mut span = (self.tracer).span("kvrouter.frontend.request", SpanKind::Server, trace);
+        span.set("kvrouter.endpoint", endpoint.as_str());
         // A place among the in-flight requests only for a whole, well-formed request: a
         // client that sends its body slowly holds a connection, never a permit.
         let creq = self
             .read_request(endpoint, req, grants)
             .await
             .map_err(|e| {
+                span.fail(e.message.clone());
                 if e.status == 403 {
                     self.metrics.refused(Refusal::RoutingExtension);
                     tracing::debug!("refused: the kvrouter extension is not granted");
@@ -210,16 +215,24 @@ impl Frontend {
         let mut clock = DoorClock::started_at(Some(started));
         clock.lap(DoorPhase::Parse);
         let model = self.label_for(&creq.model);
-        let in_flight = self.admit().map_err(|e| (model.clone(), e))?;
+        span.set("kvrouter.stream", creq.stream);
+        let in_flight = self.admit().map_err(|e| {
+            span.fail(e.message.clone());
+            (model.clone(), e)
+        })?;
         let Routed {
             lease,
             answer,
             model: served,
             prediction,
+            engine_span,
         } = self
-            .route_and_send(&creq, route_id, trace, &mut clock)
+            .route_and_send(&creq, route_id, &mut span, &mut clock)
             .await
-            .map_err(|e| (model.clone(), e))?;
+            .map_err(|e| {
+                span.fail(e.message.clone());
+                (model.clone(), e)
+            })?;
         let d = &lease.decision;
         // Which worker and replica served, and how much of the prompt was cached there: a
         // map of the fleet and a probe of other tenants' prompts, for granted callers only.
@@ -241,7 +254,8 @@ impl Frontend {
             started,
             in_flight,
         )
-        .timed(clock, prediction);
+        .timed(clock, prediction)
+        .traced(span, engine_span);
         let mut res = if creq.stream {
             let body = StreamBody::new(relay.into_sse_body(
                 chat,
@@ -367,6 +381,10 @@ impl FrontendServer {
         let _ = (self.frontend.router.bus())
             .flush_within(std::time::Duration::from_secs(1))
             .await;
+        let exporter = self.frontend.exporter.lock().take();
+        if let Some(e) = exporter {
+            e.shutdown(std::time::Duration::from_secs(2)).await;
+        }
     }
 }
 

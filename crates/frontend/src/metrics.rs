@@ -55,6 +55,8 @@ pub struct FrontendMetrics {
     pub input_tokens: Family<ModelLabel, Counter>,
     pub auth_refused: Family<ReasonLabel, Counter>,
     pub leases: Arc<LeaseCounts>,
+    /// Request spans exported, dropped, failed exports (`otlp_*`).
+    pub traces: kvrouter_otlp::TraceMetrics,
 }
 
 impl FrontendMetrics {
@@ -72,8 +74,10 @@ impl FrontendMetrics {
             input_tokens: Family::default(),
             auth_refused: Family::default(),
             leases,
+            traces: kvrouter_otlp::TraceMetrics::default(),
             registry: Registry::default(),
         };
+        m.traces.register(&mut registry);
         registry.register(
             "requests",
             "Requests answered, by model, endpoint and HTTP status",

@@ -12,6 +12,7 @@ use kvrouter_client::RouteLease;
 use kvrouter_openai::door_metrics::{reported_cached_tokens, CachePrediction, CacheVerdict};
 use kvrouter_openai::sse::{self, SseEvent, SseParser};
 use kvrouter_openai::{read_chunk, ApiError, Chunk, ChunkShaper, DoorClock, DoorPhase, Gathered};
+use kvrouter_otlp::Span;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -43,6 +44,10 @@ pub struct Relay {
     /// The router's prediction, held against the engine's report when the answer ends.
     prediction: Option<CachePrediction>,
     reported_cached: Option<u64>,
+    /// The engine call's span, then the request's: both end with the answer (in this
+    /// order, the child first).
+    engine_span: Option<Span>,
+    request_span: Option<Span>,
 }
 
 impl Relay {
@@ -70,6 +75,25 @@ impl Relay {
             clock: None,
             prediction: None,
             reported_cached: None,
+            engine_span: None,
+            request_span: None,
+        }
+    }
+
+    /// Ends the request's and the engine call's spans with the answer.
+    pub fn traced(mut self, request: Span, engine: Span) -> Self {
+        self.request_span = Some(request);
+        self.engine_span = Some(engine);
+        self
+    }
+
+    /// The answer failed: both spans say why.
+    fn failed(&mut self, why: &str) {
+        for s in [&mut self.engine_span, &mut self.request_span]
+            .into_iter()
+            .flatten()
+        {
+            s.fail(why.to_string());
         }
     }
 
@@ -104,6 +128,12 @@ impl Relay {
         let Some(p) = self.prediction.take() else {
             return;
         };
+        if let Some(s) = &mut self.request_span {
+            s.set("kvrouter.cached_tokens.predicted", p.tokens);
+            if let Some(n) = self.reported_cached {
+                s.set("kvrouter.cached_tokens.reported", n);
+            }
+        }
         let verdict =
             self.frontend
                 .metrics
@@ -208,6 +238,7 @@ impl Relay {
                     self.frontend.config.request_timeout
                 ),
             };
+            self.failed(&failure);
             self.finish();
             let err = json!({"error": {"message": failure, "type": "upstream_error", "code": 502}});
             let mut b = BytesMut::new();
@@ -256,6 +287,7 @@ impl Relay {
                     self.frontend.config.request_timeout
                 )),
             };
+            self.failed(&failure.message);
             self.finish();
             return Err(failure);
         }

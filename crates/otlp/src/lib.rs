@@ -7,12 +7,14 @@
 //! them in batches to a collector. The OTLP messages are written here as prost structs
 //! ([`proto`]); the test kit's receiver reads them with the `opentelemetry-proto` types.
 
+mod config;
 mod exporter;
 mod metrics;
 pub mod proto;
 mod span;
 mod tracer;
 
+pub use config::TracesConfig;
 pub use exporter::{
     export_request, sample_ratio, start, ExportOptions, Exporter, OtlpEndpoint, OtlpError,
     ServiceInfo,

@@ -242,6 +242,8 @@ pub struct ReplicaConfig {
     /// Book routes without a lease (`--allow-unleased`: a fleet upgraded from one whose
     /// callers knew none); otherwise a booked route without one is refused.
     pub allow_unleased: bool,
+    /// Where route spans go (`--otlp-traces-endpoint`; none: not recorded).
+    pub traces: kvrouter_otlp::TracesConfig,
 }
 
 impl Default for ReplicaConfig {
@@ -267,6 +269,7 @@ impl Default for ReplicaConfig {
             sync: None,
             transfer_timeout: DEFAULT_TRANSFER_TIMEOUT,
             allow_unleased: false,
+            traces: kvrouter_otlp::TracesConfig::default(),
         }
     }
 }

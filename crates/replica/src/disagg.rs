@@ -23,9 +23,10 @@ use crate::scheduler_actor::{route_job, Asker, SchedulerMsg};
 use crate::serve::{follow_workers, serve_requests, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use crate::transfer::{ReportOutcome, TransferEnd, TransferTracker};
+use kvrouter_otlp::SpanKind;
 use kvrouter_protocol::{
     prefill_request_id, DisaggDecision, DisaggRouteRequest, ErrorKind, ErrorReply, RouteDecision,
-    Subjects, TransferReport, TransferSide, WorkerKey, WorkerRole, WorkerSubject,
+    Subjects, TraceContext, TransferReport, TransferSide, WorkerKey, WorkerRole, WorkerSubject,
 };
 use kvrouter_scheduler::RouteFilters;
 use rustc_hash::FxHashMap;
@@ -115,19 +116,44 @@ pub async fn start(
     let (shared, server) = (shared.clone(), server.clone());
     let front = tokio::spawn(async move {
         let Ok(sub) = sub.await else { return };
-        serve_requests(sub, server, "route_disagg", OneWay::Drop, move |req, _| {
-            let (shared, models) = (shared.clone(), models.clone());
-            async move {
-                let routed = route_disagg(&shared, &models, max_prompt_tokens, req).await;
-                routed
-                    .map(|(model, decision)| {
-                        let labels = Metrics::model(&model);
-                        shared.metrics.disagg_routes.get_or_create(&labels).inc();
-                        decision
-                    })
-                    .into()
-            }
-        })
+        serve_requests(
+            sub,
+            server,
+            "route_disagg",
+            OneWay::Drop,
+            move |req: DisaggRouteRequest, _| {
+                let (shared, models) = (shared.clone(), models.clone());
+                async move {
+                    let parent = req.trace.and_then(TraceContext::valid);
+                    let mut span =
+                        (shared.tracer).span("kvrouter.route_disagg", SpanKind::Server, parent);
+                    let routed = route_disagg(&shared, &models, max_prompt_tokens, req).await;
+                    match &routed {
+                        Ok((model, d)) if span.is_recording() => {
+                            span.set("kvrouter.model", model.clone());
+                            span.set("kvrouter.replica_id", shared.replica_id.clone());
+                            span.set("kvrouter.prefill.worker_id", d.prefill.worker_id);
+                            span.set("kvrouter.prefill.dp_rank", d.prefill.dp_rank);
+                            span.set(
+                                "kvrouter.prefill.overlap_blocks.device",
+                                d.prefill.overlap_blocks,
+                            );
+                            span.set("kvrouter.decode.worker_id", d.decode.worker_id);
+                            span.set("kvrouter.decode.dp_rank", d.decode.dp_rank);
+                        }
+                        Err(e) => span.fail(e.kind.to_string()),
+                        Ok(_) => {}
+                    }
+                    routed
+                        .map(|(model, decision)| {
+                            let labels = Metrics::model(&model);
+                            shared.metrics.disagg_routes.get_or_create(&labels).inc();
+                            decision
+                        })
+                        .into()
+                }
+            },
+        )
         .await;
     });
     Ok((vec![front], back))

@@ -9,10 +9,11 @@ use crate::scheduler_actor::{route_job, Asker, Held, RouteJob, SchedulerMsg};
 use crate::serve::{serve_requests, Answer, OneWay, Server};
 use crate::state::{ModelShared, ReplicaShared};
 use kvrouter_bus::Subscription;
+use kvrouter_otlp::{Span, SpanKind};
 use kvrouter_protocol::{
     prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, Fallback, Lease,
     LimitError, LocalBlockHash, OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad,
-    PromptExtras, RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier,
+    PromptExtras, RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier, TraceContext,
 };
 use kvrouter_scheduler::{RouteFilters, Selection};
 use std::sync::Arc;
@@ -268,11 +269,32 @@ pub(crate) fn hash_prompt(
 /// Routes one request: the one route path of the bus and HTTP endpoints. Answers the
 /// model's name with the decision (for [`observe_route`]); `clock` times its phases from
 /// hashing to scheduling.
+///
+/// The route is a span of the caller's trace (`req.trace`), exported when the replica
+/// exports: the choice, its overlap by tier, its cost and the runner-up's, the policy.
 pub(crate) async fn route(
     shared: &ReplicaShared,
     max_prompt_tokens: usize,
     req: RouteRequest,
     clock: &mut RouteClock,
+) -> Result<(String, RouteDecision), ErrorReply> {
+    let parent = req.trace.and_then(TraceContext::valid);
+    let mut span = shared
+        .tracer
+        .span("kvrouter.route", SpanKind::Server, parent);
+    let out = route_traced(shared, max_prompt_tokens, req, clock, &mut span).await;
+    if let Err(e) = &out {
+        span.fail(e.kind.to_string());
+    }
+    out
+}
+
+async fn route_traced(
+    shared: &ReplicaShared,
+    max_prompt_tokens: usize,
+    req: RouteRequest,
+    clock: &mut RouteClock,
+    span: &mut Span,
 ) -> Result<(String, RouteDecision), ErrorReply> {
     // Sizes first: nothing below copies, logs or looks up an oversize input.
     req.check_limits()
@@ -371,6 +393,9 @@ pub(crate) async fn route(
     if let Some((recorder, local, seq)) = record {
         recorder.record(sel.key, local, seq);
     }
+    if span.is_recording() {
+        describe_choice(span, shared, m, &sel, req.tokens.len(), req.update_states);
+    }
     Ok((
         req.model,
         RouteDecision {
@@ -394,6 +419,34 @@ pub(crate) async fn route(
                 .collect(),
         },
     ))
+}
+
+/// A route span's attributes: the choice and what it was weighed against.
+pub(crate) fn describe_choice(
+    span: &mut Span,
+    shared: &ReplicaShared,
+    m: &ModelShared,
+    sel: &Selection,
+    prompt_tokens: usize,
+    booked: bool,
+) {
+    let t = sel.tier_overlap_blocks;
+    span.set("kvrouter.model", m.name.clone());
+    span.set("kvrouter.replica_id", shared.replica_id.clone());
+    span.set("kvrouter.policy", shared.policy);
+    span.set("kvrouter.worker_id", sel.key.worker_id);
+    span.set("kvrouter.dp_rank", sel.key.dp_rank);
+    span.set("kvrouter.prompt_tokens", prompt_tokens);
+    span.set("kvrouter.overlap_blocks.device", t.device);
+    span.set("kvrouter.overlap_blocks.host", t.host);
+    span.set("kvrouter.overlap_blocks.disk", t.disk);
+    span.set("kvrouter.overlap_blocks.shared", t.shared);
+    span.set("kvrouter.cost", sel.cost);
+    if let Some(r) = sel.runner_up_cost {
+        span.set("kvrouter.runner_up_cost", r);
+    }
+    span.set("kvrouter.queued_seconds", sel.queued.as_secs_f64());
+    span.set("kvrouter.booked", booked);
 }
 
 /// A booking needs a lease, unless the replica takes unleased ones (`--allow-unleased`: for

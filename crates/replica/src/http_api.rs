@@ -21,6 +21,7 @@ use kvrouter_bus::BusError;
 use kvrouter_protocol::limits::{check_len, check_model, MAX_REPLICA_ID_BYTES};
 use kvrouter_protocol::{
     check_tracked_request_id, decode, encode, ErrorKind, Lease, OutputBlock, Reply, RequestUpdate,
+    TraceContext,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -103,7 +104,7 @@ pub fn handle(shared: Arc<ReplicaShared>, req: ApiRequest) -> Option<ApiPage> {
                 .with_header("allow", method.as_str());
         }
         let result = match call {
-            Call::Route => route(&shared, &req.body).await,
+            Call::Route => route(&shared, &req.body, req.traceparent.as_deref()).await,
             Call::Update(endpoint, id) => update(&shared, endpoint, &id, &req.body).await,
             Call::Workers => workers(&shared, &req.query).await,
         };
@@ -125,7 +126,12 @@ fn to_json<T: serde::Serialize>(v: &T) -> Result<String, ApiError> {
     serde_json::to_string(v).map_err(|e| ApiError::new(ErrorKind::Internal, e.to_string()))
 }
 
-async fn route(shared: &ReplicaShared, body: &[u8]) -> Result<String, ApiError> {
+/// A route by JSON; a valid `traceparent` header makes it a span of the caller's trace.
+async fn route(
+    shared: &ReplicaShared,
+    body: &[u8],
+    traceparent: Option<&str>,
+) -> Result<String, ApiError> {
     // Counted from here, so a shutdown waits for this answer.
     let _inflight = shared.inflight.enter();
     let mut clock: RouteClock = shared.metrics.phase_switch.clock();
@@ -146,7 +152,8 @@ async fn route(shared: &ReplicaShared, body: &[u8]) -> Result<String, ApiError> 
     }
     let req = body
         .into_request(|| uuid::Uuid::new_v4().simple().to_string())
-        .map_err(|e| refused(shared, &model, e))?;
+        .map_err(|e| refused(shared, &model, e))?
+        .with_trace(traceparent.and_then(|t| TraceContext::parse(t).ok()));
     let request_id = req.request_id.clone();
     clock.lap(RoutePhase::Decode);
     let started = Instant::now();

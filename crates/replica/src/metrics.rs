@@ -107,6 +107,8 @@ pub struct Metrics {
     phase_histograms: std::collections::HashMap<String, PhaseHistograms<RoutePhase>>,
     /// Whether route phases are timed (`/debug/phase-timing`).
     pub phase_switch: PhaseSwitch,
+    /// Route spans exported, dropped, failed exports (`otlp_*`).
+    pub traces: kvrouter_otlp::TraceMetrics,
     pub events_applied: Family<ModelLabels, Counter>,
     pub events_stale: Family<ModelLabels, Counter>,
     pub event_gaps: Family<ModelLabels, Counter>,
@@ -237,6 +239,11 @@ impl Metrics {
             ),
             phase_histograms: Default::default(),
             phase_switch: PhaseSwitch::default(),
+            traces: {
+                let t = kvrouter_otlp::TraceMetrics::default();
+                t.register(&mut registry);
+                t
+            },
             events_applied: reg!(
                 "kv_events_applied",
                 "KV events applied to the index",

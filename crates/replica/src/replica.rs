@@ -49,6 +49,8 @@ pub struct Replica {
     admin_addr: Option<SocketAddr>,
     http_addr: Option<SocketAddr>,
     drain_timeout: Duration,
+    /// Sends the route spans still queued at shutdown.
+    exporter: Option<kvrouter_otlp::Exporter>,
 }
 
 fn start_err(what: impl Into<String>, e: impl std::fmt::Display) -> ReplicaError {
@@ -494,6 +496,13 @@ impl Replica {
             models.push(rt);
         }
         let inflight = Arc::new(InFlight::default());
+        let (tracer, exporter) = config.traces.start(
+            kvrouter_otlp::ServiceInfo {
+                name: "kvrouter-replica".into(),
+                instance_id: replica_id.clone(),
+            },
+            metrics.traces.clone(),
+        );
         let shared = Arc::new(ReplicaShared {
             replica_id: replica_id.clone(),
             bus: bus.clone(),
@@ -509,6 +518,8 @@ impl Replica {
             allow_unleased: config.allow_unleased,
             routes_open: Default::default(),
             stall: crate::stall::StallWatch::new(crate::clock::now()),
+            tracer,
+            policy: config.scheduler.policy.as_str(),
         });
         let server = Server {
             bus: bus.clone(),
@@ -599,6 +610,7 @@ impl Replica {
             admin_addr,
             http_addr,
             drain_timeout: config.drain_timeout,
+            exporter,
         })
     }
 
@@ -682,6 +694,9 @@ impl Replica {
             if let Ok(index) = Arc::try_unwrap(m.index) {
                 let _ = tokio::time::timeout(Duration::from_secs(1), index.stop()).await;
             }
+        }
+        if let Some(e) = self.exporter {
+            e.shutdown(Duration::from_secs(2)).await;
         }
         tracing::info!("replica stopped");
     }

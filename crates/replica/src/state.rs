@@ -72,6 +72,10 @@ pub struct ReplicaShared {
     pub routes_open: AtomicBool,
     /// Whether the process just woke from a stall (routes read then are turned away).
     pub stall: crate::stall::StallWatch,
+    /// Starts route spans (off without `--otlp-traces-endpoint`).
+    pub tracer: kvrouter_otlp::Tracer,
+    /// The routing policy, as route spans name it.
+    pub policy: &'static str,
 }
 
 impl ReplicaShared {

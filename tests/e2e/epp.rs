@@ -9,7 +9,7 @@ use crate::common;
 
 use crate::support::{emulated_engine_with, sdk, EmulatedEngine};
 use common::*;
-use kvrouter_testkit::{EnvoyGateway, TestCerts};
+use kvrouter_testkit::{EnvoyGateway, OtlpReceiver, ReceivedSpan, TestCerts};
 use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
@@ -365,6 +365,58 @@ fn the_openai_sdk_through_envoy_and_the_endpoint_picker() {
     ] {
         assert!(m.contains(line), "{line} in {m}");
     }
+}
+
+/// Behind the gateway, the pick is a span of the client's trace (its `traceparent` reaches
+/// the picker through Envoy), the replica's route span nests under it over the bus, and the
+/// engine's `traceparent` names the pick, so the engine's spans nest under it too.
+#[test]
+fn the_pick_is_a_span_of_the_clients_trace_and_the_engines_parent() {
+    let rx = OtlpReceiver::start().unwrap();
+    let endpoint = rx.endpoint();
+    let traced = ["--otlp-traces-endpoint", endpoint.as_str()];
+    let g = Gateway::start_with(Setup {
+        epp: &traced,
+        serve: &traced,
+        ..Setup::default()
+    });
+    let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let tp = format!("00-{trace}-{client_span}-01");
+    let body = format!(r#"{{"model":"{E2E_MODEL}","prompt":[1,2,3,4,5],"max_tokens":2}}"#);
+    let (status, text) = http_post(g.port, "/v1/completions", &[("traceparent", &tp)], &body);
+    assert_eq!(status, 200, "{text}");
+    let spans = rx.wait_for(Duration::from_secs(10), |s| {
+        s.iter().filter(|s| s.trace_id == trace).count() >= 2
+    });
+    let ours: Vec<&ReceivedSpan> = spans.iter().filter(|s| s.trace_id == trace).collect();
+    assert_eq!(ours.len(), 2, "{ours:#?}");
+    let pick = ours
+        .iter()
+        .find(|s| s.name == "kvrouter.epp.pick")
+        .expect("the pick");
+    let route = ours
+        .iter()
+        .find(|s| s.name == "kvrouter.route")
+        .expect("the route");
+    assert_eq!(pick.service, "kvrouter-epp");
+    assert_eq!(pick.parent_span_id.as_deref(), Some(client_span));
+    assert_eq!(route.parent_span_id, Some(pick.span_id.clone()));
+    assert_eq!(
+        pick.attr("kvrouter.worker_id"),
+        route.attr("kvrouter.worker_id")
+    );
+    assert_eq!(pick.attr("kvrouter.model"), Some(E2E_MODEL));
+    // The engine that served got the pick as its parent.
+    let worker: u64 = pick.attr("kvrouter.worker_id").unwrap().parse().unwrap();
+    let (engine, _, _) = g.engines.iter().find(|(_, _, w)| *w == worker).unwrap();
+    let (_, seen) = http_get(engine.http, "/kvrouter/test/traceparents");
+    let seen: Vec<Value> = serde_json::from_str(&seen).unwrap();
+    assert_eq!(
+        seen.last().and_then(Value::as_str),
+        Some(format!("00-{trace}-{}-01", pick.span_id).as_str()),
+        "{seen:?}"
+    );
+    assert_eq!(rx.rejected(), 0);
 }
 
 /// The gateway over mutual TLS (h2): requests go through. SIGTERM with an answer

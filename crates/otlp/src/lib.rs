@@ -11,6 +11,7 @@ mod config;
 mod exporter;
 mod metrics;
 pub mod proto;
+mod sink;
 mod span;
 mod tracer;
 

@@ -166,7 +166,7 @@ impl Recording {
 #[must_use = "a span measures the time until it is dropped"]
 pub struct Span {
     pub(crate) context: Option<TraceContext>,
-    pub(crate) recording: Option<(Recording, crate::tracer::Sink)>,
+    pub(crate) recording: Option<(Recording, crate::sink::Sink)>,
 }
 
 impl Span {

@@ -4,6 +4,7 @@
 
 use crate::metrics::TraceMetrics;
 use crate::proto;
+use crate::sink::Sink;
 use crate::span::{new_span_id, new_trace_id, Recording, Span, SpanKind, SAMPLED};
 use kvrouter_protocol::TraceContext;
 use std::sync::Arc;
@@ -16,22 +17,9 @@ pub struct Tracer {
 }
 
 #[derive(Debug)]
-pub(crate) struct Shared {
-    queue: mpsc::Sender<proto::Span>,
+struct Shared {
+    sink: Sink,
     sample_ratio: f64,
-    metrics: TraceMetrics,
-}
-
-/// Where an ended span goes: the exporter's queue, or dropped (and counted) when it is full.
-#[derive(Clone, Debug)]
-pub(crate) struct Sink(Arc<Shared>);
-
-impl Sink {
-    pub(crate) fn push(&self, span: proto::Span) {
-        if self.0.queue.try_send(span).is_err() {
-            self.0.metrics.dropped.inc();
-        }
-    }
 }
 
 impl Tracer {
@@ -47,9 +35,8 @@ impl Tracer {
     ) -> Self {
         Self {
             shared: Some(Arc::new(Shared {
-                queue,
+                sink: Sink::new(queue, metrics),
                 sample_ratio,
-                metrics,
             })),
         }
     }
@@ -82,7 +69,7 @@ impl Tracer {
         let recording = (flags & SAMPLED != 0).then(|| {
             (
                 Recording::new(name, kind, context, parent),
-                Sink(shared.clone()),
+                shared.sink.clone(),
             )
         });
         Span {

@@ -145,6 +145,11 @@ pub struct ServeArgs {
     /// none) and let any caller end them: only while such callers are being replaced.
     #[arg(long, env = "KVROUTER_ALLOW_UNLEASED")]
     allow_unleased: bool,
+    /// A worker rank sent prompts of a full block or more (at least 3) for this many seconds
+    /// without one KV event from it is flagged silent: a warning naming the likely causes,
+    /// kvrouter_worker_events_silent, `events_silent` in /v1/workers. 0: never.
+    #[arg(long, env = "KVROUTER_EVENTS_SILENT_SECS", default_value_t = 60)]
+    events_silent_secs: u64,
     /// Remote lookups timing out in a row (a hung serving indexer) after which routes skip
     /// them (overlap 0) until a probe is answered; 0 turns this breaker off.
     #[arg(
@@ -248,6 +253,7 @@ impl ServeArgs {
             transfer_timeout: secs("transfer-timeout-secs", self.transfer_timeout_secs)?,
             allow_unleased: self.allow_unleased,
             traces: self.traces.config(),
+            events_silent_after: Duration::from_secs(self.events_silent_secs),
             ..ReplicaConfig::default()
         })
     }

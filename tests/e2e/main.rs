@@ -17,5 +17,6 @@ mod lifecycle;
 mod peer_api;
 mod readiness;
 mod replica;
+mod silent_engines;
 mod support;
 mod sync;

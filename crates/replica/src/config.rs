@@ -244,6 +244,9 @@ pub struct ReplicaConfig {
     pub allow_unleased: bool,
     /// Where route spans go (`--otlp-traces-endpoint`; none: not recorded).
     pub traces: kvrouter_otlp::TracesConfig,
+    /// A rank routed to for this long without a KV event is flagged silent
+    /// (`--events-silent-secs`; zero: never).
+    pub events_silent_after: Duration,
 }
 
 impl Default for ReplicaConfig {
@@ -270,6 +273,7 @@ impl Default for ReplicaConfig {
             transfer_timeout: DEFAULT_TRANSFER_TIMEOUT,
             allow_unleased: false,
             traces: kvrouter_otlp::TracesConfig::default(),
+            events_silent_after: Duration::from_secs(60),
         }
     }
 }

@@ -224,6 +224,7 @@ async fn route_disagg(
     // Prefill: overlap and load, among prefill workers.
     let overlaps = m.find_overlaps(&local).await;
     let prefill_id = prefill_request_id(&req.request_id);
+    let local_empty = local.is_empty();
     let record = match &m.recorder {
         Some(r) if req.update_states => Some((r, local)),
         _ => None,
@@ -238,6 +239,9 @@ async fn route_disagg(
     job.lease = req.lease;
     job.filters = RouteFilters::only_workers(prefill_workers);
     let pre = endpoints::schedule(shared, m, job, rx).await?;
+    if !local_empty {
+        endpoints::note_routed(shared, m, pre.key);
+    }
     let undo_prefill = || {
         if req.update_states {
             scheduler_update(m, prefill_id.clone(), true);

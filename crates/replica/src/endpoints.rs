@@ -4,6 +4,7 @@
 //! scheduler's queue holds up nobody. Every failure is answered with an [`ErrorReply`].
 
 use crate::layouts::aggregated_workers;
+use crate::metrics::KeyLabels;
 use crate::route_phases::{RouteClock, RoutePhase};
 use crate::scheduler_actor::{route_job, Asker, Held, RouteJob, SchedulerMsg};
 use crate::serve::{serve_requests, Answer, OneWay, Server};
@@ -14,6 +15,7 @@ use kvrouter_protocol::{
     prompt_local_hashes, sequence_hashes, Abandon, ErrorKind, ErrorReply, Fallback, Lease,
     LimitError, LocalBlockHash, OutputBlock, OverlapRequest, OverlapScoresReply, PotentialLoad,
     PromptExtras, RequestUpdate, RouteDecision, RouteRequest, SequenceHash, Tier, TraceContext,
+    WorkerKey,
 };
 use kvrouter_scheduler::{RouteFilters, Selection};
 use std::sync::Arc;
@@ -328,6 +330,7 @@ async fn route_traced(
     .map_err(|e| error(shared, &req.model, e))?;
     // With the request's checks above: what a replica does before its index.
     clock.lap(RoutePhase::Hash);
+    let has_block = !local.is_empty();
     if req.update_states && req.request_id.is_empty() {
         return Err(error(
             shared,
@@ -393,6 +396,9 @@ async fn route_traced(
     if let Some((recorder, local, seq)) = record {
         recorder.record(sel.key, local, seq);
     }
+    if has_block {
+        note_routed(shared, m, sel.key);
+    }
     if span.is_recording() {
         describe_choice(span, shared, m, &sel, req.tokens.len(), req.update_states);
     }
@@ -419,6 +425,15 @@ async fn route_traced(
                 .collect(),
         },
     ))
+}
+
+/// A prompt of a full block or more went to `key`: its engine should publish KV events
+/// for it (see `rank_silence`).
+pub(crate) fn note_routed(shared: &ReplicaShared, m: &ModelShared, key: WorkerKey) {
+    m.silence.lock().routed(key, Instant::now());
+    (shared.metrics.rank_routes)
+        .get_or_create(&KeyLabels::new(&m.name, key))
+        .inc();
 }
 
 /// A route span's attributes: the choice and what it was weighed against.

@@ -318,9 +318,16 @@ async fn workers(shared: &ReplicaShared, query: &str) -> Result<String, ApiError
             .map_err(|_| stopped())?;
         let loads = rx.await.map_err(|_| stopped())?;
         let keeps_index = m.remote_index.is_none();
-        let workers = json::worker_ranks(&m.status.layouts.all(), &loads, |key| {
-            keeps_index.then(|| m.index.held_blocks(key))
-        });
+        let now = std::time::Instant::now();
+        let workers = {
+            let silence = m.silence.lock();
+            json::worker_ranks(
+                &m.status.layouts.all(),
+                &loads,
+                |key| keeps_index.then(|| m.index.held_blocks(key)),
+                |key| silence.quiet(key, now),
+            )
+        };
         answer.models.push(json::ModelWorkers {
             model: m.name.clone(),
             block_size: m.status.block_size(),

@@ -30,6 +30,7 @@ mod endpoints;
 mod http_api;
 mod layouts;
 pub mod metrics;
+pub mod rank_silence;
 mod remote_indexer;
 mod replica;
 pub mod replica_sync;

@@ -155,6 +155,13 @@ pub struct Metrics {
     /// waiting requests.
     pub reported_active_blocks: Family<KeyLabels, Gauge>,
     pub reported_waiting_requests: Family<KeyLabels, Gauge>,
+    /// Whether a rank's KV events reach the router: routes sent to it and events applied
+    /// from it (their ratio: events per routed request), the age of its last event, and 1
+    /// while it is routed to without publishing (`--events-silent-secs`).
+    pub rank_routes: Family<KeyLabels, Counter>,
+    pub rank_events: Family<KeyLabels, Counter>,
+    pub since_last_event: Family<KeyLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub events_silent: Family<KeyLabels, Gauge>,
     /// Disaggregated prefill/decode: routes made, transfer reports that changed nothing
     /// (unknown request, wrong worker or tp rank, duplicate), transfers overdue or dropped,
     /// transfers pending.
@@ -391,6 +398,26 @@ impl Metrics {
                 "Requests waiting on a worker rank, as its engine last reported",
                 Family::default()
             ),
+            rank_routes: reg!(
+                "worker_routes",
+                "Routes to a worker rank whose prompt has a full block (each should bring KV events from it)",
+                Family::default()
+            ),
+            rank_events: reg!(
+                "worker_kv_events",
+                "KV events applied from a worker rank",
+                Family::default()
+            ),
+            since_last_event: reg!(
+                "worker_seconds_since_last_event",
+                "Seconds since a worker rank's last KV event (since it joined if none came)",
+                Family::default()
+            ),
+            events_silent: reg!(
+                "worker_events_silent",
+                "1 while a worker rank is sent requests but publishes no KV events for --events-silent-secs (events going elsewhere: check its engine's endpoint, topic and its bridge)",
+                Family::default()
+            ),
             disagg_routes: reg!(
                 "disagg_routes",
                 "Disaggregated route decisions made (a prefill and a decode worker rank)",
@@ -512,6 +539,10 @@ impl Metrics {
         self.active_requests.remove(&labels);
         self.reported_active_blocks.remove(&labels);
         self.reported_waiting_requests.remove(&labels);
+        self.rank_routes.remove(&labels);
+        self.rank_events.remove(&labels);
+        self.since_last_event.remove(&labels);
+        self.events_silent.remove(&labels);
     }
 
     /// The Prometheus text exposition (OpenMetrics).

@@ -7,6 +7,7 @@ use crate::breaker::BreakerConfig;
 use crate::config::{ReplicaConfig, ReplicaError};
 use crate::endpoints::{self, Endpoint};
 use crate::metrics::Metrics;
+use crate::rank_silence::RankSilence;
 use crate::remote_indexer::{DecisionPublisher, RemoteIndexer};
 use crate::replica_sync_bus;
 use crate::route_gate::RouteGate;
@@ -164,10 +165,14 @@ async fn start_model(
         .await
         .map_err(|e| start_err(format!("index of model {name:?}"), e))?,
     );
+    let silence = Arc::new(parking_lot::Mutex::new(RankSilence::new(
+        config.events_silent_after,
+    )));
     let (tracker, tracker_join) = Actor::spawn(
         None,
         WorkerTracker,
         TrackerArgs {
+            silence: silence.clone(),
             model: name.to_string(),
             block_size,
             lease: config.worker_lease,
@@ -220,6 +225,7 @@ async fn start_model(
         scheduler: scheduler.clone(),
         peer_inbox,
         tracker: tracker.clone(),
+        silence,
     });
     let runtime = ModelRuntime {
         name: name.to_string(),

@@ -33,6 +33,8 @@ pub struct ModelShared {
     /// With replica sync: where peers' batches wait for the scheduler actor.
     pub peer_inbox: Option<Arc<PeerInbox>>,
     pub tracker: ActorRef<TrackerMsg>,
+    /// Which ranks are routed to without publishing KV events (the tracker checks it).
+    pub silence: Arc<parking_lot::Mutex<crate::rank_silence::RankSilence>>,
 }
 
 impl ModelShared {

@@ -8,7 +8,8 @@
 
 use crate::discovery::{Change, Discovery};
 use crate::layouts::WorkerLayout;
-use crate::metrics::{Metrics, ModelLabels};
+use crate::metrics::{KeyLabels, Metrics, ModelLabels};
+use crate::rank_silence::{RankSilence, SilenceChange};
 use crate::scheduler_actor::SchedulerMsg;
 use crate::status::ModelStatus;
 use crate::worker_state::{EventOutcome, FetchLimits, StateBound, WorkerStateSync};
@@ -62,6 +63,9 @@ pub struct TrackerArgs {
     /// KV events and state fetches; otherwise (approximate mode, remote indexer) a rank is
     /// routable as soon as it joins.
     pub follows_events: bool,
+    /// Which ranks are routed to without publishing (ranks are watched only when the
+    /// replica follows events).
+    pub silence: Arc<parking_lot::Mutex<RankSilence>>,
 }
 
 pub struct TrackerState {
@@ -181,6 +185,7 @@ impl TrackerState {
                     if self.args.follows_events {
                         // Routable once its state is synced (see on_snapshot).
                         self.sync.add(key, Instant::now());
+                        self.args.silence.lock().joined(key, Instant::now());
                     } else {
                         self.make_routable(key, capacity_blocks);
                     }
@@ -188,6 +193,7 @@ impl TrackerState {
                 Change::RankRemoved(key) => {
                     tracing::info!(%model, worker = key.worker_id, dp_rank = key.dp_rank, "worker rank left");
                     self.sync.remove(key);
+                    self.args.silence.lock().left(key);
                     self.routable.remove(&key);
                     let _ = self.args.index.remove_worker_rank(key);
                     let _ = self
@@ -199,6 +205,7 @@ impl TrackerState {
                     tracing::info!(%model, worker = worker_id, reason, "worker left");
                     self.args.status.layouts.remove(worker_id);
                     self.sync.remove_worker(worker_id);
+                    self.args.silence.lock().left_worker(worker_id);
                     self.routable.retain(|k, _| k.worker_id != worker_id);
                     let _ = self.args.index.remove_worker(worker_id);
                     let _ = self
@@ -265,6 +272,7 @@ impl TrackerState {
             }
         }
         let applied = apply.len() as u64;
+        self.heard_from(&apply);
         if !apply.is_empty() {
             if let Err(e) = self.args.index.apply_batch(apply) {
                 tracing::error!(model = %self.args.model, error = %e, "index shard unavailable");
@@ -282,6 +290,75 @@ impl TrackerState {
         if gap_count > 0 {
             self.publish_status();
         }
+    }
+
+    /// Events applied: their ranks publish (a silent one resumed).
+    fn heard_from(&self, events: &[KvEvent]) {
+        let now = Instant::now();
+        let mut last: Option<WorkerKey> = None;
+        for ev in events {
+            let key = ev.key;
+            self.metrics(|m| {
+                (m.rank_events)
+                    .get_or_create(&KeyLabels::new(&self.args.model, key))
+                    .inc()
+            });
+            if last == Some(key) {
+                continue; // a batch is mostly one rank's
+            }
+            last = Some(key);
+            let change = self.args.silence.lock().events(key, now);
+            if let Some(SilenceChange::Resumed { quiet_for, .. }) = change {
+                tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, quiet_secs = quiet_for.as_secs(), "a silent worker rank publishes KV events again: its cache affinity is back");
+                self.metrics(|m| {
+                    (m.events_silent)
+                        .get_or_create(&KeyLabels::new(&self.args.model, key))
+                        .set(0)
+                });
+            }
+        }
+    }
+
+    /// Ranks routed to without publishing: flagged and warned about once; every watched
+    /// rank's event age exported.
+    fn check_silence(&self, now: Instant) {
+        let mut silence = self.args.silence.lock();
+        for change in silence.check(now) {
+            let SilenceChange::Silent {
+                key,
+                quiet_for,
+                routes,
+                never_published,
+            } = change
+            else {
+                continue;
+            };
+            let since = if never_published {
+                "since it joined"
+            } else {
+                "since its last one"
+            };
+            tracing::warn!(
+                model = %self.args.model,
+                worker = key.worker_id,
+                dp_rank = key.dp_rank,
+                routes,
+                quiet_secs = quiet_for.as_secs(),
+                never_published,
+                "worker rank is sent requests but no KV event came from it {since}: routing has no cache affinity for it. Likely: its engine publishes elsewhere (the engine's KV events endpoint or topic differ from its bridge's --zmq-endpoint / --topic, or it connects where it should bind), KV events are off on the engine, or its bridge is stuck (see kvrouter_bridge_events_silent and the bridge's log)"
+            );
+        }
+        self.metrics(|m| {
+            for (key, q) in silence.all(now) {
+                let labels = KeyLabels::new(&self.args.model, key);
+                (m.since_last_event)
+                    .get_or_create(&labels)
+                    .set(q.since_last_event.as_secs_f64());
+                m.events_silent
+                    .get_or_create(&labels)
+                    .set(i64::from(q.silent));
+            }
+        });
     }
 
     fn on_marks(&mut self, marks: EventMarks, myself: &ActorRef<TrackerMsg>) {
@@ -481,6 +558,9 @@ impl Actor for WorkerTracker {
                 }
                 state.start_due_fetches(&myself);
                 state.publish_status();
+                if state.args.follows_events {
+                    state.check_silence(now);
+                }
             }
         }
         Ok(())

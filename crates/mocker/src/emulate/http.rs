@@ -5,7 +5,9 @@
 //! hex}` (publishes the bytes as they are, a malformed frame say, as the rank's next batch:
 //! it takes the next sequence number and stays in the replay buffer) and
 //! `GET /kvrouter/test/traceparents` (the `traceparent` headers of the last generation
-//! requests, as received, oldest first; `null` for a request without one).
+//! requests, as received, oldest first; `null` for a request without one) and
+//! `POST /kvrouter/test/mute {dp_rank, muted}` (while muted, the rank's batches are numbered
+//! and kept for replay but not sent: an engine that serves on and publishes nothing).
 
 use super::wire::{BlockTokens, Emulated};
 use super::zmq::RankStream;
@@ -164,6 +166,7 @@ impl WorkerHttp {
                 "/v1/completions"
                 | "/v1/chat/completions"
                 | "/kvrouter/test/drop"
+                | "/kvrouter/test/mute"
                 | "/kvrouter/test/raw_frame",
             ) => {
                 let header_rank = req
@@ -195,6 +198,7 @@ impl WorkerHttp {
                 };
                 match path.as_str() {
                     "/kvrouter/test/drop" => self.drop_hook(&v),
+                    "/kvrouter/test/mute" => self.mute_hook(&v),
                     "/kvrouter/test/raw_frame" => self.raw_frame_hook(&v),
                     p => {
                         self.generate(&v, header_rank, p == "/v1/chat/completions")
@@ -270,6 +274,26 @@ impl WorkerHttp {
         };
         self.ranks[i].stream.drop_next(count);
         json_response(StatusCode::OK, &json!({"dropping": count, "dp_rank": rank}))
+    }
+
+    fn mute_hook(&self, v: &Value) -> Response<Body> {
+        let (Some(rank), Some(muted)) = (
+            v.get("dp_rank").and_then(Value::as_u64),
+            v.get("muted").and_then(Value::as_bool),
+        ) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "expected {\"dp_rank\": R, \"muted\": true|false}",
+            );
+        };
+        let Some(i) = u32::try_from(rank)
+            .ok()
+            .and_then(|r| self.info.rank_index(r))
+        else {
+            return error(StatusCode::BAD_REQUEST, format!("no rank {rank}"));
+        };
+        self.ranks[i].stream.set_muted(muted);
+        json_response(StatusCode::OK, &json!({"muted": muted, "dp_rank": rank}))
     }
 
     fn raw_frame_hook(&self, v: &Value) -> Response<Body> {
@@ -634,6 +658,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "dp_rank",
     "count",
     "hex",
+    "muted",
 ];
 
 impl<'de> serde::Deserialize<'de> for KnownFields {

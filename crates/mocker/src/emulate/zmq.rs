@@ -25,6 +25,8 @@ struct StreamState {
     /// Batches still to drop (test hook): they take a sequence number and stay in the
     /// buffer, but are not sent.
     drop: u64,
+    /// Every batch is dropped so while set (test hook: an engine that stops publishing).
+    muted: bool,
 }
 
 impl RankStream {
@@ -37,11 +39,18 @@ impl RankStream {
             s.buffer.pop_front();
         }
         s.buffer.push_back((seq, payload.clone()));
+        if s.muted {
+            return None;
+        }
         if s.drop > 0 {
             s.drop -= 1;
             return None;
         }
         Some(seq)
+    }
+
+    pub fn set_muted(&self, muted: bool) {
+        self.inner.lock().muted = muted;
     }
 
     pub fn drop_next(&self, n: u64) {

@@ -3,6 +3,7 @@
 
 use super::errors::ApiError;
 use crate::layouts::WorkerLayout;
+use crate::rank_silence::Quiet;
 use kvrouter_protocol::{
     DpRank, ErrorKind, Lease, Pin, PromptExtras, RouteOverrides, RouteRequest, WorkerId, WorkerKey,
 };
@@ -221,6 +222,12 @@ pub struct WorkerRank {
     /// Blocks the index holds for the rank; `null` when this replica keeps no index
     /// (`--use-remote-indexer`).
     pub cached_blocks: Option<usize>,
+    /// Sent requests without publishing KV events for `--events-silent-secs`: routing has
+    /// no cache affinity for it. `null` when this replica follows no events (approximate
+    /// mode, a remote indexer).
+    pub events_silent: Option<bool>,
+    /// Since its last KV event (since it joined when it published none); `null` as above.
+    pub seconds_since_last_event: Option<f64>,
 }
 
 /// Every rank of the registered workers, and any other rank the scheduler knows, sorted by
@@ -229,6 +236,7 @@ pub fn worker_ranks(
     layouts: &[(WorkerId, WorkerLayout, String)],
     loads: &[(WorkerKey, KeyLoad)],
     cached: impl Fn(WorkerKey) -> Option<usize>,
+    quiet: impl Fn(WorkerKey) -> Option<Quiet>,
 ) -> Vec<WorkerRank> {
     let rank = |key: WorkerKey, layout: Option<(&WorkerLayout, &str)>| {
         let load = loads.iter().find(|(k, _)| *k == key).map(|(_, l)| l);
@@ -247,6 +255,8 @@ pub fn worker_ranks(
             reported_active_blocks: reported.map(|r| r.active_blocks),
             reported_waiting_requests: reported.map(|r| r.waiting_requests),
             cached_blocks: cached(key),
+            events_silent: quiet(key).map(|q| q.silent),
+            seconds_since_last_event: quiet(key).map(|q| q.since_last_event.as_secs_f64()),
         }
     };
     let mut out: BTreeMap<(WorkerId, DpRank), WorkerRank> = BTreeMap::new();
@@ -508,7 +518,14 @@ mod tests {
             (WorkerKey::new(5, 3), load),
             (WorkerKey::new(9, 0), KeyLoad::default()),
         ];
-        let ranks = worker_ranks(&layouts, &loads, |k| Some(k.dp_rank as usize));
+        let quiet = |k: WorkerKey| {
+            (k.dp_rank == 3).then_some(Quiet {
+                silent: true,
+                since_last_event: std::time::Duration::from_secs(90),
+                never_published: true,
+            })
+        };
+        let ranks = worker_ranks(&layouts, &loads, |k| Some(k.dp_rank as usize), quiet);
         let keys: Vec<(u64, u32, bool)> = ranks
             .iter()
             .map(|r| (r.worker_id, r.dp_rank, r.live))
@@ -528,6 +545,11 @@ mod tests {
             (Some(6), Some(2))
         );
         assert_eq!((r.capacity_blocks, r.cached_blocks), (Some(100), Some(3)));
+        assert_eq!(
+            (r.events_silent, r.seconds_since_last_event),
+            (Some(true), Some(90.0))
+        );
+        assert_eq!(ranks[0].events_silent, None);
         assert_eq!(
             (ranks[0].capacity_blocks, ranks[0].active_requests),
             (None, 0)

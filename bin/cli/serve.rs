@@ -123,7 +123,8 @@ pub struct ServeArgs {
     /// blocks count as cached on the chosen worker rank until --router-ttl-secs pass.
     #[arg(long, env = "KVROUTER_NO_KV_EVENTS")]
     no_kv_events: bool,
-    /// Approximate mode: how long a routed request's blocks count as cached.
+    /// Approximate mode, and a rank flagged silent (--events-silent-secs): how long a routed
+    /// request's blocks count as cached on its worker rank.
     #[arg(long, env = "KVROUTER_ROUTER_TTL_SECS", default_value_t = 120.0)]
     router_ttl_secs: f64,
     /// Answer other replicas' overlap queries from this replica's index (per model, once every
@@ -147,7 +148,8 @@ pub struct ServeArgs {
     allow_unleased: bool,
     /// A worker rank sent prompts of a full block or more (at least 3) for this many seconds
     /// without one KV event from it is flagged silent: a warning naming the likely causes,
-    /// kvrouter_worker_events_silent, `events_silent` in /v1/workers. 0: never.
+    /// kvrouter_worker_events_silent, `events_silent` in /v1/workers; until its events flow
+    /// again its booked routes' blocks count as cached on it for --router-ttl-secs. 0: never.
     #[arg(long, env = "KVROUTER_EVENTS_SILENT_SECS", default_value_t = 60)]
     events_silent_secs: u64,
     /// Remote lookups timing out in a row (a hung serving indexer) after which routes skip
@@ -254,6 +256,7 @@ impl ServeArgs {
             allow_unleased: self.allow_unleased,
             traces: self.traces.config(),
             events_silent_after: Duration::from_secs(self.events_silent_secs),
+            silent_rank_ttl: secs("router-ttl-secs", self.router_ttl_secs)?,
             ..ReplicaConfig::default()
         })
     }

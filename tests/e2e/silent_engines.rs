@@ -1,7 +1,8 @@
 //! Engines whose KV events do not reach the router, while the router sends them requests:
 //! one whose events go elsewhere from the start, one that stops publishing while it keeps
 //! serving. Each rank is flagged on the replica (`/v1/workers`, metrics) after
-//! `--events-silent-secs`, and no longer once its events flow again.
+//! `--events-silent-secs`, its booked routes then predict its cache (approximate mode for it
+//! alone), and it is back to its own events once they flow again, without a restart.
 
 use crate::common;
 use crate::support::{emulated_engine, EmulatedEngine};
@@ -102,9 +103,24 @@ fn a_rank_sent_requests_without_publishing_is_flagged_until_its_events_flow() {
     );
     let at =
         |name: &str, worker: u64| metric_where(admin, name, &[("worker", &worker.to_string())]);
+    assert_eq!(
+        rank_of(admin, lost)["cached_blocks"],
+        0,
+        "its routes were not recorded while it was not flagged"
+    );
+    // Flagged, its booked routes predict its cache (approximate mode for it alone): the
+    // blocks of the next one count as cached there.
+    send(lost, 7);
+    assert!(
+        wait_until(Duration::from_secs(5), || rank_of(admin, lost)
+            ["cached_blocks"]
+            == 2),
+        "{}",
+        rank_of(admin, lost)
+    );
     assert_eq!(at("kvrouter_worker_events_silent", lost), 1.0);
     assert_eq!(at("kvrouter_worker_events_silent", heard), 0.0);
-    assert_eq!(at("kvrouter_worker_routes_total", lost), 4.0);
+    assert_eq!(at("kvrouter_worker_routes_total", lost), 5.0);
     assert_eq!(at("kvrouter_worker_kv_events_total", lost), 0.0);
     assert!(
         at("kvrouter_worker_kv_events_total", heard) >= 4.0,

@@ -280,6 +280,24 @@ impl ApproxTracker {
     pub fn forget_rank(&mut self, key: WorkerKey) {
         self.latest.retain(|(k, _), _| *k != key);
     }
+
+    /// Removes every block recorded for `key` from the index and forgets them (a rank whose
+    /// KV events flow again: its own events say what it caches). Returns how many.
+    pub fn drop_rank(&mut self, index: &mut Index, key: WorkerKey) -> usize {
+        let mut engine_hashes = Vec::new();
+        self.latest.retain(|&(k, seq), _| {
+            if k == key {
+                engine_hashes.push(EngineBlockHash(seq));
+            }
+            k != key
+        });
+        let n = engine_hashes.len();
+        if n > 0 {
+            // Only what the tracker stored: a miss is harmless.
+            let _ = index.apply_unsequenced(key, &KvEventData::Removed { engine_hashes });
+        }
+        n
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +309,45 @@ mod tests {
         let l = local_block_hashes(tokens, 4, None).unwrap();
         let s = sequence_hashes(&l);
         (l, s)
+    }
+
+    /// A rank's recorded blocks go, and only they: what its own events stored and what
+    /// other ranks hold stay.
+    #[test]
+    fn dropping_a_rank_removes_only_its_recorded_blocks() {
+        let mut index = Index::new();
+        let mut t = ApproxTracker::new(ApproxConfig {
+            ttl: Duration::from_secs(100),
+            capacity_blocks: 1000,
+        });
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let (l, s) = hashes(&(0..16).collect::<Vec<_>>());
+        let t0 = Instant::now();
+        t.record(&mut index, a, &l, &s, t0).unwrap();
+        t.record(&mut index, b, &l, &s, t0).unwrap();
+        // What rank a's engine says it stored, under its own block hashes.
+        let (own_l, _) = hashes(&(100..108).collect::<Vec<_>>());
+        let stored = KvEventData::Stored {
+            parent: None,
+            blocks: own_l
+                .iter()
+                .enumerate()
+                .map(|(i, &local_hash)| StoredBlock {
+                    engine_hash: EngineBlockHash(9000 + i as u64),
+                    local_hash,
+                })
+                .collect(),
+        };
+        index.apply_unsequenced(a, &stored).unwrap();
+        assert_eq!(t.drop_rank(&mut index, a), 4);
+        assert_eq!(index.find_matches(&l).get(a), 0);
+        assert_eq!(index.find_matches(&l).get(b), 4);
+        assert_eq!(index.find_matches(&own_l).get(a), 2);
+        assert_eq!(t.len(), 4, "b's pairs are still tracked");
+        assert_eq!(t.drop_rank(&mut index, a), 0);
+        // Recorded again later, they count again.
+        t.record(&mut index, a, &l, &s, t0).unwrap();
+        assert_eq!(index.find_matches(&l).get(a), 4);
     }
 
     #[test]

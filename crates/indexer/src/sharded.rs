@@ -40,6 +40,10 @@ pub struct ShardedIndexConfig {
     pub shards: usize,
     /// `Some` for approximate mode (routing decisions feed the index).
     pub approx: Option<ApproxConfig>,
+    /// Exact mode: routing decisions may still be recorded for ranks whose events do not
+    /// arrive (a silent rank), kept for this config's TTL and dropped once the rank's events
+    /// flow again ([`ShardedIndex::drop_recorded`]). Ignored with `approx`.
+    pub fallback: Option<ApproxConfig>,
     /// Where ranks that saw an event-id gap are reported, for recovery.
     pub recovery: Option<UnboundedSender<WorkerKey>>,
 }
@@ -49,6 +53,7 @@ impl Default for ShardedIndexConfig {
         Self {
             shards: 1,
             approx: None,
+            fallback: None,
             recovery: None,
         }
     }
@@ -89,6 +94,8 @@ pub enum ShardMsg {
     Dump(WorkerKey, RpcReplyPort<Option<RankDump>>),
     Load(RankDump, RpcReplyPort<Result<(), IndexError>>),
     Expire,
+    /// The blocks recorded for a rank are removed (see [`ShardedIndex::drop_recorded`]).
+    DropRecorded(WorkerKey),
     /// Approximate mode: every tracked block with its time left (see [`ApproxTracker::export`]).
     ExportApprox(RpcReplyPort<Vec<ApproxEntry>>),
     /// Approximate mode: loads a peer's export (see [`ApproxTracker::import`]).
@@ -195,6 +202,20 @@ impl Actor for ShardActor {
                     t.forget_rank(key);
                 }
                 state.after_write(&mut core);
+            }
+            ShardMsg::DropRecorded(key) => {
+                let mut guard = core_lock.write();
+                let core = &mut *guard;
+                if let Some(t) = core.approx.as_mut() {
+                    let n = t.drop_rank(&mut core.index, key);
+                    tracing::debug!(
+                        worker = key.worker_id,
+                        dp_rank = key.dp_rank,
+                        blocks = n,
+                        "recorded blocks dropped"
+                    );
+                }
+                state.after_write(core);
             }
             ShardMsg::SetBlockLimit(id, limit) => {
                 core_lock.write().index.set_block_limit(id, limit)
@@ -335,7 +356,7 @@ impl ShardedIndex {
         for i in 0..n {
             let core = Arc::new(RwLock::new(ShardCore {
                 index: Index::new(),
-                approx: config.approx.map(ApproxTracker::new),
+                approx: config.approx.or(config.fallback).map(ApproxTracker::new),
             }));
             let live_blocks = Arc::new(AtomicUsize::new(0));
             let args = ShardArgs {
@@ -366,7 +387,7 @@ impl ShardedIndex {
             reader: IndexReader {
                 cores: cores.into(),
             },
-            approx: config.approx.is_some(),
+            approx: config.approx.is_some() || config.fallback.is_some(),
         })
     }
 
@@ -560,6 +581,15 @@ impl ShardedIndex {
     }
 
     /// Removes one rank; the worker keeps its shard.
+    /// Removes the blocks recorded for `key` by routing decisions (its own events say what
+    /// it caches again), after every earlier message to its shard.
+    pub fn drop_recorded(&self, key: WorkerKey) -> Result<(), ShardError> {
+        match self.assigned_shard(key.worker_id) {
+            Some(s) => self.send(s, ShardMsg::DropRecorded(key)),
+            None => Ok(()),
+        }
+    }
+
     pub fn remove_worker_rank(&self, key: WorkerKey) -> Result<(), ShardError> {
         match self.assigned_shard(key.worker_id) {
             Some(s) => self.send(s, ShardMsg::RemoveRank(key)),

@@ -247,6 +247,8 @@ pub struct ReplicaConfig {
     /// A rank routed to for this long without a KV event is flagged silent
     /// (`--events-silent-secs`; zero: never).
     pub events_silent_after: Duration,
+    /// How long a silent rank's routed blocks count as cached on it (`--router-ttl-secs`).
+    pub silent_rank_ttl: Duration,
 }
 
 impl Default for ReplicaConfig {
@@ -274,6 +276,7 @@ impl Default for ReplicaConfig {
             allow_unleased: false,
             traces: kvrouter_otlp::TracesConfig::default(),
             events_silent_after: Duration::from_secs(60),
+            silent_rank_ttl: kvrouter_indexer::approx::DEFAULT_TTL,
         }
     }
 }

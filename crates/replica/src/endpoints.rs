@@ -368,11 +368,10 @@ async fn route_traced(
         Some(_) => RoutePhase::IndexRemote,
         None => RoutePhase::IndexLocal,
     });
-    // Approximate mode: a decision that updates state feeds the index once it is made.
-    let record = match &m.recorder {
-        Some(r) if req.update_states => Some((r, local, seq.clone())),
-        _ => None,
-    };
+    // Approximate mode, or a silent rank: a decision that updates state feeds the index
+    // once it is made.
+    let record = (req.update_states && (m.recorder.is_some() || m.fallback.is_some()))
+        .then(|| (local, seq.clone()));
     let (mut job, rx) = route_job(
         req.request_id,
         req.tokens.len(),
@@ -393,8 +392,12 @@ async fn route_traced(
     let sel = schedule(shared, m, job, rx).await?;
     clock.lap(RoutePhase::Schedule);
     clock.split(RoutePhase::Schedule, RoutePhase::Queue, sel.queued);
-    if let Some((recorder, local, seq)) = record {
-        recorder.record(sel.key, local, seq);
+    if let Some((local, seq)) = record {
+        match (&m.recorder, &m.fallback) {
+            (Some(r), _) => r.record(sel.key, local, seq),
+            (None, Some(f)) if m.silence.lock().is_silent(sel.key) => f.record(sel.key, local, seq),
+            _ => {}
+        }
     }
     if has_block {
         note_routed(shared, m, sel.key);

@@ -159,6 +159,10 @@ async fn start_model(
                 ttl,
                 ..ApproxConfig::default()
             }),
+            fallback: watches_silence(config).then(|| ApproxConfig {
+                ttl: config.silent_rank_ttl,
+                ..ApproxConfig::default()
+            }),
             // Worker-state sync alone decides when a rank is fetched again.
             recovery: None,
         })
@@ -204,6 +208,9 @@ async fn start_model(
             r
         }
     });
+    // A silent rank's booked routes feed the local index until its events flow again.
+    let fallback = watches_silence(config)
+        .then(|| DecisionRecorder::new(name, index.clone(), metrics.clone()));
     let remote_index = config.index.remote().map(|r| {
         Arc::new(RemoteIndexer::new(
             bus.clone(),
@@ -226,6 +233,7 @@ async fn start_model(
         peer_inbox,
         tracker: tracker.clone(),
         silence,
+        fallback,
     });
     let runtime = ModelRuntime {
         name: name.to_string(),
@@ -235,6 +243,12 @@ async fn start_model(
         handles,
     };
     Ok((runtime, shared))
+}
+
+/// Ranks are watched for silence (and a silent one's routes recorded) when the replica
+/// follows KV events into an index of its own.
+fn watches_silence(config: &ReplicaConfig) -> bool {
+    config.index.follows_events() && !config.events_silent_after.is_zero()
 }
 
 /// Hands each decoded message to the worker tracker.

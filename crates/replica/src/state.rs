@@ -35,6 +35,9 @@ pub struct ModelShared {
     pub tracker: ActorRef<TrackerMsg>,
     /// Which ranks are routed to without publishing KV events (the tracker checks it).
     pub silence: Arc<parking_lot::Mutex<crate::rank_silence::RankSilence>>,
+    /// `Some` when ranks are watched: a silent rank's booked routes feed the index (as in
+    /// approximate mode, for that rank alone) until its events flow again.
+    pub fallback: Option<DecisionRecorder>,
 }
 
 impl ModelShared {

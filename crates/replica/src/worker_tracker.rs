@@ -309,7 +309,10 @@ impl TrackerState {
             last = Some(key);
             let change = self.args.silence.lock().events(key, now);
             if let Some(SilenceChange::Resumed { quiet_for, .. }) = change {
-                tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, quiet_secs = quiet_for.as_secs(), "a silent worker rank publishes KV events again: its cache affinity is back");
+                tracing::info!(model = %self.args.model, worker = key.worker_id, dp_rank = key.dp_rank, quiet_secs = quiet_for.as_secs(), "a silent worker rank publishes KV events again: its own events say what it caches (the blocks predicted from its routes are dropped)");
+                if let Err(e) = self.args.index.drop_recorded(key) {
+                    tracing::error!(model = %self.args.model, error = %e, "index shard unavailable");
+                }
                 self.metrics(|m| {
                     (m.events_silent)
                         .get_or_create(&KeyLabels::new(&self.args.model, key))
@@ -345,7 +348,7 @@ impl TrackerState {
                 routes,
                 quiet_secs = quiet_for.as_secs(),
                 never_published,
-                "worker rank is sent requests but no KV event came from it {since}: routing has no cache affinity for it. Likely: its engine publishes elsewhere (the engine's KV events endpoint or topic differ from its bridge's --zmq-endpoint / --topic, or it connects where it should bind), KV events are off on the engine, or its bridge is stuck (see kvrouter_bridge_events_silent and the bridge's log)"
+                "worker rank is sent requests but no KV event came from it {since}: until its events flow, the blocks of its booked routes count as cached on it for --router-ttl-secs (approximate mode for this rank). Likely: its engine publishes elsewhere (the engine's KV events endpoint or topic differ from its bridge's --zmq-endpoint / --topic, or it connects where it should bind), KV events are off on the engine, or its bridge is stuck (see kvrouter_bridge_events_silent and the bridge's log)"
             );
         }
         self.metrics(|m| {

@@ -132,6 +132,7 @@ async fn routing_decisions_assign_shards_and_feed_the_index() {
             ttl: Duration::from_secs(60),
             capacity_blocks: 1000,
         }),
+        fallback: None,
         recovery: None,
     })
     .await
@@ -157,12 +158,58 @@ async fn routing_decisions_assign_shards_and_feed_the_index() {
     index.stop().await;
 }
 
+/// Exact mode with a fallback: a (silent) rank's routing decisions feed the index beside its
+/// events, and dropping them leaves what its events stored. Without a fallback, exact mode
+/// records nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_ranks_recorded_decisions_drop_and_its_events_stay() {
+    let plain = ShardedIndex::start(ShardedIndexConfig::default())
+        .await
+        .unwrap();
+    let tokens: Vec<u32> = (0..64).collect();
+    let local = local_block_hashes(&tokens, 16, None).unwrap();
+    let seq = sequence_hashes(&local);
+    let key = WorkerKey::new(3, 0);
+    assert!(plain
+        .record_routing_decision(key, local.clone(), seq.clone())
+        .await
+        .is_err());
+    plain.stop().await;
+
+    let index = ShardedIndex::start(ShardedIndexConfig {
+        shards: 2,
+        fallback: Some(ApproxConfig {
+            ttl: Duration::from_secs(60),
+            capacity_blocks: 1000,
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    index
+        .apply_and_wait(vec![chain_event(key, 0, &[1, 2], 0)])
+        .await
+        .unwrap();
+    let before = index.stats().live_pairs;
+    index
+        .record_routing_decision(key, local.clone(), seq.clone())
+        .await
+        .unwrap();
+    assert_eq!(index.find_matches(&local).get(key), 4);
+    index.drop_recorded(key).unwrap();
+    index.flush().await.unwrap();
+    assert_eq!(index.find_matches(&local).get(key), 0);
+    assert_eq!(index.stats().live_pairs, before, "its events' blocks stay");
+    index.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gaps_are_reported_for_recovery() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let index = ShardedIndex::start(ShardedIndexConfig {
         shards: 2,
         approx: None,
+        fallback: None,
         recovery: Some(tx),
     })
     .await
@@ -193,6 +240,7 @@ async fn an_approximate_export_loads_into_an_index_with_other_shards() {
             ttl: Duration::from_secs(60),
             capacity_blocks: 10_000,
         }),
+        fallback: None,
         recovery: None,
     };
     let a = ShardedIndex::start(approx(3)).await.unwrap();

@@ -146,7 +146,7 @@ pub struct ServeArgs {
     /// none) and let any caller end them: only while such callers are being replaced.
     #[arg(long, env = "KVROUTER_ALLOW_UNLEASED")]
     allow_unleased: bool,
-    /// A worker rank sent prompts of a full block or more (at least 3) for this many seconds
+    /// A worker rank sent (booked) prompts of a full block or more (at least 3) for this many seconds
     /// without one KV event from it is flagged silent: a warning naming the likely causes,
     /// kvrouter_worker_events_silent, `events_silent` in /v1/workers; until its events flow
     /// again its booked routes' blocks count as cached on it for --router-ttl-secs. 0: never.

@@ -239,7 +239,7 @@ async fn route_disagg(
     job.lease = req.lease;
     job.filters = RouteFilters::only_workers(prefill_workers);
     let pre = endpoints::schedule(shared, m, job, rx).await?;
-    if !local_empty {
+    if !local_empty && req.update_states {
         endpoints::note_routed(shared, m, pre.key);
     }
     let undo_prefill = || {

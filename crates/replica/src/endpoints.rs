@@ -399,7 +399,8 @@ async fn route_traced(
             _ => {}
         }
     }
-    if has_block {
+    // Booked routes only: a lookup may never reach the engine.
+    if has_block && req.update_states {
         note_routed(shared, m, sel.key);
     }
     if span.is_recording() {
@@ -430,8 +431,8 @@ async fn route_traced(
     ))
 }
 
-/// A prompt of a full block or more went to `key`: its engine should publish KV events
-/// for it (see `rank_silence`).
+/// A booked prompt of a full block or more went to `key`: its engine should publish KV
+/// events for it (see `rank_silence`).
 pub(crate) fn note_routed(shared: &ReplicaShared, m: &ModelShared, key: WorkerKey) {
     m.silence.lock().routed(key, Instant::now());
     (shared.metrics.rank_routes)

@@ -400,7 +400,7 @@ impl Metrics {
             ),
             rank_routes: reg!(
                 "worker_routes",
-                "Routes to a worker rank whose prompt has a full block (each should bring KV events from it)",
+                "Booked routes to a worker rank whose prompt has a full block (each should bring KV events from it)",
                 Family::default()
             ),
             rank_events: reg!(

